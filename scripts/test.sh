@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The test command: hermetic tests on tiny generated models, plus the real-ladder tests when
+# the ladder has been fetched (set MOLT_REQUIRE_LADDER=1 to make its absence a failure, as CI
+# does). Release profile on purpose: llama.cpp is then built once for the binary and the tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/install-deps.sh
+export OMP_WAIT_POLICY=PASSIVE
+cargo test --release -- --test-threads=2 "$@"

@@ -1,0 +1,202 @@
+//! `molt-run generate`: one prompt (`--prompt`) or a prompt file (`--prompt-file`: plain lines
+//! or JSONL), JSONL results out. A bad line is reported with its number and the rest still run.
+
+use crate::common::GlobalArgs;
+use anyhow::{Context as _, Result, bail};
+use molt::engine::SamplingParams;
+use molt::session::{Event, GenerateOptions, Prompt, Session};
+use std::io::Write;
+use std::path::PathBuf;
+
+/// Generate options.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The prompt (a user turn, rendered with the model's chat template).
+    #[arg(
+        long,
+        conflicts_with = "prompt_file",
+        required_unless_present = "prompt_file"
+    )]
+    pub prompt: Option<String>,
+    /// A file of prompts: one per line, or JSONL objects `{"prompt": "...", "max_tokens": N}`.
+    #[arg(long)]
+    pub prompt_file: Option<PathBuf>,
+    /// Rung to start on (default: the largest).
+    #[arg(long)]
+    pub rung: Option<String>,
+    /// Maximum tokens per answer.
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// Send the prompt as raw text, without the chat template.
+    #[arg(long)]
+    pub raw: bool,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus sampling mass.
+    #[arg(long, default_value_t = 0.9)]
+    pub top_p: f32,
+    /// Sampling seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Write JSONL results here instead of stdout (text is then streamed to stdout).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct JsonPrompt {
+    prompt: String,
+    #[serde(default)]
+    id: Option<serde_json::Value>,
+    #[serde(default)]
+    max_tokens: Option<usize>,
+}
+
+struct Item {
+    line: usize,
+    id: serde_json::Value,
+    prompt: String,
+    max_tokens: Option<usize>,
+}
+
+fn read_prompts(path: &PathBuf) -> Result<(Vec<Item>, Vec<(usize, String)>)> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading prompt file {}", path.display()))?;
+    let mut items = Vec::new();
+    let mut bad = Vec::new();
+    for (i, raw) in text.lines().enumerate() {
+        let line = i + 1;
+        let t = raw.trim();
+        if t.is_empty() || t.starts_with('#') {
+            continue;
+        }
+        if t.starts_with('{') {
+            match serde_json::from_str::<JsonPrompt>(t) {
+                Ok(j) if !j.prompt.trim().is_empty() => {
+                    items.push(Item {
+                        line,
+                        id: j.id.unwrap_or(serde_json::json!(line)),
+                        prompt: j.prompt,
+                        max_tokens: j.max_tokens,
+                    });
+                }
+                Ok(_) => bad.push((line, "empty \"prompt\"".to_string())),
+                Err(e) => bad.push((line, format!("not a valid JSON prompt object: {e}"))),
+            }
+        } else {
+            items.push(Item {
+                line,
+                id: serde_json::json!(line),
+                prompt: t.to_string(),
+                max_tokens: None,
+            });
+        }
+    }
+    Ok((items, bad))
+}
+
+pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
+    let config = g.context_config()?;
+    if a.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    if !(0.0..=5.0).contains(&a.temperature) || !(0.0..=1.0).contains(&a.top_p) || a.top_p == 0.0 {
+        bail!("--temperature must be in 0..=5 and --top-p in (0, 1]");
+    }
+    let (items, bad) = match (&a.prompt, &a.prompt_file) {
+        (Some(p), None) => (
+            vec![Item {
+                line: 0,
+                id: serde_json::json!(0),
+                prompt: p.clone(),
+                max_tokens: None,
+            }],
+            vec![],
+        ),
+        (None, Some(f)) => read_prompts(f)?,
+        _ => bail!("give exactly one of --prompt or --prompt-file"),
+    };
+    for (line, why) in &bad {
+        eprintln!("molt-run: prompt file line {line}: {why} (skipped)");
+    }
+    let ladder = g.open_ladder()?;
+    let start = a
+        .rung
+        .clone()
+        .unwrap_or_else(|| ladder.rungs[0].name().to_string());
+    let mut session = Session::new(ladder, config, &start)?;
+    let sampling = if a.temperature > 0.0 {
+        SamplingParams {
+            temperature: a.temperature,
+            top_p: a.top_p,
+            top_k: 0,
+            seed: a.seed,
+        }
+    } else {
+        SamplingParams::greedy()
+    };
+    let mut out: Box<dyn Write> = match &a.out {
+        Some(p) => Box::new(std::io::BufWriter::new(
+            std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
+        )),
+        None => Box::new(std::io::stdout().lock()),
+    };
+    let stream_text = a.out.is_some();
+    let mut failures = bad.len();
+    for item in &items {
+        session.reset();
+        let opts = GenerateOptions {
+            max_tokens: item.max_tokens.unwrap_or(a.max_tokens),
+            sampling,
+        };
+        let prompt = if a.raw {
+            Prompt::Text(item.prompt.clone())
+        } else {
+            Prompt::User(item.prompt.clone())
+        };
+        let mut sink = |e: &Event| {
+            if let (true, Event::Token { text, .. }) = (stream_text, e) {
+                print!("{text}");
+                let _ = std::io::stdout().flush();
+            }
+        };
+        match session.generate(&prompt, &opts, &mut sink) {
+            Ok(gen_) => {
+                if stream_text {
+                    println!();
+                }
+                let row = serde_json::json!({
+                    "id": item.id,
+                    "line": item.line,
+                    "prompt": item.prompt,
+                    "text": gen_.text,
+                    "tokens": gen_.tokens.len(),
+                    "prompt_tokens": gen_.prompt_tokens,
+                    "rungs_used": gen_.rungs_used,
+                    "switches": gen_.switches,
+                    "ttft_ms": gen_.ttft_ms,
+                    "total_ms": gen_.total_ms,
+                    "tokens_per_s": gen_.tokens_per_s(),
+                    "stop": gen_.stop,
+                });
+                writeln!(out, "{row}")?;
+                out.flush()?;
+            }
+            Err(e) => {
+                failures += 1;
+                eprintln!("molt-run: prompt {} (line {}): {e}", item.id, item.line);
+                writeln!(
+                    out,
+                    "{}",
+                    serde_json::json!({ "id": item.id, "line": item.line, "error": e.to_string() })
+                )?;
+            }
+        }
+    }
+    if failures > 0 && failures == items.len() + bad.len() {
+        bail!("every prompt failed");
+    }
+    Ok(())
+}

@@ -1,0 +1,368 @@
+//! A llama.cpp context over one [`Model`], holding one sequence (id 0) whose KV cache Molt
+//! exports and imports through the state-seq API.
+
+use super::{EngineError, Model, Token, recent_llama_errors};
+use std::sync::Arc;
+
+/// The KV cache element type. Only unquantized caches can be transplanted: quantized caches
+/// are Hadamard-rotated by llama.cpp and are refused by the KV mirror.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum CacheType {
+    /// 16-bit floats (llama.cpp's default; half the bytes of F32).
+    #[default]
+    F16,
+    /// 32-bit floats.
+    F32,
+}
+
+impl CacheType {
+    fn ggml(self) -> llama_cpp_sys_2::ggml_type {
+        match self {
+            Self::F16 => llama_cpp_sys_2::GGML_TYPE_F16,
+            Self::F32 => llama_cpp_sys_2::GGML_TYPE_F32,
+        }
+    }
+
+    /// Bytes per element.
+    pub fn bytes(self) -> usize {
+        match self {
+            Self::F16 => 2,
+            Self::F32 => 4,
+        }
+    }
+}
+
+/// Knobs every context of one ladder shares. Flash attention is fixed off for all of them: it
+/// flips llama.cpp's V layout and changes greedy text, so mixing it across rungs would make
+/// the exported caches incompatible.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ContextConfig {
+    /// Context window in tokens.
+    pub n_ctx: u32,
+    /// Maximum tokens per `llama_decode` call (prompt chunks).
+    pub n_batch: u32,
+    /// CPU threads for decoding and prefill.
+    pub n_threads: u32,
+    /// KV cache element type.
+    pub cache_type: CacheType,
+}
+
+impl Default for ContextConfig {
+    fn default() -> Self {
+        let threads =
+            std::thread::available_parallelism().map_or(2, |n| u32::try_from(n.get()).unwrap_or(2));
+        Self {
+            n_ctx: 2048,
+            n_batch: 512,
+            n_threads: threads,
+            cache_type: CacheType::F16,
+        }
+    }
+}
+
+/// A llama.cpp context. The sequence Molt works with is always sequence 0.
+pub struct Context {
+    ptr: std::ptr::NonNull<llama_cpp_sys_2::llama_context>,
+    model: Arc<Model>,
+    config: ContextConfig,
+    n_vocab: usize,
+    /// Number of positions decoded into sequence 0 (the next token goes at this position).
+    n_past: usize,
+}
+
+// SAFETY: a llama_context is used from one thread at a time (all mutation takes &mut self);
+// moving it between threads is fine.
+unsafe impl Send for Context {}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context")
+            .field("model", &self.model.name())
+            .field("n_past", &self.n_past)
+            .finish()
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: ptr came from llama_init_from_model and is freed once, before our Arc<Model>
+        // (a field) is dropped.
+        unsafe { llama_cpp_sys_2::llama_free(self.ptr.as_ptr()) }
+    }
+}
+
+const SEQ: i32 = 0;
+
+impl Context {
+    /// Creates a context over `model`.
+    ///
+    /// # Errors
+    /// [`EngineError::ContextFailed`] if llama.cpp cannot allocate it; [`EngineError::OutOfRange`]
+    /// for absurd sizes.
+    pub fn new(model: Arc<Model>, config: ContextConfig) -> Result<Self, EngineError> {
+        let threads = i32::try_from(config.n_threads).map_err(|_| EngineError::OutOfRange {
+            what: "n_threads",
+            value: u64::from(config.n_threads),
+        })?;
+        // SAFETY: plain-data default parameters.
+        let mut p = unsafe { llama_cpp_sys_2::llama_context_default_params() };
+        p.n_ctx = config.n_ctx;
+        p.n_batch = config.n_batch.min(config.n_ctx);
+        p.n_ubatch = p.n_batch;
+        p.n_seq_max = 1;
+        p.n_threads = threads;
+        p.n_threads_batch = threads;
+        p.flash_attn_type = llama_cpp_sys_2::LLAMA_FLASH_ATTN_TYPE_DISABLED;
+        p.type_k = config.cache_type.ggml();
+        p.type_v = config.cache_type.ggml();
+        p.no_perf = true;
+        let _ = recent_llama_errors();
+        // SAFETY: the model pointer is alive (we hold an Arc); params by value.
+        let raw = unsafe { llama_cpp_sys_2::llama_init_from_model(model.as_ptr(), p) };
+        let ptr = std::ptr::NonNull::new(raw).ok_or_else(|| EngineError::ContextFailed {
+            model: model.name().to_string(),
+            n_ctx: config.n_ctx,
+            detail: recent_llama_errors(),
+        })?;
+        let n_vocab = model.n_vocab();
+        Ok(Self {
+            ptr,
+            model,
+            config,
+            n_vocab,
+            n_past: 0,
+        })
+    }
+
+    /// The model this context runs.
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    /// The configuration it was made with.
+    pub fn config(&self) -> ContextConfig {
+        self.config
+    }
+
+    /// Positions decoded so far in the sequence (where the next token goes).
+    pub fn n_past(&self) -> usize {
+        self.n_past
+    }
+
+    /// The context window.
+    pub fn n_ctx(&self) -> u32 {
+        self.config.n_ctx
+    }
+
+    pub(crate) fn as_ptr(&self) -> *mut llama_cpp_sys_2::llama_context {
+        self.ptr.as_ptr()
+    }
+
+    /// Forgets the whole sequence.
+    pub fn clear(&mut self) {
+        // SAFETY: live context; clearing memory with data=true zeroes the buffers.
+        unsafe {
+            let mem = llama_cpp_sys_2::llama_get_memory(self.ptr.as_ptr());
+            llama_cpp_sys_2::llama_memory_clear(mem, true);
+        }
+        self.n_past = 0;
+    }
+
+    /// Removes positions `[from, n_past)` from the sequence (rewinds to `from`).
+    pub fn truncate(&mut self, from: usize) {
+        if from >= self.n_past {
+            return;
+        }
+        let p0 = i32::try_from(from).unwrap_or(i32::MAX);
+        // SAFETY: live context; removing a position range of sequence 0 is always valid.
+        unsafe {
+            let mem = llama_cpp_sys_2::llama_get_memory(self.ptr.as_ptr());
+            llama_cpp_sys_2::llama_memory_seq_rm(mem, SEQ, p0, -1);
+        }
+        self.n_past = from;
+    }
+
+    /// Decodes `tokens` at positions `n_past..`, in chunks of `n_batch`, and keeps the logits
+    /// of the last token. An empty slice is a no-op.
+    ///
+    /// # Errors
+    /// [`EngineError::ContextOverflow`] when the tokens do not fit, [`EngineError::DecodeFailed`]
+    /// when llama.cpp fails.
+    pub fn decode(&mut self, tokens: &[Token]) -> Result<(), EngineError> {
+        self.decode_inner(tokens, false).map(|_| ())
+    }
+
+    /// Like [`Context::decode`] but keeps the logits of every token, returned row by row
+    /// (used to score text and to measure distributions along a sequence).
+    ///
+    /// # Errors
+    /// As [`Context::decode`].
+    pub fn decode_all_logits(&mut self, tokens: &[Token]) -> Result<Vec<Vec<f32>>, EngineError> {
+        self.decode_inner(tokens, true)
+    }
+
+    fn decode_inner(&mut self, tokens: &[Token], all: bool) -> Result<Vec<Vec<f32>>, EngineError> {
+        let needed = self.n_past + tokens.len();
+        if needed > self.config.n_ctx as usize {
+            return Err(EngineError::ContextOverflow {
+                needed,
+                n_ctx: self.config.n_ctx,
+            });
+        }
+        let chunk = self.config.n_batch.min(self.config.n_ctx).max(1) as usize;
+        let mut rows = Vec::new();
+        for part in tokens.chunks(chunk) {
+            let n = i32::try_from(part.len()).map_err(|_| EngineError::OutOfRange {
+                what: "batch",
+                value: part.len() as u64,
+            })?;
+            // SAFETY: allocates a batch for n tokens, one sequence id each; freed below.
+            let batch = unsafe { llama_cpp_sys_2::llama_batch_init(n, 0, 1) };
+            let pos0 = i32::try_from(self.n_past).map_err(|_| EngineError::OutOfRange {
+                what: "position",
+                value: self.n_past as u64,
+            })?;
+            for (i, &t) in part.iter().enumerate() {
+                let last = i + 1 == part.len();
+                // SAFETY: batch arrays have room for n entries (i < n) and seq_id[i] points to
+                // an array of 1 seq id, as requested from llama_batch_init.
+                unsafe {
+                    *batch.token.add(i) = t;
+                    *batch.pos.add(i) = pos0 + i32::try_from(i).unwrap_or(0);
+                    *batch.n_seq_id.add(i) = 1;
+                    *(*batch.seq_id.add(i)) = SEQ;
+                    *batch.logits.add(i) = i8::from(all || last);
+                }
+            }
+            let mut b = batch;
+            b.n_tokens = n;
+            let _ = recent_llama_errors();
+            // SAFETY: live context; batch filled above.
+            let rc = unsafe { llama_cpp_sys_2::llama_decode(self.ptr.as_ptr(), b) };
+            if rc != 0 {
+                // SAFETY: batch from llama_batch_init, freed once.
+                unsafe { llama_cpp_sys_2::llama_batch_free(batch) };
+                return Err(EngineError::DecodeFailed {
+                    code: rc,
+                    pos: pos0,
+                    detail: recent_llama_errors(),
+                });
+            }
+            self.n_past += part.len();
+            if all {
+                for i in 0..part.len() {
+                    rows.push(self.logits_at(i32::try_from(i).unwrap_or(0)).to_vec());
+                }
+            }
+            // SAFETY: as above.
+            unsafe { llama_cpp_sys_2::llama_batch_free(batch) };
+        }
+        Ok(rows)
+    }
+
+    fn logits_at(&self, i: i32) -> &[f32] {
+        // SAFETY: after a successful decode llama.cpp keeps an n_vocab-float row for every
+        // output; i = -1 is the last one. The slice borrows self, so no decode can happen while
+        // it is alive.
+        unsafe {
+            let p = llama_cpp_sys_2::llama_get_logits_ith(self.ptr.as_ptr(), i);
+            if p.is_null() {
+                return &[];
+            }
+            std::slice::from_raw_parts(p, self.n_vocab)
+        }
+    }
+
+    /// Logits of the last decoded token (empty before the first decode).
+    pub fn logits(&self) -> &[f32] {
+        if self.n_past == 0 {
+            return &[];
+        }
+        self.logits_at(-1)
+    }
+
+    /// Exports sequence 0's state (cell positions + K/V of every layer) as llama.cpp's blob.
+    ///
+    /// # Errors
+    /// [`EngineError::State`] if llama.cpp writes a different size than it announced.
+    pub fn export_state(&self) -> Result<Vec<u8>, EngineError> {
+        let flags = 0;
+        // SAFETY: live context; size query has no side effects.
+        let size =
+            unsafe { llama_cpp_sys_2::llama_state_seq_get_size_ext(self.ptr.as_ptr(), SEQ, flags) };
+        let mut buf = vec![0u8; size];
+        // SAFETY: buf holds exactly `size` bytes, the size llama.cpp just reported, and we pass
+        // that capacity.
+        let n = unsafe {
+            llama_cpp_sys_2::llama_state_seq_get_data_ext(
+                self.ptr.as_ptr(),
+                buf.as_mut_ptr(),
+                size,
+                SEQ,
+                flags,
+            )
+        };
+        if n != size {
+            return Err(EngineError::State {
+                op: "export",
+                detail: format!("llama.cpp wrote {n} bytes, announced {size}"),
+            });
+        }
+        Ok(buf)
+    }
+
+    /// Replaces sequence 0 with an exported (possibly projected) state blob. `n_past` becomes
+    /// one past the highest imported position.
+    ///
+    /// # Errors
+    /// [`EngineError::State`] when llama.cpp rejects the blob (wrong layer count, row widths,
+    /// or no room in the cache); the sequence is left empty, never half-imported.
+    pub fn import_state(&mut self, blob: &[u8]) -> Result<(), EngineError> {
+        self.clear();
+        let _ = recent_llama_errors();
+        // SAFETY: blob is valid for blob.len() bytes; llama.cpp validates the layout and
+        // returns 0 on failure.
+        let n = unsafe {
+            llama_cpp_sys_2::llama_state_seq_set_data_ext(
+                self.ptr.as_ptr(),
+                blob.as_ptr(),
+                blob.len(),
+                SEQ,
+                0,
+            )
+        };
+        if n == 0 {
+            self.clear();
+            return Err(EngineError::State {
+                op: "import",
+                detail: recent_llama_errors(),
+            });
+        }
+        // SAFETY: live context; read-only query.
+        let max = unsafe {
+            let mem = llama_cpp_sys_2::llama_get_memory(self.ptr.as_ptr());
+            llama_cpp_sys_2::llama_memory_seq_pos_max(mem, SEQ)
+        };
+        self.n_past = usize::try_from(max + 1).unwrap_or(0);
+        Ok(())
+    }
+
+    /// Highest position held in the cache for the sequence (-1 when empty), as llama.cpp sees it.
+    pub fn seq_pos_max(&self) -> i32 {
+        // SAFETY: live context; read-only query.
+        unsafe {
+            let mem = llama_cpp_sys_2::llama_get_memory(self.ptr.as_ptr());
+            llama_cpp_sys_2::llama_memory_seq_pos_max(mem, SEQ)
+        }
+    }
+
+    /// Lowest position held in the cache for the sequence (-1 when empty).
+    pub fn seq_pos_min(&self) -> i32 {
+        // SAFETY: live context; read-only query.
+        unsafe {
+            let mem = llama_cpp_sys_2::llama_get_memory(self.ptr.as_ptr());
+            llama_cpp_sys_2::llama_memory_seq_pos_min(mem, SEQ)
+        }
+    }
+}

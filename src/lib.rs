@@ -1,0 +1,22 @@
+//! Molt: an embedded runtime for on-device LLM inference that survives memory pressure.
+//!
+//! When the operating system takes memory away in the middle of an answer, Molt moves the
+//! running generation onto a smaller rung of the same model family *between two tokens*,
+//! carrying the attention state (the KV cache) across by projection instead of re-reading the
+//! prompt.
+//!
+//! The rooms, one concept each:
+//! - [`gguf`]: GGUF reading (metadata before weights) and writing (tiny test models);
+//! - [`ladder`]: the manifest, tokenizer identity, fetch and verification;
+//! - [`engine`]: one rung over llama.cpp: model, context, decode, logits, sampling;
+//! - [`kv`]: the KV mirror, llama.cpp's sequence state <-> per-layer K/V arrays;
+//! - [`session`]: the token loop that streams events and migrates between tokens;
+//! - [`tiny`]: tiny random-weight models of the real architecture, for hermetic tests.
+
+pub mod bench;
+pub mod engine;
+pub mod gguf;
+pub mod kv;
+pub mod ladder;
+pub mod session;
+pub mod tiny;
