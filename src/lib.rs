@@ -18,5 +18,8 @@ pub mod engine;
 pub mod gguf;
 pub mod kv;
 pub mod ladder;
+pub mod pressure;
+pub mod sched;
 pub mod session;
 pub mod tiny;
+pub mod transplant;

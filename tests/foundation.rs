@@ -9,7 +9,12 @@ use molt::kv::{KvSnapshot, ParseOptions};
 use molt::ladder::{Ladder, RungInfo};
 
 fn cfg() -> ContextConfig {
-    ContextConfig { n_ctx: 512, n_batch: 128, n_threads: 2, ..ContextConfig::default() }
+    ContextConfig {
+        n_ctx: 512,
+        n_batch: 128,
+        n_threads: 2,
+        ..ContextConfig::default()
+    }
 }
 
 fn prompt_tokens(m: &Model) -> Vec<i32> {
@@ -20,7 +25,10 @@ fn prompt_tokens(m: &Model) -> Vec<i32> {
 
 fn max_abs(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 /// Decodes a prompt, exports, and returns (ctx, blob, next token, reference logits after it).
@@ -42,13 +50,31 @@ fn roundtrip_checks(ladder: &Ladder) {
         let (model, blob, next, ref_logits) = reference(rung);
         let snap = KvSnapshot::parse(&blob, ParseOptions::default()).unwrap();
         let stream = snap.single_stream().unwrap();
-        assert_eq!(stream.n_layer(), rung.facts.n_layer as usize, "{}: layer count", rung.name());
+        assert_eq!(
+            stream.n_layer(),
+            rung.facts.n_layer as usize,
+            "{}: layer count",
+            rung.name()
+        );
         let n = prompt_tokens(&model).len();
-        assert_eq!(stream.positions(), (0..i32::try_from(n).unwrap()).collect::<Vec<_>>(), "{}: positions", rung.name());
+        assert_eq!(
+            stream.positions(),
+            (0..i32::try_from(n).unwrap()).collect::<Vec<_>>(),
+            "{}: positions",
+            rung.name()
+        );
         assert_eq!(stream.layers[0].k.ncols(), rung.facts.kv_dim_k() as usize);
-        assert!(stream.layers[0].k.iter().any(|x| *x != 0.0), "{}: K is all zero", rung.name());
+        assert!(
+            stream.layers[0].k.iter().any(|x| *x != 0.0),
+            "{}: K is all zero",
+            rung.name()
+        );
         // export -> parse -> serialize is byte-identical
-        assert!(snap.to_bytes().unwrap() == blob, "{}: re-serialized blob differs", rung.name());
+        assert!(
+            snap.to_bytes().unwrap() == blob,
+            "{}: re-serialized blob differs",
+            rung.name()
+        );
         // unchanged re-import into a fresh context gives identical next-token logits
         let mut fresh = Context::new(model.clone(), cfg()).unwrap();
         fresh.import_state(&snap.to_bytes().unwrap()).unwrap();
@@ -66,7 +92,11 @@ fn roundtrip_checks(ladder: &Ladder) {
         }
         fresh.import_state(&swapped.to_bytes().unwrap()).unwrap();
         fresh.decode(&[next]).unwrap();
-        assert!(max_abs(fresh.logits(), &ref_logits) > 0.0, "{}: control did not change logits", rung.name());
+        assert!(
+            max_abs(fresh.logits(), &ref_logits) > 0.0,
+            "{}: control did not change logits",
+            rung.name()
+        );
         drop(fresh);
         // parking: free the model (unmap), reload, re-import: identical
         let path = rung.path.clone();
@@ -76,7 +106,11 @@ fn roundtrip_checks(ladder: &Ladder) {
         ctx.import_state(&blob).unwrap();
         ctx.decode(&[next]).unwrap();
         let d = max_abs(ctx.logits(), &ref_logits);
-        assert!(d == 0.0, "{}: reload + re-import changed logits by {d}", rung.name());
+        assert!(
+            d == 0.0,
+            "{}: reload + re-import changed logits by {d}",
+            rung.name()
+        );
     }
 }
 
@@ -99,7 +133,10 @@ fn tiny_ladder_shape_matches_the_real_one() {
     assert_ne!(big.head_dim, small.head_dim);
     assert_ne!(big.n_layer, small.n_layer);
     assert_eq!(big.head_dim, q8.head_dim);
-    assert!(l.rungs[1].file_bytes < l.rungs[0].file_bytes, "Q8_0 rung should be smaller than F16");
+    assert!(
+        l.rungs[1].file_bytes < l.rungs[0].file_bytes,
+        "Q8_0 rung should be smaller than F16"
+    );
 }
 
 #[test]
@@ -109,12 +146,17 @@ fn ladder_refuses_rungs_with_different_tokenizers() {
     let m = dir.join("mixed.toml");
     std::fs::write(&m, "name = \"mixed\"\n[[rung]]\nname = \"a\"\nfile = \"tiny-big.gguf\"\nsource = { local = {} }\n[[rung]]\nname = \"b\"\nfile = \"tiny-alt.gguf\"\nsource = { local = {} }\n").unwrap();
     let e = Ladder::open(&m, &dir).unwrap_err().to_string();
-    assert!(e.contains("tiny-big.gguf") && e.contains("tiny-alt.gguf") && e.contains("tokenizer"), "{e}");
+    assert!(
+        e.contains("tiny-big.gguf") && e.contains("tiny-alt.gguf") && e.contains("tokenizer"),
+        "{e}"
+    );
 }
 
 #[test]
 fn real_ladder_refuses_smollm_beside_qwen() {
-    let Some(real) = common::real_ladder() else { return };
+    let Some(real) = common::real_ladder() else {
+        return;
+    };
     let Some(smol) = std::env::var_os("MOLT_SMOLLM").map(std::path::PathBuf::from) else {
         eprintln!("MOLT_SMOLLM not set; skipping the SmolLM2 tokenizer check");
         return;
@@ -125,7 +167,10 @@ fn real_ladder_refuses_smollm_beside_qwen() {
     let m = dir.path().join("mixed.toml");
     std::fs::write(&m, "name = \"mixed\"\n[[rung]]\nname = \"qwen\"\nfile = \"q.gguf\"\nsource = { local = {} }\n[[rung]]\nname = \"smol\"\nfile = \"s.gguf\"\nsource = { local = {} }\n").unwrap();
     let e = Ladder::open(&m, dir.path()).unwrap_err().to_string();
-    assert!(e.contains("q.gguf") && e.contains("s.gguf") && e.contains("tokenizer"), "{e}");
+    assert!(
+        e.contains("q.gguf") && e.contains("s.gguf") && e.contains("tokenizer"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -134,11 +179,18 @@ fn truncated_and_foreign_files_are_clear_errors() {
     let dir = tempfile::tempdir().unwrap();
     let cut = dir.path().join("cut.gguf");
     std::fs::write(&cut, &src[..src.len() * 2 / 3]).unwrap();
-    let e = Model::load(&cut, "cut", ModelOptions::default()).unwrap_err().to_string();
-    assert!(e.contains("cut.gguf") && e.to_lowercase().contains("trunc"), "{e}");
+    let e = Model::load(&cut, "cut", ModelOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("cut.gguf") && e.to_lowercase().contains("trunc"),
+        "{e}"
+    );
     let junk = dir.path().join("junk.gguf");
     std::fs::write(&junk, b"PK\x03\x04 this is a zip, not a model").unwrap();
-    let e = Model::load(&junk, "junk", ModelOptions::default()).unwrap_err().to_string();
+    let e = Model::load(&junk, "junk", ModelOptions::default())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("junk.gguf"), "{e}");
 }
 
@@ -146,12 +198,37 @@ fn truncated_and_foreign_files_are_clear_errors() {
 fn prompt_longer_than_context_is_refused_before_decoding() {
     use molt::session::{GenerateOptions, Prompt, Session, SessionError};
     let l = common::tiny_ladder().clone();
-    let mut s = Session::new(l, ContextConfig { n_ctx: 64, n_batch: 64, n_threads: 2, ..ContextConfig::default() }, "small").unwrap();
+    let mut s = Session::new(
+        l,
+        ContextConfig {
+            n_ctx: 64,
+            n_batch: 64,
+            n_threads: 2,
+            ..ContextConfig::default()
+        },
+        "small",
+    )
+    .unwrap();
     let long = "word ".repeat(400);
-    let e = s.generate(&Prompt::Text(long), &GenerateOptions::default(), &mut |_| {}).unwrap_err();
+    let e = s
+        .generate(
+            &Prompt::Text(long),
+            &GenerateOptions::default(),
+            &mut |_| {},
+        )
+        .unwrap_err();
     assert!(matches!(e, SessionError::PromptTooLong { .. }), "{e}");
     // the session still works afterwards
-    let g = s.generate(&Prompt::Text("hello".into()), &GenerateOptions { max_tokens: 4, ..Default::default() }, &mut |_| {}).unwrap();
+    let g = s
+        .generate(
+            &Prompt::Text("hello".into()),
+            &GenerateOptions {
+                max_tokens: 4,
+                ..Default::default()
+            },
+            &mut |_| {},
+        )
+        .unwrap();
     assert!(!g.tokens.is_empty() || g.stop == molt::session::StopReason::Eos);
 }
 
@@ -163,9 +240,25 @@ fn generate_streams_tokens_named_by_rung_on_every_tiny_rung() {
         let mut s = Session::new(l, cfg(), name).unwrap();
         let mut seen = Vec::new();
         let g = s
-            .generate(&Prompt::User("hello there".into()), &GenerateOptions { max_tokens: 12, ..Default::default() }, &mut |e| seen.push(e.clone()))
+            .generate(
+                &Prompt::User("hello there".into()),
+                &GenerateOptions {
+                    max_tokens: 12,
+                    ..Default::default()
+                },
+                &mut |e| seen.push(e.clone()),
+            )
             .unwrap();
-        let toks: Vec<_> = seen.iter().filter_map(|e| if let Event::Token { rung, .. } = e { Some(rung.clone()) } else { None }).collect();
+        let toks: Vec<_> = seen
+            .iter()
+            .filter_map(|e| {
+                if let Event::Token { rung, .. } = e {
+                    Some(rung.clone())
+                } else {
+                    None
+                }
+            })
+            .collect();
         assert_eq!(toks.len(), g.tokens.len());
         assert!(toks.iter().all(|r| r == name));
         assert!(matches!(seen.last(), Some(Event::Done(_))));

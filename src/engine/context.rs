@@ -155,10 +155,6 @@ impl Context {
         self.config.n_ctx
     }
 
-    pub(crate) fn as_ptr(&self) -> *mut llama_cpp_sys_2::llama_context {
-        self.ptr.as_ptr()
-    }
-
     /// Forgets the whole sequence.
     pub fn clear(&mut self) {
         // SAFETY: live context; clearing memory with data=true zeroes the buffers.

@@ -33,13 +33,13 @@ struct PendingTensor {
 /// Builds a GGUF v3 file in memory and writes it atomically.
 ///
 /// ```
-/// use gguf::gguf::{GgmlType, GgufWriter};
+/// use molt::gguf::{GgmlType, GgufWriter};
 /// let mut w = GgufWriter::new();
 /// w.add("general.architecture", "qwen2")?;
 /// w.add_f32_tensor("output_norm.weight", &[4], &[1.0; 4], GgmlType::F32)?;
 /// let bytes = w.to_bytes();
 /// assert_eq!(&bytes[..4], b"GGUF");
-/// # Ok::<(), gguf::gguf::WriteError>(())
+/// # Ok::<(), molt::gguf::WriteError>(())
 /// ```
 #[derive(Debug, Clone)]
 pub struct GgufWriter {

@@ -40,7 +40,16 @@ pub fn tiny_ladder() -> &'static Ladder {
         let manifest_path = dir.join("tiny.toml");
         std::fs::write(&manifest_path, TINY_MANIFEST).expect("manifest");
         let m = Manifest::load(&manifest_path).expect("manifest parses");
-        fetch::fetch(&m, &dir, &FetchOptions { quiet: true, threads: 2, ..FetchOptions::default() }).expect("tiny fetch");
+        fetch::fetch(
+            &m,
+            &dir,
+            &FetchOptions {
+                quiet: true,
+                threads: 2,
+                ..FetchOptions::default()
+            },
+        )
+        .expect("tiny fetch");
         Ladder::open(&manifest_path, &dir).expect("tiny ladder opens")
     })
 }
@@ -57,11 +66,15 @@ pub fn real_ladder() -> Option<&'static Ladder> {
     L.get_or_init(|| {
         let root = Path::new(env!("CARGO_MANIFEST_DIR"));
         let manifest = root.join("models/qwen2.5-coder.toml");
-        let dir = std::env::var_os("MOLT_HOME").map_or_else(|| root.join("models"), |h| PathBuf::from(h).join("models"));
+        let dir = std::env::var_os("MOLT_HOME")
+            .map_or_else(|| root.join("models"), |h| PathBuf::from(h).join("models"));
         match Ladder::open(&manifest, &dir) {
             Ok(l) => Some(l),
             Err(e) => {
-                assert!(std::env::var_os("MOLT_REQUIRE_LADDER").is_none(), "MOLT_REQUIRE_LADDER is set but the real ladder is not usable: {e}");
+                assert!(
+                    std::env::var_os("MOLT_REQUIRE_LADDER").is_none(),
+                    "MOLT_REQUIRE_LADDER is set but the real ladder is not usable: {e}"
+                );
                 eprintln!("real ladder not fetched ({e}); skipping real-ladder checks");
                 None
             }

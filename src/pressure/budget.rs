@@ -1,0 +1,866 @@
+//! Budget sources: how many bytes Molt may occupy right now.
+//!
+//! The session asks a [`BudgetSource`] once between two tokens, passing the current [`Tick`],
+//! and gets a [`Budget`]. Three sources:
+//!
+//! - [`TraceBudget`] replays a [`Trace`] — reproducible, the default for benchmarks.
+//! - [`FixedBudget`] holds a value set from elsewhere through a cloneable
+//!   [`FixedBudgetHandle`] (the server's `/budget` endpoint, an interactive command).
+//! - [`SystemBudget`] reads the real machine: the cgroup the process lives in (v2
+//!   `memory.max` / `memory.high` / `memory.current`, or v1 `memory.limit_in_bytes` /
+//!   `memory.usage_in_bytes`, every ancestor included), `/proc/meminfo` `MemAvailable`, and
+//!   PSI from `/proc/pressure/memory`. Its `/proc` and `/sys` roots are injectable
+//!   ([`SystemRoots`]) so tests run against fake files.
+//!
+//! # How the system budget is computed
+//!
+//! The budget is the total Molt may occupy, *including* what it already holds — otherwise
+//! Molt's own growth would read as shrinking budget. So Molt's own resident set is added back
+//! to each headroom:
+//!
+//! ```text
+//! cgroup   = min over the cgroup and its ancestors of (limit − usage) + own RSS
+//!            where limit = min(memory.max, memory.high) on v2, memory.limit_in_bytes on v1
+//! machine  = MemAvailable + own RSS
+//! budget   = min(cgroup, machine) − reserve          (reserve: DEFAULT_RESERVE_BYTES)
+//! ```
+//!
+//! `memory.high` counts as a limit because the kernel throttles and reclaims hard above it.
+//! Unlimited levels (`max`, or v1's ~2^63 sentinel) and missing files are skipped. The
+//! reserve keeps room for the allocator, the tokenizer, the server and page-cache churn; 256
+//! MiB is a guess at that slack on a laptop, made a parameter for that reason.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::{Deserialize, Serialize};
+
+use super::procfile::{self, Limit};
+use super::{MIB, PressureError, Trace};
+
+/// When a budget is asked for: a point in the answer being generated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Tick {
+    /// Index of the token about to be generated (0 before the first).
+    pub token_index: u64,
+    /// Milliseconds since the answer started.
+    pub elapsed_ms: u64,
+}
+
+/// Which kind of source produced a budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BudgetOrigin {
+    /// A replayed [`Trace`].
+    Trace,
+    /// A value set from outside ([`FixedBudget`]).
+    Fixed,
+    /// The real system ([`SystemBudget`]).
+    System,
+}
+
+/// A budget reading.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Budget {
+    /// Bytes Molt may occupy in total.
+    pub bytes: u64,
+    /// How squeezed memory is, 0 (not at all) to 1: `1 − bytes / initial` for replayed and
+    /// fixed budgets; for the system the larger of that and PSI `some avg10`.
+    pub pressure: f64,
+    /// Where the reading came from.
+    pub origin: BudgetOrigin,
+}
+
+/// Something that says how much memory Molt may use. Object safe: the session holds a
+/// `Box<dyn BudgetSource + Send>`.
+pub trait BudgetSource {
+    /// The budget at `now`.
+    ///
+    /// # Errors
+    ///
+    /// Sources that read the system fail with [`PressureError::Io`],
+    /// [`PressureError::Parse`] or [`PressureError::NoMemoryInfo`]; replayed and fixed
+    /// budgets never fail.
+    fn budget(&mut self, now: Tick) -> Result<Budget, PressureError>;
+
+    /// One line for logs and results JSON, e.g. `trace spike_mid_answer (token clock, 2 steps)`.
+    fn describe(&self) -> String;
+}
+
+/// `1 − bytes / reference`, clamped to `[0, 1]`; 0 when the reference is 0.
+fn squeeze(bytes: u64, reference: u64) -> f64 {
+    if reference == 0 {
+        return 0.0;
+    }
+    #[expect(
+        clippy::cast_precision_loss,
+        reason = "a ratio; f64 rounding of byte counts is irrelevant here"
+    )]
+    let ratio = bytes as f64 / reference as f64;
+    (1.0 - ratio).clamp(0.0, 1.0)
+}
+
+/// Replays a [`Trace`].
+#[derive(Debug, Clone)]
+pub struct TraceBudget {
+    trace: Trace,
+}
+
+impl TraceBudget {
+    /// Replays `trace`.
+    #[must_use]
+    pub fn new(trace: Trace) -> TraceBudget {
+        TraceBudget { trace }
+    }
+
+    /// The trace being replayed.
+    #[must_use]
+    pub fn trace(&self) -> &Trace {
+        &self.trace
+    }
+}
+
+impl BudgetSource for TraceBudget {
+    fn budget(&mut self, now: Tick) -> Result<Budget, PressureError> {
+        let bytes = self.trace.budget_at(now.token_index, now.elapsed_ms);
+        Ok(Budget {
+            bytes,
+            pressure: squeeze(bytes, self.trace.initial_bytes),
+            origin: BudgetOrigin::Trace,
+        })
+    }
+
+    fn describe(&self) -> String {
+        let clock = match self.trace.clock {
+            super::Clock::Token => "token",
+            super::Clock::Ms => "ms",
+        };
+        format!(
+            "trace {} ({clock} clock, {} steps, initial {} MiB)",
+            self.trace.name,
+            self.trace.steps.len(),
+            self.trace.initial_bytes / MIB
+        )
+    }
+}
+
+/// A budget set from outside through a [`FixedBudgetHandle`].
+#[derive(Debug, Clone)]
+pub struct FixedBudget {
+    cell: Arc<AtomicU64>,
+    initial: u64,
+}
+
+/// Sets the value a [`FixedBudget`] reports; cheap to clone and `Send + Sync`.
+#[derive(Debug, Clone)]
+pub struct FixedBudgetHandle {
+    cell: Arc<AtomicU64>,
+}
+
+impl FixedBudget {
+    /// A budget of `bytes` until changed; pressure is measured against this first value.
+    #[must_use]
+    pub fn new(bytes: u64) -> FixedBudget {
+        FixedBudget {
+            cell: Arc::new(AtomicU64::new(bytes)),
+            initial: bytes,
+        }
+    }
+
+    /// A handle that changes this budget.
+    #[must_use]
+    pub fn handle(&self) -> FixedBudgetHandle {
+        FixedBudgetHandle {
+            cell: Arc::clone(&self.cell),
+        }
+    }
+}
+
+impl FixedBudgetHandle {
+    /// Sets the budget; the next [`BudgetSource::budget`] call sees it.
+    pub fn set(&self, bytes: u64) {
+        self.cell.store(bytes, Ordering::Release);
+    }
+
+    /// The current value.
+    #[must_use]
+    pub fn get(&self) -> u64 {
+        self.cell.load(Ordering::Acquire)
+    }
+}
+
+impl BudgetSource for FixedBudget {
+    fn budget(&mut self, _now: Tick) -> Result<Budget, PressureError> {
+        let bytes = self.cell.load(Ordering::Acquire);
+        Ok(Budget {
+            bytes,
+            pressure: squeeze(bytes, self.initial),
+            origin: BudgetOrigin::Fixed,
+        })
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "fixed {} MiB (initially {} MiB)",
+            self.cell.load(Ordering::Acquire) / MIB,
+            self.initial / MIB
+        )
+    }
+}
+
+/// Default bytes held back from the system budget: 256 MiB (see the module docs).
+pub const DEFAULT_RESERVE_BYTES: u64 = 256 * MIB;
+
+/// Where [`SystemBudget`] finds `/proc` and `/sys`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SystemRoots {
+    /// Stands for `/proc`; `self/status`, `self/cgroup`, `meminfo` and `pressure/memory`
+    /// are read under it.
+    pub proc_root: PathBuf,
+    /// Stands for `/sys`; cgroups are looked for under `fs/cgroup`.
+    pub sys_root: PathBuf,
+}
+
+impl Default for SystemRoots {
+    fn default() -> Self {
+        SystemRoots {
+            proc_root: PathBuf::from("/proc"),
+            sys_root: PathBuf::from("/sys"),
+        }
+    }
+}
+
+/// Which cgroup hierarchy a reading came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CgroupVersion {
+    /// Legacy per-controller hierarchy (`memory.limit_in_bytes`).
+    V1,
+    /// Unified hierarchy (`memory.max`).
+    V2,
+}
+
+/// The binding level of the process's memory cgroup.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CgroupReading {
+    /// Hierarchy version.
+    pub version: CgroupVersion,
+    /// The process's own cgroup directory.
+    pub dir: PathBuf,
+    /// The cgroup (own or ancestor) whose limit leaves the least headroom; `None` when no
+    /// level is limited.
+    pub binding_dir: Option<PathBuf>,
+    /// That level's effective limit in bytes.
+    pub limit_bytes: Option<u64>,
+    /// That level's usage in bytes.
+    pub usage_bytes: Option<u64>,
+    /// `limit − usage` at that level (0 when over the limit).
+    pub headroom_bytes: Option<u64>,
+}
+
+/// Pressure stall information for memory (percent of time, 10 s average).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Psi {
+    /// Share of time at least one task stalled on memory, percent.
+    pub some_avg10: f64,
+    /// Share of time all non-idle tasks stalled on memory, percent.
+    pub full_avg10: f64,
+}
+
+/// Everything [`SystemBudget`] read, for logs and results JSON.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SystemReading {
+    /// The cgroup reading, when a memory cgroup was found.
+    pub cgroup: Option<CgroupReading>,
+    /// `MemAvailable` in bytes, when `/proc/meminfo` has it.
+    pub mem_available_bytes: Option<u64>,
+    /// `MemTotal` in bytes, when `/proc/meminfo` has it.
+    pub mem_total_bytes: Option<u64>,
+    /// Molt's own resident set (`VmRSS`).
+    pub own_rss_bytes: u64,
+    /// Memory PSI, when the kernel exposes it.
+    pub psi: Option<Psi>,
+    /// Bytes held back.
+    pub reserve_bytes: u64,
+}
+
+impl SystemReading {
+    /// `min(cgroup headroom, MemAvailable) + own RSS − reserve`; `None` when neither bound
+    /// is known.
+    #[must_use]
+    pub fn budget_bytes(&self) -> Option<u64> {
+        let cgroup = self.cgroup.as_ref().and_then(|c| c.headroom_bytes);
+        let headroom = match (cgroup, self.mem_available_bytes) {
+            (Some(a), Some(b)) => a.min(b),
+            (Some(a), None) | (None, Some(a)) => a,
+            (None, None) => return None,
+        };
+        Some(
+            headroom
+                .saturating_add(self.own_rss_bytes)
+                .saturating_sub(self.reserve_bytes),
+        )
+    }
+}
+
+/// The real system's budget (see the module docs for the formula).
+#[derive(Debug, Clone)]
+pub struct SystemBudget {
+    roots: SystemRoots,
+    reserve_bytes: u64,
+    baseline: Option<u64>,
+}
+
+impl Default for SystemBudget {
+    fn default() -> Self {
+        SystemBudget::new()
+    }
+}
+
+impl SystemBudget {
+    /// Reads the real `/proc` and `/sys`, reserving [`DEFAULT_RESERVE_BYTES`].
+    #[must_use]
+    pub fn new() -> SystemBudget {
+        SystemBudget::with_roots(SystemRoots::default())
+    }
+
+    /// Reads under `roots` instead (tests, containers with relocated mounts).
+    #[must_use]
+    pub fn with_roots(roots: SystemRoots) -> SystemBudget {
+        SystemBudget {
+            roots,
+            reserve_bytes: DEFAULT_RESERVE_BYTES,
+            baseline: None,
+        }
+    }
+
+    /// Holds back `bytes` instead of the default reserve.
+    #[must_use]
+    pub fn with_reserve(mut self, bytes: u64) -> SystemBudget {
+        self.reserve_bytes = bytes;
+        self
+    }
+
+    /// Reads every input of the budget once.
+    ///
+    /// # Errors
+    ///
+    /// [`PressureError::Io`] / [`PressureError::Parse`] when `self/status` has no readable
+    /// `VmRSS`, or a present cgroup, meminfo or PSI file cannot be read or parsed. Absent
+    /// optional files are not errors.
+    pub fn read(&self) -> Result<SystemReading, PressureError> {
+        let proc_root = &self.roots.proc_root;
+        let status_path = proc_root.join("self/status");
+        let own_rss_bytes = procfile::kib_field_bytes(&procfile::read(&status_path)?, "VmRSS")
+            .ok_or(PressureError::Parse {
+                path: status_path,
+                what: "VmRSS",
+            })?;
+
+        let meminfo_path = proc_root.join("meminfo");
+        let (mem_available_bytes, mem_total_bytes) = match procfile::read_optional(&meminfo_path)? {
+            Some(text) => (
+                procfile::kib_field_bytes(&text, "MemAvailable"),
+                procfile::kib_field_bytes(&text, "MemTotal"),
+            ),
+            None => (None, None),
+        };
+
+        let psi_path = proc_root.join("pressure/memory");
+        // PSI is advisory: kernels built without it, or with it disabled, fail the read with
+        // EOPNOTSUPP rather than ENOENT. Only malformed content is an error.
+        let psi = match std::fs::read_to_string(&psi_path) {
+            Ok(text) => Some(parse_psi(&text).ok_or(PressureError::Parse {
+                path: psi_path,
+                what: "memory PSI `some avg10=` and `full avg10=`",
+            })?),
+            Err(_) => None,
+        };
+
+        Ok(SystemReading {
+            cgroup: self.read_cgroup()?,
+            mem_available_bytes,
+            mem_total_bytes,
+            own_rss_bytes,
+            psi,
+            reserve_bytes: self.reserve_bytes,
+        })
+    }
+
+    fn read_cgroup(&self) -> Result<Option<CgroupReading>, PressureError> {
+        let cgroup_path = self.roots.proc_root.join("self/cgroup");
+        let Some(text) = procfile::read_optional(&cgroup_path)? else {
+            return Ok(None);
+        };
+        let (v2_path, v1_path) = parse_proc_cgroup(&text);
+        let base = self.roots.sys_root.join("fs/cgroup");
+        if let Some(path) = v2_path {
+            // Pure v2 mounts the hierarchy at /sys/fs/cgroup; hybrid systems at .../unified,
+            // where the memory controller is usually absent (it lives in v1 then).
+            for mount in [base.clone(), base.join("unified")] {
+                if !mount.join("cgroup.controllers").is_file() {
+                    continue;
+                }
+                let dir = resolve_dir(&mount, &path);
+                if dir.join("memory.current").is_file() || dir.join("memory.max").is_file() {
+                    return read_levels(CgroupVersion::V2, &mount, &dir).map(Some);
+                }
+            }
+        }
+        if let Some(path) = v1_path {
+            let mount = base.join("memory");
+            if mount.is_dir() {
+                let dir = resolve_dir(&mount, &path);
+                return read_levels(CgroupVersion::V1, &mount, &dir).map(Some);
+            }
+        }
+        Ok(None)
+    }
+}
+
+impl BudgetSource for SystemBudget {
+    fn budget(&mut self, _now: Tick) -> Result<Budget, PressureError> {
+        let reading = self.read()?;
+        let bytes = reading
+            .budget_bytes()
+            .ok_or_else(|| PressureError::NoMemoryInfo {
+                proc_root: self.roots.proc_root.clone(),
+                sys_root: self.roots.sys_root.clone(),
+            })?;
+        let baseline = *self.baseline.get_or_insert(bytes);
+        let psi = reading
+            .psi
+            .map_or(0.0, |p| (p.some_avg10 / 100.0).clamp(0.0, 1.0));
+        Ok(Budget {
+            bytes,
+            pressure: squeeze(bytes, baseline).max(psi),
+            origin: BudgetOrigin::System,
+        })
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "system (cgroup + MemAvailable under {} and {}, reserve {} MiB)",
+            self.roots.proc_root.display(),
+            self.roots.sys_root.display(),
+            self.reserve_bytes / MIB
+        )
+    }
+}
+
+/// `(v2 path, v1 memory path)` from `/proc/self/cgroup` lines `id:controllers:path`.
+fn parse_proc_cgroup(text: &str) -> (Option<String>, Option<String>) {
+    let mut v2 = None;
+    let mut v1 = None;
+    for line in text.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (Some(id), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
+        else {
+            continue;
+        };
+        if id == "0" && controllers.is_empty() {
+            v2 = Some(path.to_owned());
+        } else if controllers.split(',').any(|c| c == "memory") {
+            v1 = Some(path.to_owned());
+        }
+    }
+    (v2, v1)
+}
+
+/// The directory of cgroup `path` under `mount`. In a container with a cgroup namespace
+/// the mount is rooted at the container's cgroup while the path may still name it from the
+/// host root; when the full path does not exist, leading components are dropped until it
+/// does, ending at the mount itself.
+fn resolve_dir(mount: &Path, path: &str) -> PathBuf {
+    let parts: Vec<&str> = path.split('/').filter(|p| !p.is_empty()).collect();
+    for skip in 0..=parts.len() {
+        let dir = parts[skip..]
+            .iter()
+            .fold(mount.to_path_buf(), |d, p| d.join(p));
+        if dir.is_dir() {
+            return dir;
+        }
+    }
+    mount.to_path_buf()
+}
+
+/// Walks from `dir` up to `mount` (inclusive) and keeps the level with the least headroom.
+fn read_levels(
+    version: CgroupVersion,
+    mount: &Path,
+    dir: &Path,
+) -> Result<CgroupReading, PressureError> {
+    let mut reading = CgroupReading {
+        version,
+        dir: dir.to_path_buf(),
+        binding_dir: None,
+        limit_bytes: None,
+        usage_bytes: None,
+        headroom_bytes: None,
+    };
+    let mut level = Some(dir);
+    while let Some(here) = level {
+        if let Some((limit, usage)) = read_level(version, here)? {
+            let headroom = limit.saturating_sub(usage);
+            if reading.headroom_bytes.is_none_or(|h| headroom < h) {
+                reading.binding_dir = Some(here.to_path_buf());
+                reading.limit_bytes = Some(limit);
+                reading.usage_bytes = Some(usage);
+                reading.headroom_bytes = Some(headroom);
+            }
+        }
+        if here == mount {
+            break;
+        }
+        level = here.parent().filter(|p| p.starts_with(mount));
+    }
+    Ok(reading)
+}
+
+/// `(effective limit, usage)` of one cgroup directory, or `None` when it is unlimited or
+/// does not expose both.
+fn read_level(version: CgroupVersion, dir: &Path) -> Result<Option<(u64, u64)>, PressureError> {
+    let (limit_files, usage_file): (&[&str], &str) = match version {
+        CgroupVersion::V2 => (&["memory.max", "memory.high"], "memory.current"),
+        CgroupVersion::V1 => (&["memory.limit_in_bytes"], "memory.usage_in_bytes"),
+    };
+    let mut limit: Option<u64> = None;
+    for name in limit_files {
+        let path = dir.join(name);
+        let Some(text) = procfile::read_optional(&path)? else {
+            continue;
+        };
+        match procfile::parse_limit(&text) {
+            Some(Limit::Unlimited) => {}
+            Some(Limit::Bytes(b)) => limit = Some(limit.map_or(b, |l| l.min(b))),
+            None => {
+                return Err(PressureError::Parse {
+                    path,
+                    what: "a byte count or `max`",
+                });
+            }
+        }
+    }
+    let Some(limit) = limit else {
+        return Ok(None);
+    };
+    let usage_path = dir.join(usage_file);
+    let Some(text) = procfile::read_optional(&usage_path)? else {
+        return Ok(None);
+    };
+    let usage = text
+        .trim()
+        .parse::<u64>()
+        .map_err(|_| PressureError::Parse {
+            path: usage_path,
+            what: "a byte count",
+        })?;
+    Ok(Some((limit, usage)))
+}
+
+fn parse_psi(text: &str) -> Option<Psi> {
+    let avg10 = |kind: &str| -> Option<f64> {
+        let line = text.lines().find(|l| l.starts_with(kind))?;
+        let field = line
+            .split_whitespace()
+            .find_map(|f| f.strip_prefix("avg10="))?;
+        field.parse().ok()
+    };
+    Some(Psi {
+        some_avg10: avg10("some ")?,
+        // `full` appeared in memory PSI from the start, but treat its absence as no stall.
+        full_avg10: avg10("full ").unwrap_or(0.0),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::fs;
+
+    const GIB: u64 = 1 << 30;
+
+    /// A fake `/proc` + `/sys` tree.
+    struct Fake {
+        dir: tempfile::TempDir,
+    }
+
+    impl Fake {
+        fn new(rss_kib: u64) -> Fake {
+            let fake = Fake {
+                dir: tempfile::tempdir().expect("tempdir"),
+            };
+            fake.write(
+                "proc/self/status",
+                &format!("Name:\tmolt\nVmRSS:\t{rss_kib} kB\n"),
+            );
+            fs::create_dir_all(fake.dir.path().join("sys")).expect("sys");
+            fake
+        }
+
+        fn write(&self, rel: &str, text: &str) {
+            let path = self.dir.path().join(rel);
+            fs::create_dir_all(path.parent().expect("parent")).expect("mkdir");
+            fs::write(path, text).expect("write");
+        }
+
+        fn meminfo(&self, available_kib: u64) {
+            self.write(
+                "proc/meminfo",
+                &format!(
+                    "MemTotal:       16000000 kB\nMemFree:  100 kB\nMemAvailable:   {available_kib} kB\n"
+                ),
+            );
+        }
+
+        fn source(&self) -> SystemBudget {
+            SystemBudget::with_roots(SystemRoots {
+                proc_root: self.dir.path().join("proc"),
+                sys_root: self.dir.path().join("sys"),
+            })
+        }
+    }
+
+    fn bytes_of(source: &mut SystemBudget) -> u64 {
+        source.budget(Tick::default()).expect("budget").bytes
+    }
+
+    #[test]
+    fn meminfo_only() {
+        let fake = Fake::new(100 * 1024);
+        fake.meminfo(4 * 1024 * 1024);
+        let mut s = fake.source();
+        assert_eq!(
+            bytes_of(&mut s),
+            4 * GIB + 100 * MIB - DEFAULT_RESERVE_BYTES
+        );
+        let reading = s.read().expect("read");
+        assert_eq!(reading.cgroup, None);
+        assert_eq!(reading.psi, None);
+        assert_eq!(reading.mem_total_bytes, Some(16_000_000 * 1024));
+    }
+
+    #[test]
+    fn v2_limit_binds_when_tighter_than_meminfo() {
+        let fake = Fake::new(200 * 1024);
+        fake.meminfo(8 * 1024 * 1024);
+        fake.write("proc/self/cgroup", "0::/app.slice/molt.scope\n");
+        fake.write("sys/fs/cgroup/cgroup.controllers", "cpu memory io\n");
+        let dir = "sys/fs/cgroup/app.slice/molt.scope";
+        fake.write(&format!("{dir}/memory.max"), &format!("{}\n", 2 * GIB));
+        fake.write(&format!("{dir}/memory.high"), "max\n");
+        fake.write(&format!("{dir}/memory.current"), &format!("{GIB}\n"));
+        let mut s = fake.source().with_reserve(0);
+        // headroom 1 GiB + own RSS 200 MiB.
+        assert_eq!(bytes_of(&mut s), GIB + 200 * MIB);
+        let cg = s.read().expect("read").cgroup.expect("cgroup");
+        assert_eq!(cg.version, CgroupVersion::V2);
+        assert_eq!(cg.limit_bytes, Some(2 * GIB));
+        assert_eq!(cg.headroom_bytes, Some(GIB));
+    }
+
+    #[test]
+    fn v2_memory_high_and_ancestors_count() {
+        let fake = Fake::new(0);
+        fake.meminfo(64 * 1024 * 1024);
+        fake.write("proc/self/cgroup", "0::/a/b\n");
+        fake.write("sys/fs/cgroup/cgroup.controllers", "memory\n");
+        // Own level: high 3 GiB below max 4 GiB, 1 GiB used -> 2 GiB headroom.
+        fake.write("sys/fs/cgroup/a/b/memory.max", &format!("{}\n", 4 * GIB));
+        fake.write("sys/fs/cgroup/a/b/memory.high", &format!("{}\n", 3 * GIB));
+        fake.write("sys/fs/cgroup/a/b/memory.current", &format!("{GIB}\n"));
+        // Parent: 5 GiB limit, 4.5 GiB used by siblings and us -> 0.5 GiB headroom binds.
+        fake.write("sys/fs/cgroup/a/memory.max", &format!("{}\n", 5 * GIB));
+        fake.write(
+            "sys/fs/cgroup/a/memory.current",
+            &format!("{}\n", 4 * GIB + GIB / 2),
+        );
+        let mut s = fake.source().with_reserve(0);
+        assert_eq!(bytes_of(&mut s), GIB / 2);
+        let cg = s.read().expect("read").cgroup.expect("cgroup");
+        assert_eq!(
+            cg.binding_dir.as_deref(),
+            Some(fake.dir.path().join("sys/fs/cgroup/a").as_path())
+        );
+    }
+
+    #[test]
+    fn v2_max_unlimited_falls_back_to_meminfo() {
+        let fake = Fake::new(0);
+        fake.meminfo(1024 * 1024);
+        fake.write("proc/self/cgroup", "0::/x\n");
+        fake.write("sys/fs/cgroup/cgroup.controllers", "memory\n");
+        fake.write("sys/fs/cgroup/x/memory.max", "max\n");
+        fake.write("sys/fs/cgroup/x/memory.current", "123\n");
+        let mut s = fake.source().with_reserve(0);
+        assert_eq!(bytes_of(&mut s), GIB);
+        let cg = s.read().expect("read").cgroup.expect("cgroup found");
+        assert_eq!(cg.headroom_bytes, None);
+    }
+
+    #[test]
+    fn v1_hybrid_layout() {
+        let fake = Fake::new(50 * 1024);
+        fake.meminfo(32 * 1024 * 1024);
+        fake.write(
+            "proc/self/cgroup",
+            "4:memory:/process_api/abc\n1:cpu,cpuacct:/\n0::/\n",
+        );
+        // Hybrid: unified exists without a memory controller.
+        fake.write("sys/fs/cgroup/unified/cgroup.controllers", "\n");
+        fake.write(
+            "sys/fs/cgroup/memory/memory.limit_in_bytes",
+            "9223372036854771712\n",
+        );
+        fake.write("sys/fs/cgroup/memory/memory.usage_in_bytes", "999999\n");
+        let dir = "sys/fs/cgroup/memory/process_api/abc";
+        fake.write(
+            &format!("{dir}/memory.limit_in_bytes"),
+            &format!("{}\n", 3 * GIB),
+        );
+        fake.write(
+            &format!("{dir}/memory.usage_in_bytes"),
+            &format!("{}\n", 2 * GIB),
+        );
+        let mut s = fake.source().with_reserve(0);
+        assert_eq!(bytes_of(&mut s), GIB + 50 * MIB);
+        let cg = s.read().expect("read").cgroup.expect("cgroup");
+        assert_eq!(cg.version, CgroupVersion::V1);
+    }
+
+    #[test]
+    fn namespaced_mount_resolves_to_the_mount_root() {
+        let fake = Fake::new(0);
+        fake.write("proc/self/cgroup", "7:memory:/docker/0123\n");
+        // Inside the container the mount *is* the cgroup: the path does not exist under it.
+        fake.write(
+            "sys/fs/cgroup/memory/memory.limit_in_bytes",
+            &format!("{GIB}\n"),
+        );
+        fake.write("sys/fs/cgroup/memory/memory.usage_in_bytes", "0\n");
+        let mut s = fake.source().with_reserve(0);
+        // No meminfo at all: the cgroup alone gives the budget.
+        assert_eq!(bytes_of(&mut s), GIB);
+    }
+
+    #[test]
+    fn over_the_limit_means_only_own_usage_remains() {
+        let fake = Fake::new(300 * 1024);
+        fake.write("proc/self/cgroup", "0::/\n");
+        fake.write("sys/fs/cgroup/cgroup.controllers", "memory\n");
+        fake.write("sys/fs/cgroup/memory.max", &format!("{GIB}\n"));
+        fake.write("sys/fs/cgroup/memory.current", &format!("{}\n", 2 * GIB));
+        let mut s = fake.source().with_reserve(100 * MIB);
+        assert_eq!(bytes_of(&mut s), 200 * MIB);
+    }
+
+    #[test]
+    fn missing_everything_is_a_clear_error() {
+        let fake = Fake::new(0);
+        let mut s = fake.source();
+        let err = s.budget(Tick::default()).expect_err("no info");
+        assert!(matches!(err, PressureError::NoMemoryInfo { .. }), "{err}");
+        fs::remove_file(fake.dir.path().join("proc/self/status")).expect("rm");
+        let err = s.read().expect_err("no status");
+        assert!(matches!(err, PressureError::Io { .. }), "{err}");
+    }
+
+    #[test]
+    fn malformed_limit_is_an_error_naming_the_file() {
+        let fake = Fake::new(0);
+        fake.meminfo(1024);
+        fake.write("proc/self/cgroup", "0::/\n");
+        fake.write("sys/fs/cgroup/cgroup.controllers", "memory\n");
+        fake.write("sys/fs/cgroup/memory.max", "lots\n");
+        fake.write("sys/fs/cgroup/memory.current", "1\n");
+        let err = fake.source().read().expect_err("bad limit");
+        assert!(err.to_string().contains("memory.max"), "{err}");
+    }
+
+    #[test]
+    fn psi_drives_pressure() {
+        let fake = Fake::new(0);
+        fake.meminfo(1024 * 1024);
+        fake.write(
+            "proc/pressure/memory",
+            "some avg10=42.50 avg60=1.00 avg300=0.00 total=5\nfull avg10=3.00 avg60=0.00 avg300=0.00 total=1\n",
+        );
+        let mut s = fake.source().with_reserve(0);
+        let b = s.budget(Tick::default()).expect("budget");
+        assert!((b.pressure - 0.425).abs() < 1e-9, "{}", b.pressure);
+        let psi = s.read().expect("read").psi.expect("psi");
+        assert!((psi.full_avg10 - 3.0).abs() < 1e-9);
+        fake.write("proc/pressure/memory", "garbage\n");
+        assert!(s.read().is_err());
+    }
+
+    #[test]
+    fn pressure_without_psi_is_relative_to_the_first_reading() {
+        let fake = Fake::new(0);
+        fake.meminfo(1024 * 1024);
+        let mut s = fake.source().with_reserve(0);
+        assert!(s.budget(Tick::default()).expect("b").pressure.abs() < 1e-12);
+        fake.meminfo(256 * 1024);
+        let b = s.budget(Tick::default()).expect("b");
+        assert!((b.pressure - 0.75).abs() < 1e-9, "{}", b.pressure);
+    }
+
+    #[test]
+    fn real_system_reads() {
+        let mut s = SystemBudget::new();
+        let reading = s.read().expect("this machine has /proc");
+        assert!(reading.own_rss_bytes > 0);
+        let b = s.budget(Tick::default()).expect("budget");
+        assert_eq!(b.origin, BudgetOrigin::System);
+        assert!(b.bytes > 0);
+        assert!(s.describe().contains("system"));
+    }
+
+    #[test]
+    fn trace_budget_replays_and_reports_pressure() {
+        let trace = Trace::parse(
+            r#"{"name":"t","initial":1000,"events":[{"at":5,"budget":250},{"at":9,"budget":1500}]}"#,
+        )
+        .expect("trace");
+        let mut s = TraceBudget::new(trace);
+        let at = |s: &mut TraceBudget, token_index| {
+            s.budget(Tick {
+                token_index,
+                elapsed_ms: 0,
+            })
+            .expect("never fails")
+        };
+        assert_eq!(at(&mut s, 0).bytes, 1000 * MIB);
+        assert!(at(&mut s, 0).pressure.abs() < 1e-12);
+        assert_eq!(at(&mut s, 5).bytes, 250 * MIB);
+        assert!((at(&mut s, 5).pressure - 0.75).abs() < 1e-12);
+        assert!(
+            at(&mut s, 9).pressure.abs() < 1e-12,
+            "above initial clamps to 0"
+        );
+        assert_eq!(
+            s.describe(),
+            "trace t (token clock, 2 steps, initial 1000 MiB)"
+        );
+    }
+
+    #[test]
+    fn fixed_budget_follows_its_handle() {
+        let mut s = FixedBudget::new(800 * MIB);
+        let handle = s.handle();
+        let other_thread = std::thread::spawn(move || handle.set(200 * MIB));
+        other_thread.join().expect("join");
+        let b = s.budget(Tick::default()).expect("never fails");
+        assert_eq!(b.bytes, 200 * MIB);
+        assert!((b.pressure - 0.75).abs() < 1e-12);
+        assert_eq!(b.origin, BudgetOrigin::Fixed);
+    }
+
+    #[test]
+    fn proc_cgroup_parsing() {
+        let (v2, v1) = parse_proc_cgroup("12:memory:/m\n0::/u\n3:cpu,memory2:/no\n");
+        assert_eq!(v2.as_deref(), Some("/u"));
+        assert_eq!(v1.as_deref(), Some("/m"));
+        assert_eq!(parse_proc_cgroup("garbage\n"), (None, None));
+    }
+}

@@ -1,0 +1,30 @@
+//! KV-cache transplant between rungs of one model family.
+//!
+//! Molt moves a running generation from a source rung to a destination rung between two
+//! tokens by *projecting* the source's KV cache instead of re-prefilling. This module is
+//! the pure math and file format of that step; the engine and KV mirror feed it arrays.
+//!
+//! - [`rope`]: RoPE as ggml-cpu computes it ([`rope::rotate`], [`rope::RopeSpec`]); the
+//!   cache holds K after rotation, so keys are un-rotated at the source's angles, mapped,
+//!   and re-rotated at the destination's (the *sandwich*).
+//! - [`ridge`]: closed-form ridge fits in f64 with Cholesky ([`ridge::Affine`],
+//!   [`ridge::NormalEquations`], diagonal and per-head variants).
+//! - [`map`]: [`map::LayerMap`], the per-layer K or V map (identity, dense, diagonal,
+//!   per-head, truncate baseline).
+//! - [`projector`]: [`projector::Projector`], one fitted route bound to its two GGUF files
+//!   by sha256, and its `.molt-proj` file format.
+//! - [`project`]: [`project::project`], applying a projector to a whole cache in parallel,
+//!   and the depth-remap candidate helpers.
+//! - [`fit`]: [`fit::fit_route`], fitting a projector from paired activations with λ and
+//!   depth remap chosen on held-out windows, reported as a serde [`fit::FitReport`].
+//! - [`error`]: [`TransplantError`] and [`ProjectorError`].
+
+pub mod error;
+pub mod fit;
+pub mod map;
+pub mod project;
+pub mod projector;
+pub mod ridge;
+pub mod rope;
+
+pub use error::{ProjectorError, TransplantError};
