@@ -143,7 +143,7 @@ fn mapping_pathname(header: &str) -> &str {
     rest.trim()
 }
 
-fn page_size() -> usize {
+pub(crate) fn page_size() -> usize {
     // SAFETY: sysconf has no preconditions; it only reads a configuration value.
     let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     usize::try_from(size)

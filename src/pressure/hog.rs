@@ -21,6 +21,7 @@
 //! held; a standalone hog with `stdin` from `/dev/null` follows its schedule and exits (end
 //! the schedule with a step to the size to hold until then).
 
+use super::footprint::page_size;
 use std::ffi::OsStr;
 use std::fmt;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -208,15 +209,6 @@ impl HogMemory {
         }
         Ok(())
     }
-}
-
-fn page_size() -> usize {
-    // SAFETY: sysconf has no preconditions; it only reads a configuration value.
-    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    usize::try_from(size)
-        .ok()
-        .filter(|&s| s > 0)
-        .unwrap_or(4096)
 }
 
 /// What a hog run did.
