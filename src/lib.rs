@@ -11,6 +11,10 @@
 //! - [`engine`]: one rung over llama.cpp: model, context, decode, logits, sampling;
 //! - [`kv`]: the KV mirror, llama.cpp's sequence state <-> per-layer K/V arrays;
 //! - [`session`]: the token loop that streams events and migrates between tokens;
+//! - [`transplant`]: RoPE sandwich, ridge, maps and projector files;
+//! - [`train`]: fitting a ladder's projectors from its own caches;
+//! - [`pressure`] and [`sched`]: budgets, footprints and the policy that keeps Molt inside them;
+//! - [`bench`]: the benchmark programs;
 //! - [`tiny`]: tiny random-weight models of the real architecture, for hermetic tests.
 
 pub mod bench;
@@ -22,4 +26,5 @@ pub mod pressure;
 pub mod sched;
 pub mod session;
 pub mod tiny;
+pub mod train;
 pub mod transplant;

@@ -2,8 +2,10 @@
 //! `results/`; nothing is timed inside tests (the machines are shared and noisy, so the
 //! benchmarks compare ratios measured side by side in one run, with repetitions).
 //!
+//! - [`cost_sweep`]: transplant against re-prefill per route and context length.
 //! - [`speed`]: prefill/decode tok/s per rung, Molt's engine beside plain llama.cpp.
 
+pub mod cost_sweep;
 pub mod speed;
 
 /// Facts about the machine and build, stored beside every result.

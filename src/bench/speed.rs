@@ -25,7 +25,9 @@ pub struct Rate {
 }
 
 impl Rate {
-    fn from(mut v: Vec<f64>) -> Self {
+    /// Median, min and max of `v`.
+    #[must_use]
+    pub fn from(mut v: Vec<f64>) -> Self {
         let samples = v.clone();
         v.sort_by(f64::total_cmp);
         let median = if v.is_empty() { 0.0 } else { v[v.len() / 2] };

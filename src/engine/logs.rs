@@ -17,15 +17,14 @@ extern "C" fn on_log(level: llama_cpp_sys_2::ggml_log_level, text: *const c_char
     if std::env::var_os("MOLT_LLAMA_LOG").is_some() {
         eprint!("{line}");
     }
-    if level == llama_cpp_sys_2::GGML_LOG_LEVEL_WARN
-        || level == llama_cpp_sys_2::GGML_LOG_LEVEL_ERROR
+    if (level == llama_cpp_sys_2::GGML_LOG_LEVEL_WARN
+        || level == llama_cpp_sys_2::GGML_LOG_LEVEL_ERROR)
+        && let Ok(mut q) = RECENT.lock()
     {
-        if let Ok(mut q) = RECENT.lock() {
-            if q.len() == KEEP {
-                q.pop_front();
-            }
-            q.push_back(line.trim_end().to_string());
+        if q.len() == KEEP {
+            q.pop_front();
         }
+        q.push_back(line.trim_end().to_string());
     }
 }
 

@@ -151,6 +151,12 @@ impl Model {
             .unwrap_or(0)
     }
 
+    /// Number of parameters (for FLOP estimates).
+    pub fn n_params(&self) -> u64 {
+        // SAFETY: read-only query on a live model.
+        unsafe { llama_cpp_sys_2::llama_model_n_params(self.as_ptr()) }
+    }
+
     /// Total bytes of the weight tensors.
     pub fn size_bytes(&self) -> u64 {
         // SAFETY: read-only query on a live model.

@@ -227,15 +227,15 @@ pub fn fetch(
             }
         };
         let (sha256, _) = lock.sha256_of(&path, |_| {}).map_err(io(&path))?;
-        if let Some(expected) = &rung.sha256 {
-            if &sha256 != expected {
-                return Err(FetchError::ExistingCorrupt {
-                    rung: rung.name.clone(),
-                    file: path,
-                    expected: expected.clone(),
-                    actual: sha256,
-                });
-            }
+        if let Some(expected) = &rung.sha256
+            && &sha256 != expected
+        {
+            return Err(FetchError::ExistingCorrupt {
+                rung: rung.name.clone(),
+                file: path,
+                expected: expected.clone(),
+                actual: sha256,
+            });
         }
         lock.save(&lock_path).map_err(io(&lock_path))?;
         let size = std::fs::metadata(&path).map_err(io(&path))?.len();

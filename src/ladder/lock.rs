@@ -99,10 +99,11 @@ impl Lock {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
         let (size, mtime_ns) = stat(path)?;
-        if let Some(r) = self.files.get(&key) {
-            if r.size == size && r.mtime_ns == mtime_ns {
-                return Ok((r.sha256.clone(), false));
-            }
+        if let Some(r) = self.files.get(&key)
+            && r.size == size
+            && r.mtime_ns == mtime_ns
+        {
+            return Ok((r.sha256.clone(), false));
         }
         let sha256 = sha256_file(path, progress)?;
         self.files.insert(

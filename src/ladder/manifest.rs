@@ -148,17 +148,16 @@ impl Manifest {
             if m.rungs[..i].iter().any(|o| o.name == r.name) {
                 return Err(invalid(format!("rung name {:?} appears twice", r.name)));
             }
-            if let Some(h) = &r.sha256 {
-                if h.len() != 64
+            if let Some(h) = &r.sha256
+                && (h.len() != 64
                     || !h
                         .bytes()
-                        .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
-                {
-                    return Err(invalid(format!(
-                        "rung {}: sha256 must be 64 lowercase hex digits",
-                        r.name
-                    )));
-                }
+                        .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()))
+            {
+                return Err(invalid(format!(
+                    "rung {}: sha256 must be 64 lowercase hex digits",
+                    r.name
+                )));
             }
             match &r.source {
                 Source::Requantize { from, .. }

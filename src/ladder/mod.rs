@@ -180,15 +180,15 @@ impl Ladder {
                     path: path.clone(),
                     source,
                 })?;
-            if let Some(expected) = &spec.sha256 {
-                if expected != &sha256 {
-                    return Err(LadderError::HashMismatch {
-                        rung: spec.name.clone(),
-                        path,
-                        expected: expected.clone(),
-                        actual: sha256,
-                    });
-                }
+            if let Some(expected) = &spec.sha256
+                && expected != &sha256
+            {
+                return Err(LadderError::HashMismatch {
+                    rung: spec.name.clone(),
+                    path,
+                    expected: expected.clone(),
+                    actual: sha256,
+                });
             }
             let file_bytes = std::fs::metadata(&path)
                 .map_err(|source| LadderError::Io {

@@ -58,6 +58,20 @@ pub fn process_rss_bytes() -> Result<u64, PressureError> {
     rss_bytes_in(Path::new("/proc/self/status"))
 }
 
+/// Anonymous resident memory of this process (`RssAnon`): heap, KV caches, compute buffers —
+/// everything but mapped files. A context's own cost is the change of this number.
+///
+/// # Errors
+///
+/// As [`process_rss_bytes`] (`RssAnon` missing is a parse error).
+pub fn process_anon_rss_bytes() -> Result<u64, PressureError> {
+    let path = Path::new("/proc/self/status");
+    procfile::kib_field_bytes(&procfile::read(path)?, "RssAnon").ok_or(PressureError::Parse {
+        path: path.to_path_buf(),
+        what: "RssAnon",
+    })
+}
+
 /// Resident set (`VmRSS`) from a `status` file — `/proc/<pid>/status` of another process,
 /// e.g. the hog.
 ///

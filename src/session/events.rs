@@ -52,6 +52,10 @@ pub struct SwitchInfo {
     pub pressure: f64,
     /// Budget at the decision, bytes.
     pub budget_bytes: u64,
+    /// Handoff divergence: JSD (nats) between the destination's next-token distribution right
+    /// after the switch and the source's own at the same step (measured only when asked).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handoff_jsd: Option<f64>,
 }
 
 impl SwitchInfo {
@@ -122,6 +126,11 @@ pub enum Event {
         pressure: f64,
         /// Where it came from.
         source: String,
+    },
+    /// Generation is waiting (no rung fits the budget).
+    Stall {
+        /// Why.
+        reason: String,
     },
     /// The answer ended.
     Done(Summary),

@@ -6,15 +6,24 @@
 //! [`GenerateOptions`], [`Event`] and [`Generation`] (the summary of one answer).
 
 mod events;
+pub mod migrate;
+pub mod routes;
+mod rung;
 
-pub use events::{Event, Generation, StopReason, SwitchInfo};
+pub use events::{Event, Generation, StopReason, Summary, SwitchInfo};
+pub use routes::{RouteError, RouteKind, Routes, Variant};
+pub use rung::{LiveRung, ParkedRung};
 
 use crate::engine::{
-    ChatMessage, Context, ContextConfig, EngineError, Model, ModelOptions, Sampler, SamplingParams,
-    Token, Utf8Stream,
+    ChatMessage, ContextConfig, EngineError, Sampler, SamplingParams, Token, Utf8Stream, softmax,
 };
-use crate::ladder::{Ladder, RungInfo};
-use std::time::Instant;
+use crate::ladder::Ladder;
+use crate::pressure::{Budget, BudgetSource, PressureError, Tick};
+use crate::sched::{Decision, Policy, RungCost, TenantClass, TenantView, decide_one};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 /// Errors from a session.
 #[derive(Debug, thiserror::Error)]
@@ -42,6 +51,26 @@ pub enum SessionError {
     /// No such rung.
     #[error("no rung named {0:?} in this ladder")]
     UnknownRung(String),
+    /// No projector for a route the session needed.
+    #[error(transparent)]
+    Route(#[from] RouteError),
+    /// The budget source failed.
+    #[error("budget source: {0}")]
+    Budget(#[from] PressureError),
+    /// The budget can never hold even the smallest rung.
+    #[error(
+        "the budget ({budget_mib} MiB) is below the smallest rung's footprint ({rung}: {need_mib} MiB for {tokens} tokens of context); raise the budget or shorten the request"
+    )]
+    BudgetBelowSmallest {
+        /// Budget in MiB.
+        budget_mib: u64,
+        /// Smallest rung.
+        rung: String,
+        /// Its footprint in MiB.
+        need_mib: u64,
+        /// Context tokens assumed.
+        tokens: u64,
+    },
     /// A migration failed; the session stays on the source rung.
     #[error("migration {from} -> {to} failed: {message}")]
     Migration {
@@ -71,6 +100,9 @@ pub struct GenerateOptions {
     pub max_tokens: usize,
     /// Sampling.
     pub sampling: SamplingParams,
+    /// `(i, rung)`: switch to `rung` before generated token `i`, whatever the budget says
+    /// (benchmarks and tests that need a switch at a known point).
+    pub force_switch: Option<(usize, usize)>,
 }
 
 impl Default for GenerateOptions {
@@ -78,44 +110,54 @@ impl Default for GenerateOptions {
         Self {
             max_tokens: 128,
             sampling: SamplingParams::greedy(),
+            force_switch: None,
         }
     }
 }
 
-/// A rung with its weights mapped and a context ready.
-pub struct LiveRung {
-    /// What the ladder knows about the rung.
-    pub info: RungInfo,
-    /// Its llama.cpp context (which holds the model).
-    pub ctx: Context,
+/// How a session changes rung when the budget says it must.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Strategy {
+    /// Molt (condition D): project the KV cache between two tokens.
+    Molt,
+    /// Condition C: switch rung and re-read prompt + generated text on the destination.
+    Reprefill,
+    /// Conditions A and B: never switch; when the budget falls below the rung's footprint the
+    /// process would be killed, and the answer is lost.
+    Never,
 }
 
-impl LiveRung {
-    /// Maps the rung's weights and creates its context.
-    ///
-    /// # Errors
-    /// [`SessionError::Engine`] when llama.cpp refuses the file or the context.
-    pub fn load(info: &RungInfo, config: ContextConfig) -> Result<Self, SessionError> {
-        let wrap = |source| SessionError::Engine {
-            rung: info.name().to_string(),
-            source,
-        };
-        let model = Model::load(&info.path, info.name(), ModelOptions::default()).map_err(wrap)?;
-        let ctx = Context::new(model, config).map_err(wrap)?;
-        Ok(Self {
-            info: info.clone(),
-            ctx,
-        })
-    }
+/// Session-wide settings.
+#[derive(Debug, Clone)]
+pub struct SessionOptions {
+    /// How to change rung.
+    pub strategy: Strategy,
+    /// Projector family (ablations).
+    pub variant: Variant,
+    /// Where projector files are searched (see [`routes::search_dirs`]).
+    pub projector_dirs: Vec<PathBuf>,
+    /// Hysteresis and shedding granularity.
+    pub policy: Policy,
+    /// Keep the source rung loaded after a switch (benchmarks that want both warm); by default
+    /// it is freed, which is the point of moving.
+    pub keep_source: bool,
+    /// Also decode the switch token on the source, to measure the handoff divergence (JSD of
+    /// the two next-token distributions). Costs one extra source decode, outside the switch
+    /// cost.
+    pub measure_seam: bool,
+}
 
-    /// The rung's name.
-    pub fn name(&self) -> &str {
-        self.info.name()
-    }
-
-    /// The model.
-    pub fn model(&self) -> &Model {
-        self.ctx.model()
+impl Default for SessionOptions {
+    fn default() -> Self {
+        Self {
+            strategy: Strategy::Molt,
+            variant: Variant::Auto,
+            projector_dirs: routes::search_dirs(None),
+            policy: Policy::default(),
+            keep_source: false,
+            measure_seam: false,
+        }
     }
 }
 
@@ -123,43 +165,94 @@ impl LiveRung {
 pub struct Session {
     ladder: Ladder,
     config: ContextConfig,
+    opts: SessionOptions,
+    routes: Routes,
     rungs: Vec<Option<LiveRung>>,
+    /// Measured context overheads, per rung, once a rung has been loaded.
+    context_bytes: Vec<Option<u64>>,
     current: usize,
+    /// The largest rung this session may use (where it started).
+    home: usize,
     /// Tokens whose K/V are in the current rung's cache, in order.
     history: Vec<Token>,
     /// The conversation (for chat prompts).
     conversation: Vec<ChatMessage>,
     /// The token sampled last but not yet decoded (carried across answers and migrations).
     pending: Option<Token>,
+    budget: Option<Box<dyn BudgetSource + Send>>,
+    last_budget: Option<u64>,
+    cancel: Arc<AtomicBool>,
 }
 
+/// KV bytes per token of a rung: K and V rows of every layer.
+fn kv_per_token(info: &crate::ladder::RungInfo, config: ContextConfig) -> u64 {
+    let f = &info.facts;
+    u64::from(f.n_layer) * u64::from(f.kv_dim_k() + f.kv_dim_v()) * config.cache_type.bytes() as u64
+}
+
+/// Before a rung has been loaded, its context cost is estimated as a KV buffer for the whole
+/// window plus 96 MiB of compute buffers and logits; the measurement replaces it at load.
+const COMPUTE_ESTIMATE: u64 = 96 << 20;
+
 impl Session {
-    /// A session on `ladder`, starting on rung `start` (loaded now).
+    /// A session on `ladder`, starting on rung `start` (loaded now), with default options.
     ///
     /// # Errors
     /// [`SessionError::UnknownRung`] or a load failure.
     pub fn new(ladder: Ladder, config: ContextConfig, start: &str) -> Result<Self, SessionError> {
+        Self::with_options(ladder, config, start, SessionOptions::default())
+    }
+
+    /// A session with explicit options.
+    ///
+    /// # Errors
+    /// [`SessionError::UnknownRung`] or a load failure.
+    pub fn with_options(
+        ladder: Ladder,
+        config: ContextConfig,
+        start: &str,
+        opts: SessionOptions,
+    ) -> Result<Self, SessionError> {
         let current = ladder
             .rungs
             .iter()
             .position(|r| r.name() == start)
             .ok_or_else(|| SessionError::UnknownRung(start.to_string()))?;
-        let mut rungs: Vec<Option<LiveRung>> = (0..ladder.rungs.len()).map(|_| None).collect();
-        rungs[current] = Some(LiveRung::load(&ladder.rungs[current], config)?);
-        Ok(Self {
+        let n = ladder.rungs.len();
+        let routes = Routes::new(&ladder, opts.projector_dirs.clone(), opts.variant);
+        let mut s = Self {
             ladder,
             config,
-            rungs,
+            opts,
+            routes,
+            rungs: (0..n).map(|_| None).collect(),
+            context_bytes: vec![None; n],
             current,
+            home: current,
             history: Vec::new(),
             conversation: Vec::new(),
             pending: None,
-        })
+            budget: None,
+            last_budget: None,
+            cancel: Arc::new(AtomicBool::new(false)),
+        };
+        s.ensure_loaded(current)?;
+        Ok(s)
     }
 
     /// The ladder.
     pub fn ladder(&self) -> &Ladder {
         &self.ladder
+    }
+
+    /// The options.
+    pub fn options(&self) -> &SessionOptions {
+        &self.opts
+    }
+
+    /// The projector routes (to install freshly fitted projectors, or inspect).
+    pub fn routes_mut(&mut self) -> &mut Routes {
+        &mut self.routes
     }
 
     /// The current rung's name.
@@ -187,6 +280,25 @@ impl Session {
         self.config
     }
 
+    /// Replaces the budget source (`None`: no budget, never switch).
+    pub fn set_budget_source(&mut self, source: Option<Box<dyn BudgetSource + Send>>) {
+        self.budget = source;
+        self.last_budget = None;
+    }
+
+    /// Describes the budget source.
+    pub fn budget_description(&self) -> String {
+        self.budget
+            .as_ref()
+            .map_or_else(|| "none".to_string(), |b| b.describe())
+    }
+
+    /// A flag that, once set, stops the answer being generated (Ctrl-C, a client hanging up).
+    /// It is cleared at the start of every answer.
+    pub fn cancel_handle(&self) -> Arc<AtomicBool> {
+        Arc::clone(&self.cancel)
+    }
+
     /// Forgets the conversation and the cache (the rungs stay loaded).
     pub fn reset(&mut self) {
         self.conversation.clear();
@@ -202,12 +314,28 @@ impl Session {
     /// # Errors
     /// A load failure.
     pub fn ensure_loaded(&mut self, index: usize) -> Result<&mut LiveRung, SessionError> {
+        if index >= self.rungs.len() {
+            return Err(SessionError::UnknownRung(index.to_string()));
+        }
         if self.rungs[index].is_none() {
-            self.rungs[index] = Some(LiveRung::load(&self.ladder.rungs[index], self.config)?);
+            let live = LiveRung::load(&self.ladder.rungs[index], self.config)?;
+            if live.context_bytes > 0 {
+                self.context_bytes[index] = Some(live.context_bytes);
+            }
+            self.rungs[index] = Some(live);
         }
         self.rungs[index]
             .as_mut()
             .ok_or_else(|| SessionError::UnknownRung(index.to_string()))
+    }
+
+    /// Unloads a rung (not the current one).
+    pub fn unload(&mut self, index: usize) {
+        if index != self.current
+            && let Some(slot) = self.rungs.get_mut(index)
+        {
+            *slot = None;
+        }
     }
 
     fn live(&mut self) -> &mut LiveRung {
@@ -227,6 +355,41 @@ impl Session {
         self.rungs.get_mut(index).and_then(Option::as_mut)
     }
 
+    /// What each rung costs, for the policy: weights = the file's tensor bytes (every weight
+    /// page is touched by each decode, so a running rung's weights are all resident), KV per
+    /// token from the geometry, and the context's measured overhead (an estimate until the
+    /// rung has been loaded once).
+    pub fn rung_costs(&self) -> Vec<RungCost> {
+        self.ladder
+            .rungs
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let kv = kv_per_token(r, self.config);
+                let ctx = self.context_bytes[i]
+                    .unwrap_or(kv * u64::from(self.config.n_ctx) + COMPUTE_ESTIMATE);
+                RungCost::new(r.name(), r.facts.total_tensor_bytes.max(1), kv, ctx)
+            })
+            .collect()
+    }
+
+    /// The footprint the policy assigns rung `index` with `tokens` of context.
+    pub fn modelled_footprint(&self, index: usize, tokens: u64) -> u64 {
+        let c = &self.rung_costs()[index];
+        c.resident_bytes() + c.kv_bytes(tokens)
+    }
+
+    /// The measured footprint of the loaded rungs: resident weight pages (from the process's
+    /// own mappings) plus each context's measured overhead.
+    pub fn measured_footprint(&self) -> u64 {
+        self.rungs
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| r.as_ref().map(|r| (i, r)))
+            .map(|(i, r)| r.weights_resident() + self.context_bytes[i].unwrap_or(0))
+            .sum()
+    }
+
     /// Tokens for a prompt: raw text, or the whole conversation rendered with the chat
     /// template (with the new user turn appended, assistant turn opened).
     fn prompt_tokens(&mut self, prompt: &Prompt) -> Result<Vec<Token>, SessionError> {
@@ -238,6 +401,9 @@ impl Session {
         match prompt {
             Prompt::Text(t) => {
                 let mut v = self.history.clone();
+                if let Some(p) = self.pending {
+                    v.push(p);
+                }
                 v.extend(self.live().model().tokenize(t, false).map_err(wrap)?);
                 Ok(v)
             }
@@ -249,19 +415,127 @@ impl Session {
                     .model()
                     .apply_chat_template(&conv, true)
                     .map_err(wrap)?;
+                let tokens = self.live().model().tokenize(&text, true).map_err(wrap)?;
                 self.conversation = conv;
-                self.live().model().tokenize(&text, true).map_err(wrap)
+                Ok(tokens)
             }
         }
+    }
+
+    fn read_budget(&mut self, tick: Tick) -> Result<Option<Budget>, SessionError> {
+        match self.budget.as_mut() {
+            None => Ok(None),
+            Some(b) => Ok(Some(b.budget(tick)?)),
+        }
+    }
+
+    /// Moves the session to rung `to` between two tokens: `last` is the token sampled on the
+    /// current rung but not decoded yet; on return it has been decoded on `to`, whose logits
+    /// are ready.
+    fn switch_to(
+        &mut self,
+        to: usize,
+        last: Token,
+        at_token: usize,
+        budget: Option<Budget>,
+    ) -> Result<SwitchInfo, SessionError> {
+        let from = self.current;
+        let t_decision = Instant::now();
+        let was_loaded = self.rungs[to].is_some();
+        let t_load = Instant::now();
+        self.ensure_loaded(to)?;
+        let load_ms = if was_loaded {
+            0.0
+        } else {
+            t_load.elapsed().as_secs_f64() * 1e3
+        };
+        let mut src = self.rungs[from].take().expect("current rung is loaded");
+        let mut dst = self.rungs[to].take().expect("destination just loaded");
+        let result = match self.opts.strategy {
+            Strategy::Reprefill => migrate::reprefill(&src.ctx, &mut dst.ctx, &self.history, last)
+                .map(|t| (t, "reprefill")),
+            _ => match self.routes.get(from, to) {
+                Ok(p) => migrate::transplant(&src.ctx, &mut dst.ctx, &p, last).map(|t| (t, "molt")),
+                Err(e) => Err(SessionError::Route(e)),
+            },
+        };
+        let (timings, method) = match result {
+            Ok(r) => r,
+            Err(e) => {
+                self.rungs[from] = Some(src);
+                self.rungs[to] = Some(dst);
+                return Err(e);
+            }
+        };
+        let handoff_jsd = if self.opts.measure_seam {
+            let ok = src.ctx.decode(&[last]).is_ok();
+            let v = ok.then(|| jsd(src.ctx.logits(), dst.ctx.logits()));
+            src.ctx.truncate(src.ctx.n_past().saturating_sub(1));
+            v
+        } else {
+            None
+        };
+        let _ = t_decision;
+        let n_tokens = self.history.len() as u64 + 1;
+        let flops_reprefill = migrate::prefill_flops(
+            dst.model().n_params(),
+            dst.model().n_layer() as u64,
+            dst.model().n_embd() as u64,
+            n_tokens,
+        );
+        let flops = match self.opts.strategy {
+            Strategy::Reprefill => flops_reprefill,
+            _ => {
+                timings.flops
+                    + migrate::prefill_flops(
+                        dst.model().n_params(),
+                        dst.model().n_layer() as u64,
+                        dst.model().n_embd() as u64,
+                        1,
+                    )
+            }
+        };
+        let info = SwitchInfo {
+            at_token,
+            from: src.name().to_string(),
+            to: dst.name().to_string(),
+            method: method.to_string(),
+            cost_ms: timings.cost_ms,
+            load_ms,
+            export_ms: timings.export_ms,
+            project_ms: timings.project_ms,
+            import_ms: timings.import_ms,
+            first_decode_ms: timings.first_decode_ms,
+            cells: timings.cells,
+            flops,
+            flops_reprefill,
+            pressure: budget.map_or(0.0, |b| b.pressure),
+            budget_bytes: budget.map_or(0, |b| b.bytes),
+            handoff_jsd,
+        };
+        self.rungs[to] = Some(dst);
+        if self.opts.keep_source {
+            src.ctx.clear();
+            self.rungs[from] = Some(src);
+        } else {
+            drop(src);
+        }
+        self.current = to;
+        Ok(info)
     }
 
     /// Answers one prompt, streaming [`Event`]s into `sink`.
     ///
     /// The cache is reused for the longest prefix the new prompt shares with what is already
-    /// cached (a chat's earlier turns are not re-read).
+    /// cached (a chat's earlier turns are not re-read). Before each token the budget is read; if
+    /// the current rung's footprint would exceed it, the session moves to the largest rung that
+    /// fits (by the session's [`Strategy`]); when the budget recovers past the hysteresis
+    /// margin it moves back up, never above the rung it started on.
     ///
     /// # Errors
-    /// [`SessionError::PromptTooLong`] before anything is decoded; engine errors otherwise.
+    /// [`SessionError::PromptTooLong`] or [`SessionError::BudgetBelowSmallest`] before anything
+    /// is decoded; engine and migration errors otherwise.
+    #[allow(clippy::too_many_lines)]
     pub fn generate(
         &mut self,
         prompt: &Prompt,
@@ -269,15 +543,43 @@ impl Session {
         sink: &mut dyn FnMut(&Event),
     ) -> Result<Generation, SessionError> {
         let t0 = Instant::now();
+        self.cancel.store(false, Ordering::SeqCst);
         let tokens = self.prompt_tokens(prompt)?;
         let n_ctx = self.config.n_ctx;
-        let reserve = opts.max_tokens.min(16).max(1);
+        let reserve = opts.max_tokens.clamp(1, 16);
         if tokens.len() + reserve > n_ctx as usize {
             return Err(SessionError::PromptTooLong {
                 prompt_tokens: tokens.len(),
                 n_ctx,
                 reserve,
             });
+        }
+        // Before the prompt: check that the smallest rung fits at all, and start on the largest
+        // rung that fits (never above home).
+        let mut switches = Vec::new();
+        let budget0 = self.read_budget(Tick {
+            token_index: 0,
+            elapsed_ms: 0,
+        })?;
+        if let Some(b) = budget0 {
+            self.last_budget = Some(b.bytes);
+            sink(&Event::Budget {
+                bytes: b.bytes,
+                pressure: b.pressure,
+                source: self.budget_description(),
+            });
+            let costs = self.rung_costs();
+            let smallest = costs.len() - 1;
+            let need = costs[smallest].resident_bytes()
+                + costs[smallest].kv_bytes((tokens.len() + opts.max_tokens) as u64);
+            if b.bytes < need {
+                return Err(SessionError::BudgetBelowSmallest {
+                    budget_mib: b.bytes >> 20,
+                    rung: costs[smallest].name.clone(),
+                    need_mib: need >> 20,
+                    tokens: (tokens.len() + opts.max_tokens) as u64,
+                });
+            }
         }
         let keep = common_prefix(&self.history, &tokens).min(tokens.len().saturating_sub(1));
         let rung_name = self.current_rung().to_string();
@@ -294,11 +596,12 @@ impl Session {
         self.pending = None;
         let mut sampler = Sampler::new(opts.sampling);
         let mut stream = Utf8Stream::new();
-        let mut out_tokens = Vec::new();
+        let mut out_tokens: Vec<Token> = Vec::new();
         let mut text = String::new();
         let mut rungs_used = vec![rung_name.clone()];
         let mut last = Instant::now();
         let mut ttft_ms = 0.0;
+        let mut killed = false;
         sink(&Event::Start {
             rung: rung_name.clone(),
             prompt_tokens: tokens.len(),
@@ -306,17 +609,34 @@ impl Session {
         });
         let mut stop = StopReason::Length;
         for i in 0..opts.max_tokens {
+            if self.cancel.load(Ordering::SeqCst) {
+                stop = StopReason::Cancelled;
+                break;
+            }
             if i > 0 {
                 let tok = *out_tokens.last().unwrap_or(&0);
-                let name = self.current_rung().to_string();
                 if self.history.len() + 1 > n_ctx as usize {
                     stop = StopReason::ContextFull;
                     break;
                 }
-                self.live()
-                    .ctx
-                    .decode(&[tok])
-                    .map_err(|source| SessionError::Engine { rung: name, source })?;
+                match self.between_tokens(i, tok, t0, opts, sink)? {
+                    Between::Switched(info) => {
+                        sink(&Event::Switch(info.clone()));
+                        switches.push(info);
+                    }
+                    Between::Stay => {
+                        let name = self.current_rung().to_string();
+                        self.live()
+                            .ctx
+                            .decode(&[tok])
+                            .map_err(|source| SessionError::Engine { rung: name, source })?;
+                    }
+                    Between::Killed => {
+                        killed = true;
+                        stop = StopReason::Killed;
+                        break;
+                    }
+                }
                 self.history.push(tok);
             }
             let tok = {
@@ -352,9 +672,17 @@ impl Session {
         if !tail.is_empty() {
             text.push_str(&tail);
         }
-        self.pending = out_tokens.last().copied();
-        if let Prompt::User(_) = prompt {
-            self.conversation.push(ChatMessage::new("assistant", &text));
+        if killed {
+            // The process is gone: nothing of the conversation survives.
+            self.conversation.clear();
+            self.history.clear();
+            self.pending = None;
+            self.live().ctx.clear();
+        } else {
+            self.pending = out_tokens.last().copied();
+            if let Prompt::User(_) = prompt {
+                self.conversation.push(ChatMessage::new("assistant", &text));
+            }
         }
         let total_ms = t0.elapsed().as_secs_f64() * 1e3;
         let generation = Generation {
@@ -362,15 +690,122 @@ impl Session {
             tokens: out_tokens,
             prompt_tokens: tokens.len(),
             rungs_used,
-            switches: Vec::new(),
+            switches,
             ttft_ms,
             total_ms,
             stop,
-            killed: false,
+            killed,
         };
         sink(&Event::Done(generation.summary()));
         Ok(generation)
     }
+
+    /// Between token `i − 1` (sampled as `tok`, not yet decoded) and token `i`: read the budget
+    /// and act on the one-tenant policy.
+    fn between_tokens(
+        &mut self,
+        i: usize,
+        tok: Token,
+        t0: Instant,
+        opts: &GenerateOptions,
+        sink: &mut dyn FnMut(&Event),
+    ) -> Result<Between, SessionError> {
+        if let Some((at, to)) = opts.force_switch
+            && at == i
+            && to != self.current
+            && to < self.rungs.len()
+        {
+            let info = self.switch_to(to, tok, i, None)?;
+            return Ok(Between::Switched(info));
+        }
+        let mut waited = false;
+        loop {
+            let elapsed_ms = u64::try_from(t0.elapsed().as_millis()).unwrap_or(u64::MAX);
+            let Some(b) = self.read_budget(Tick {
+                token_index: i as u64,
+                elapsed_ms,
+            })?
+            else {
+                return Ok(Between::Stay);
+            };
+            if self.last_budget != Some(b.bytes) {
+                self.last_budget = Some(b.bytes);
+                sink(&Event::Budget {
+                    bytes: b.bytes,
+                    pressure: b.pressure,
+                    source: self.budget_description(),
+                });
+            }
+            let costs = self.rung_costs();
+            let view = TenantView::new(0, TenantClass::Foreground)
+                .with_rung(self.current)
+                .with_home(self.home)
+                .with_context(self.history.len() as u64 + 1, 0);
+            let decision = decide_one(&view, b.bytes, &costs, &self.opts.policy).map_err(|e| {
+                SessionError::Migration {
+                    from: self.current_rung().to_string(),
+                    to: "?".into(),
+                    message: e.to_string(),
+                }
+            })?;
+            let target = match decision {
+                Decision::Stay | Decision::Admit { .. } => return Ok(Between::Stay),
+                Decision::Demote { to } | Decision::Promote { to } => Some(to),
+                Decision::Park { .. } | Decision::Shed { .. } | Decision::Resume { .. } => None,
+            };
+            if self.opts.strategy == Strategy::Never {
+                let over = costs[self.current].resident_bytes()
+                    + costs[self.current].kv_bytes(self.history.len() as u64 + 1)
+                    > b.bytes;
+                return Ok(if over { Between::Killed } else { Between::Stay });
+            }
+            if let Some(to) = target {
+                let info = self.switch_to(to, tok, i, Some(b))?;
+                return Ok(Between::Switched(info));
+            }
+            // Not even the smallest rung fits: wait for memory to come back (the system budget
+            // moves with time; a replayed trace was checked before the answer started).
+            if !waited {
+                sink(&Event::Stall {
+                    reason: format!(
+                        "budget {} MiB is below every rung's footprint; waiting for memory",
+                        b.bytes >> 20
+                    ),
+                });
+                waited = true;
+            }
+            if self.cancel.load(Ordering::SeqCst) {
+                return Ok(Between::Stay);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+enum Between {
+    Stay,
+    Switched(SwitchInfo),
+    Killed,
+}
+
+/// Jensen–Shannon divergence (nats) between the softmax distributions of two logit rows.
+#[must_use]
+pub fn jsd(a: &[f32], b: &[f32]) -> f64 {
+    if a.len() != b.len() || a.is_empty() {
+        return f64::NAN;
+    }
+    let (p, q) = (softmax(a), softmax(b));
+    let mut d = 0.0;
+    for (&x, &y) in p.iter().zip(&q) {
+        let m = 0.5 * (x + y);
+        if x > 0.0 {
+            d += 0.5 * x * (x / m).ln();
+        }
+        if y > 0.0 {
+            d += 0.5 * y * (y / m).ln();
+        }
+    }
+    d.max(0.0)
 }
 
 fn common_prefix(a: &[Token], b: &[Token]) -> usize {

@@ -152,6 +152,9 @@ impl RouteSamples {
     }
 }
 
+/// Training and held-out row ranges.
+pub type Split = (Vec<Range<usize>>, Vec<Range<usize>>);
+
 /// Split `0..n_rows` into windows of `window` rows; every `held_out_every`-th window
 /// (the last of each group) is held out, the rest train.
 ///
@@ -162,7 +165,7 @@ pub fn split_windows(
     n_rows: usize,
     window: usize,
     held_out_every: usize,
-) -> Result<(Vec<Range<usize>>, Vec<Range<usize>>), TransplantError> {
+) -> Result<Split, TransplantError> {
     if window == 0 || held_out_every < 2 {
         return Err(TransplantError::TooFewRows {
             what: "window length / held-out period",
@@ -859,7 +862,7 @@ mod tests {
             .map(|_| {
                 z = &z * 0.7 + &gauss(n, d, 0.71, rng);
                 let mix = gauss(d, d, 1.0 / (d as f32).sqrt(), rng);
-                z.dot(&mix) + &z * 0.3 + &gauss(1, d, 4.0, rng).row(0)
+                z.dot(&mix) + &z * 0.3 + gauss(1, d, 4.0, rng).row(0)
             })
             .collect()
     }

@@ -78,7 +78,7 @@ pub fn per_head_layout(
     head_dim_out: usize,
 ) -> Result<PerHeadLayout, TransplantError> {
     let layer_width = n_heads_in * head_dim_in;
-    if layer_width == 0 || in_dim == 0 || in_dim % layer_width != 0 {
+    if layer_width == 0 || in_dim == 0 || !in_dim.is_multiple_of(layer_width) {
         return Err(TransplantError::NotMultiple {
             what: "per-head input width vs n_heads_in * head_dim_in",
             width: in_dim,

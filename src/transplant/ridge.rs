@@ -206,6 +206,7 @@ impl NormalEquations {
         y: ArrayView2<'_, f32>,
     ) -> Result<Self, TransplantError> {
         check_pair(x, y)?;
+        #[allow(clippy::single_range_in_vec_init)] // one range of rows, not a range of values
         let all = [0..x.nrows()];
         let xf = to_f64(x, &all);
         let yf = to_f64(y, &all);
@@ -603,7 +604,7 @@ mod tests {
         let base = gauss(rows, cols, 1.0, rng);
         let mix = gauss(cols, cols, 1.0 / (cols as f32).sqrt(), rng);
         let off = gauss(1, cols, 5.0, rng);
-        base.dot(&mix) + &base * 0.5 + &off.row(0)
+        base.dot(&mix) + &base * 0.5 + off.row(0)
     }
 
     fn planted(d_in: usize, d_out: usize, rng: &mut ChaCha8Rng) -> Affine {

@@ -78,7 +78,7 @@ impl RopeSpec {
         if self.head_dim == 0 {
             return Err(bad("head_dim is zero"));
         }
-        if self.n_rot == 0 || self.n_rot % 2 != 0 {
+        if self.n_rot == 0 || !self.n_rot.is_multiple_of(2) {
             return Err(bad("n_rot must be positive and even"));
         }
         if self.n_rot > self.head_dim {
@@ -128,7 +128,7 @@ pub fn rotate(
         });
     }
     let width = k.ncols();
-    if width == 0 || width % spec.head_dim != 0 {
+    if width == 0 || !width.is_multiple_of(spec.head_dim) {
         return Err(TransplantError::NotMultiple {
             what: "rope row width",
             width,

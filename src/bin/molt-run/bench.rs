@@ -11,6 +11,18 @@ pub struct Args {
     /// Prefill and decode tok/s of every rung, Molt beside plain llama.cpp.
     #[arg(long)]
     pub speed: bool,
+    /// Transplant against re-prefill at several context lengths, every route, both rungs warm.
+    #[arg(long)]
+    pub cost_sweep: bool,
+    /// Context lengths of the cost sweep.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![128usize, 256, 512, 1024])]
+    pub lengths: Vec<usize>,
+    /// Corpus for the cost sweep's contexts.
+    #[arg(long, default_value = "projectors/corpus")]
+    pub corpus: PathBuf,
+    /// Directory of projector files (default: the search order of `molt-run chat`).
+    #[arg(long)]
+    pub projectors: Option<PathBuf>,
     /// Repetitions for timings.
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
@@ -26,9 +38,87 @@ pub struct Args {
 }
 
 pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
-    if !a.speed {
-        bail!("nothing to run: pass --speed");
+    if !a.speed && !a.cost_sweep {
+        bail!("nothing to run: pass --speed and/or --cost-sweep");
     }
+    if a.reps == 0 {
+        bail!("--reps must be at least 1");
+    }
+    if a.cost_sweep {
+        run_cost_sweep(g, a)?;
+    }
+    if a.speed {
+        run_speed(g, a)?;
+    }
+    Ok(())
+}
+
+fn run_cost_sweep(g: &GlobalArgs, a: &Args) -> Result<()> {
+    let ladder = g.open_ladder()?;
+    let mut config = g.context_config()?;
+    let max_len = a.lengths.iter().copied().max().unwrap_or(0);
+    if max_len == 0 || a.lengths.contains(&0) {
+        bail!("--lengths must be positive");
+    }
+    config.n_ctx = config
+        .n_ctx
+        .max(u32::try_from(max_len + 16).unwrap_or(u32::MAX));
+    let text = molt::train::read_corpus(&a.corpus)?;
+    let tokens = {
+        let live = molt::session::LiveRung::load(&ladder.rungs[0], config)?;
+        live.model().tokenize(&text, false)?
+    };
+    if tokens.len() <= max_len {
+        bail!(
+            "the corpus in {} has {} tokens; the sweep needs {}",
+            a.corpus.display(),
+            tokens.len(),
+            max_len + 1
+        );
+    }
+    let mut routes = molt::session::Routes::new(
+        &ladder,
+        molt::session::routes::search_dirs(a.projectors.as_deref()),
+        molt::session::Variant::Auto,
+    );
+    let info = RunInfo::now();
+    let points = molt::bench::cost_sweep::run(
+        &ladder,
+        config,
+        &mut routes,
+        &tokens,
+        &molt::bench::cost_sweep::SweepOptions {
+            lengths: a.lengths.clone(),
+            reps: a.reps,
+        },
+        &mut |s| eprintln!("{s}"),
+    )?;
+    println!(
+        "{:<14} {:>6} {:>13} {:>13} {:>8} {:>9} {:>9} {:>9}",
+        "route", "ctx", "transplant ms", "reprefill ms", "speedup", "JSD", "floor", "FLOPs av."
+    );
+    for p in &points {
+        println!(
+            "{:<14} {:>6} {:>13.1} {:>13.1} {:>7.1}x {:>9.4} {:>9.4} {:>8.2}%",
+            p.route,
+            p.context_tokens,
+            p.transplant_ms.median,
+            p.reprefill_ms.median,
+            p.speedup,
+            p.transplant_jsd,
+            p.reprefill_jsd,
+            p.flops_avoided * 100.0
+        );
+    }
+    std::fs::create_dir_all(&a.out_dir)?;
+    let path = a.out_dir.join("cost_sweep.json");
+    let doc = serde_json::json!({ "run": info, "threads": config.n_threads, "reps": a.reps, "lengths": a.lengths, "points": points });
+    std::fs::write(&path, serde_json::to_string_pretty(&doc)?)?;
+    eprintln!("wrote {}", path.display());
+    Ok(())
+}
+
+fn run_speed(g: &GlobalArgs, a: &Args) -> Result<()> {
     let ladder = g.open_ladder()?;
     let threads = g.context_config()?.n_threads;
     std::fs::create_dir_all(&a.out_dir)?;

@@ -4,7 +4,8 @@
 use crate::common::GlobalArgs;
 use anyhow::{Context as _, Result, bail};
 use molt::engine::SamplingParams;
-use molt::session::{Event, GenerateOptions, Prompt, Session};
+use molt::pressure::{Trace, TraceBudget};
+use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions, Strategy, routes};
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -39,9 +40,41 @@ pub struct Args {
     /// Sampling seed.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Replay a memory-budget trace (JSON, see traces/) during every answer; the session
+    /// moves between rungs as the budget demands.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// How to change rung under pressure: molt (KV transplant), reprefill, never.
+    #[arg(long, value_enum, default_value_t = StrategyArg::Molt)]
+    pub strategy: StrategyArg,
+    /// Directory of projector files (searched before $MOLT_HOME/projectors, ./projectors and
+    /// the per-user data directory).
+    #[arg(long)]
+    pub projectors: Option<PathBuf>,
     /// Write JSONL results here instead of stdout (text is then streamed to stdout).
     #[arg(long)]
     pub out: Option<PathBuf>,
+}
+
+/// `--strategy` values.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StrategyArg {
+    /// Project the KV cache onto the new rung between two tokens.
+    Molt,
+    /// Re-read prompt and answer on the new rung.
+    Reprefill,
+    /// Never switch (killed when the budget falls below the rung).
+    Never,
+}
+
+impl From<StrategyArg> for Strategy {
+    fn from(s: StrategyArg) -> Self {
+        match s {
+            StrategyArg::Molt => Strategy::Molt,
+            StrategyArg::Reprefill => Strategy::Reprefill,
+            StrategyArg::Never => Strategy::Never,
+        }
+    }
 }
 
 #[derive(serde::Deserialize)]
@@ -61,7 +94,10 @@ struct Item {
     max_tokens: Option<usize>,
 }
 
-fn read_prompts(path: &PathBuf) -> Result<(Vec<Item>, Vec<(usize, String)>)> {
+/// Bad lines of a prompt file: line number and why.
+type BadLines = Vec<(usize, String)>;
+
+fn read_prompts(path: &PathBuf) -> Result<(Vec<Item>, BadLines)> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("reading prompt file {}", path.display()))?;
     let mut items = Vec::new();
@@ -121,12 +157,21 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     for (line, why) in &bad {
         eprintln!("molt-run: prompt file line {line}: {why} (skipped)");
     }
+    let trace = match &a.trace {
+        Some(p) => Some(Trace::load(p).with_context(|| format!("trace {}", p.display()))?),
+        None => None,
+    };
     let ladder = g.open_ladder()?;
     let start = a
         .rung
         .clone()
         .unwrap_or_else(|| ladder.rungs[0].name().to_string());
-    let mut session = Session::new(ladder, config, &start)?;
+    let opts = SessionOptions {
+        strategy: a.strategy.into(),
+        projector_dirs: routes::search_dirs(a.projectors.as_deref()),
+        ..SessionOptions::default()
+    };
+    let mut session = Session::with_options(ladder, config, &start, opts)?;
     let sampling = if a.temperature > 0.0 {
         SamplingParams {
             temperature: a.temperature,
@@ -147,20 +192,31 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     let mut failures = bad.len();
     for item in &items {
         session.reset();
+        if let Some(t) = &trace {
+            session.set_budget_source(Some(Box::new(TraceBudget::new(t.clone()))));
+        }
         let opts = GenerateOptions {
             max_tokens: item.max_tokens.unwrap_or(a.max_tokens),
             sampling,
+            force_switch: None,
         };
         let prompt = if a.raw {
             Prompt::Text(item.prompt.clone())
         } else {
             Prompt::User(item.prompt.clone())
         };
-        let mut sink = |e: &Event| {
-            if let (true, Event::Token { text, .. }) = (stream_text, e) {
+        let mut sink = |e: &Event| match (stream_text, e) {
+            (true, Event::Token { text, .. }) => {
                 print!("{text}");
                 let _ = std::io::stdout().flush();
             }
+            (true, Event::Switch(s)) => {
+                println!(
+                    "\n⇆ {} → {} ({}, {:.0} ms, pressure {:.2})",
+                    s.from, s.to, s.method, s.cost_ms, s.pressure
+                );
+            }
+            _ => {}
         };
         match session.generate(&prompt, &opts, &mut sink) {
             Ok(gen_) => {

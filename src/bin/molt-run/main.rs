@@ -9,6 +9,7 @@ mod common;
 mod fetch;
 mod generate;
 mod inspect;
+mod train;
 
 use clap::{Parser, Subcommand};
 
@@ -36,6 +37,8 @@ enum Command {
     Generate(generate::Args),
     /// Run the benchmark programs (JSON results under results/).
     Bench(bench::Args),
+    /// Fit the KV projectors of the ladder on the project's corpus.
+    TrainProjectors(train::Args),
 }
 
 fn main() {
@@ -45,6 +48,7 @@ fn main() {
         Command::Inspect(a) => inspect::run(&cli.global, &a),
         Command::Generate(a) => generate::run(&cli.global, &a),
         Command::Bench(a) => bench::run(&cli.global, &a),
+        Command::TrainProjectors(a) => train::run(&cli.global, &a),
     };
     if let Err(e) = result {
         if is_broken_pipe(&e) {

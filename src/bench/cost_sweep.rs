@@ -1,0 +1,185 @@
+//! The cost sweep: Molt's transplant against a re-prefill at several context lengths, both
+//! rungs warm, every route, measured side by side in one run (alternating, so the machine's
+//! drift hits both), with the handoff divergence of each beside its cost.
+//!
+//! For each route and length `n`: the source reads `n` tokens of the corpus; then, `reps`
+//! times each, alternating, (a) [`transplant`] its cache into the destination and decode the
+//! next token there, (b) [`reprefill`] the same `n` tokens plus the next one on the
+//! destination. Both end at the destination's first logits; both are compared (JSD) with the
+//! source's own next-token distribution. The re-prefill's divergence is the floor: it is what
+//! the destination says with a perfect cache of its own.
+
+use serde::Serialize;
+
+use super::speed::Rate;
+use crate::engine::{ContextConfig, Token};
+use crate::ladder::Ladder;
+use crate::session::migrate::{prefill_flops, reprefill, transplant};
+use crate::session::routes::{RouteKind, Routes, binding, route_kind};
+use crate::session::{LiveRung, SessionError, jsd};
+
+/// One route at one length.
+#[derive(Debug, Clone, Serialize)]
+pub struct SweepPoint {
+    /// `src→dst`.
+    pub route: String,
+    /// Precision or size.
+    pub kind: RouteKind,
+    /// Context tokens carried.
+    pub context_tokens: usize,
+    /// Transplant cost (decision to first logits), ms.
+    pub transplant_ms: Rate,
+    /// Its parts (medians), ms: export, project, import, first decode.
+    pub transplant_parts_ms: [f64; 4],
+    /// Re-prefill cost, ms.
+    pub reprefill_ms: Rate,
+    /// Median re-prefill / median transplant.
+    pub speedup: f64,
+    /// FLOPs of the transplant (projection + one decode).
+    pub transplant_flops: f64,
+    /// FLOPs of the re-prefill.
+    pub reprefill_flops: f64,
+    /// 1 − transplant / re-prefill FLOPs.
+    pub flops_avoided: f64,
+    /// Handoff JSD (nats) of the transplant against the source's next-token distribution.
+    pub transplant_jsd: f64,
+    /// Handoff JSD of the re-prefill (the floor).
+    pub reprefill_jsd: f64,
+    /// transplant_jsd / reprefill_jsd.
+    pub seam_ratio: f64,
+}
+
+/// Options.
+#[derive(Debug, Clone)]
+pub struct SweepOptions {
+    /// Context lengths.
+    pub lengths: Vec<usize>,
+    /// Repetitions per method.
+    pub reps: usize,
+}
+
+fn med(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s.get(s.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// Runs the sweep over every ordered pair of rungs.
+///
+/// # Errors
+/// Load, decode, route or migration errors.
+pub fn run(
+    ladder: &Ladder,
+    config: ContextConfig,
+    routes: &mut Routes,
+    corpus: &[Token],
+    opts: &SweepOptions,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<SweepPoint>, SessionError> {
+    let max_len = opts.lengths.iter().copied().max().unwrap_or(0);
+    if corpus.len() < max_len + 1 {
+        return Err(SessionError::PromptTooLong {
+            prompt_tokens: corpus.len(),
+            n_ctx: config.n_ctx,
+            reserve: max_len + 1 - corpus.len(),
+        });
+    }
+    let mut rungs: Vec<LiveRung> = ladder
+        .rungs
+        .iter()
+        .map(|r| LiveRung::load(r, config))
+        .collect::<Result<_, _>>()?;
+    let mut out = Vec::new();
+    let engine = |rung: &str| {
+        let rung = rung.to_string();
+        move |source| SessionError::Engine { rung, source }
+    };
+    for si in 0..rungs.len() {
+        for di in 0..rungs.len() {
+            if si == di {
+                continue;
+            }
+            let projector = routes.get(si, di)?;
+            let kind = route_kind(&binding(&ladder.rungs[si]), &binding(&ladder.rungs[di]));
+            let route = format!("{}→{}", ladder.rungs[si].name(), ladder.rungs[di].name());
+            for &n in &opts.lengths {
+                progress(&format!("{route} at {n} tokens"));
+                let history = &corpus[..n];
+                let last = corpus[n];
+                let (src, dst) = pair(&mut rungs, si, di);
+                src.ctx.clear();
+                src.ctx.decode(history).map_err(engine(src.name()))?;
+                // The source's own next-token distribution, then rewind it.
+                src.ctx.decode(&[last]).map_err(engine(src.name()))?;
+                let reference = src.ctx.logits().to_vec();
+                src.ctx.truncate(n);
+                let (mut t_ms, mut r_ms) = (Vec::new(), Vec::new());
+                let mut parts = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
+                let (mut t_jsd, mut r_jsd, mut t_flops) = (0.0, 0.0, 0.0);
+                for _ in 0..opts.reps.max(1) {
+                    let t = transplant(&src.ctx, &mut dst.ctx, &projector, last)?;
+                    t_jsd = jsd(&reference, dst.ctx.logits());
+                    t_flops = t.flops;
+                    t_ms.push(t.cost_ms);
+                    for (p, v) in parts.iter_mut().zip([
+                        t.export_ms,
+                        t.project_ms,
+                        t.import_ms,
+                        t.first_decode_ms,
+                    ]) {
+                        p.push(v);
+                    }
+                    let r = reprefill(&src.ctx, &mut dst.ctx, history, last)?;
+                    r_jsd = jsd(&reference, dst.ctx.logits());
+                    r_ms.push(r.cost_ms);
+                }
+                let m = dst.model();
+                let (p, l, e) = (m.n_params(), m.n_layer() as u64, m.n_embd() as u64);
+                let reprefill_flops = prefill_flops(p, l, e, n as u64 + 1);
+                let transplant_flops = t_flops + prefill_flops(p, l, e, 1);
+                let (tm, rm) = (Rate::from(t_ms), Rate::from(r_ms));
+                let speedup = if tm.median > 0.0 {
+                    rm.median / tm.median
+                } else {
+                    0.0
+                };
+                progress(&format!(
+                    "  transplant {:.1} ms, re-prefill {:.1} ms ({speedup:.1}x); JSD {:.4} vs floor {:.4}",
+                    tm.median, rm.median, t_jsd, r_jsd
+                ));
+                out.push(SweepPoint {
+                    route: route.clone(),
+                    kind,
+                    context_tokens: n,
+                    transplant_parts_ms: [
+                        med(&parts[0]),
+                        med(&parts[1]),
+                        med(&parts[2]),
+                        med(&parts[3]),
+                    ],
+                    transplant_ms: tm,
+                    reprefill_ms: rm,
+                    speedup,
+                    transplant_flops,
+                    reprefill_flops,
+                    flops_avoided: 1.0 - transplant_flops / reprefill_flops,
+                    transplant_jsd: t_jsd,
+                    reprefill_jsd: r_jsd,
+                    seam_ratio: if r_jsd > 0.0 { t_jsd / r_jsd } else { f64::NAN },
+                });
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn pair(v: &mut [LiveRung], a: usize, b: usize) -> (&mut LiveRung, &mut LiveRung) {
+    assert!(a != b, "a route needs two rungs");
+    if a < b {
+        let (x, y) = v.split_at_mut(b);
+        (&mut x[a], &mut y[0])
+    } else {
+        let (x, y) = v.split_at_mut(a);
+        (&mut y[0], &mut x[b])
+    }
+}

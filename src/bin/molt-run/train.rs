@@ -1,0 +1,153 @@
+//! `molt-run train-projectors`: fit the KV projectors of a ladder on the project's own corpus
+//! (`projectors/corpus/*.txt`), write them bound to the rungs' sha256, and write every residual
+//! to `results/projector_residuals.json`.
+//!
+//! The corpus is text the team wrote (`notes.txt`, `code.txt`) plus answers tier0 generated
+//! from the team's own seed prompts (`seeds.txt` → `generated.txt`, produced here once with
+//! `--generate-corpus` and committed, so fitting is reproducible without regenerating).
+
+use crate::common::GlobalArgs;
+use anyhow::{Context as _, Result, bail};
+use molt::engine::SamplingParams;
+use molt::session::{GenerateOptions, Prompt, Session, Variant};
+use molt::train::{TrainOptions, fit_ladder, read_corpus};
+use molt::transplant::projector::TensorDtype;
+use std::path::PathBuf;
+
+/// Options.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Corpus directory (every *.txt in it).
+    #[arg(long, default_value = "projectors/corpus")]
+    pub corpus: PathBuf,
+    /// Where projectors are written (`<out>/<ladder>/`).
+    #[arg(long, default_value = "projectors")]
+    pub out: PathBuf,
+    /// Tokens per window (each decoded from position 0).
+    #[arg(long, default_value_t = 256)]
+    pub window: usize,
+    /// Every n-th window is held out for choosing λ and the depth remap.
+    #[arg(long, default_value_t = 5)]
+    pub held_out_every: usize,
+    /// Also fit the ablation variants (per-head, no sandwich, no depth remap, truncate,
+    /// identity, dense on the precision route).
+    #[arg(long)]
+    pub ablations: bool,
+    /// Store maps as f32 instead of f16.
+    #[arg(long)]
+    pub f32: bool,
+    /// First generate `generated.txt` in the corpus directory from `seeds.txt` with the
+    /// largest rung (if it does not exist yet).
+    #[arg(long)]
+    pub generate_corpus: bool,
+    /// Tokens per generated seed answer.
+    #[arg(long, default_value_t = 192)]
+    pub seed_tokens: usize,
+    /// Residual report.
+    #[arg(long, default_value = "results/projector_residuals.json")]
+    pub report: PathBuf,
+}
+
+pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
+    if a.window < 16 || a.held_out_every < 2 {
+        bail!("--window must be at least 16 and --held-out-every at least 2");
+    }
+    let mut config = g.context_config()?;
+    config.n_ctx = config
+        .n_ctx
+        .max(u32::try_from(a.window).unwrap_or(u32::MAX) + 8);
+    let ladder = g.open_ladder()?;
+    if a.generate_corpus {
+        generate_corpus(&ladder, config, a)?;
+    }
+    let text = read_corpus(&a.corpus)?;
+    let tokens = {
+        let live = molt::session::LiveRung::load(&ladder.rungs[0], config)?;
+        live.model().tokenize(&text, false)?
+    };
+    eprintln!(
+        "corpus: {} tokens from {}",
+        tokens.len(),
+        a.corpus.display()
+    );
+    let variants = if a.ablations {
+        vec![
+            Variant::Auto,
+            Variant::Dense,
+            Variant::PerHead,
+            Variant::NoSandwich,
+            Variant::NoRemap,
+            Variant::Truncate,
+            Variant::Identity,
+        ]
+    } else {
+        vec![Variant::Auto]
+    };
+    let opts = TrainOptions {
+        window: a.window,
+        held_out_every: a.held_out_every,
+        variants,
+        dtype: if a.f32 {
+            TensorDtype::F32
+        } else {
+            TensorDtype::F16
+        },
+        out_dir: a.out.clone(),
+    };
+    let report = fit_ladder(&ladder, config, &tokens, &opts, &mut |s| eprintln!("{s}"))?;
+    println!(
+        "{:<16} {:<18} {:>9} {:>9} {:>9} {:>9}",
+        "route", "variant", "K held", "K train", "V held", "V train"
+    );
+    for r in &report.routes {
+        println!(
+            "{:<16} {:<18} {:>9.4} {:>9.4} {:>9.4} {:>9.4}",
+            r.route,
+            r.variant.tag(r.kind),
+            r.fit.k.held_out,
+            r.fit.k.train,
+            r.fit.v.held_out,
+            r.fit.v.train
+        );
+    }
+    if let Some(dir) = a.report.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let doc = serde_json::json!({ "run": molt::bench::RunInfo::now(), "ladder": ladder.name(), "report": report });
+    std::fs::write(&a.report, serde_json::to_string_pretty(&doc)?)
+        .with_context(|| format!("writing {}", a.report.display()))?;
+    eprintln!("wrote {}", a.report.display());
+    Ok(())
+}
+
+fn generate_corpus(
+    ladder: &molt::ladder::Ladder,
+    config: molt::engine::ContextConfig,
+    a: &Args,
+) -> Result<()> {
+    let out = a.corpus.join("generated.txt");
+    if out.exists() {
+        eprintln!("{} exists; not regenerating", out.display());
+        return Ok(());
+    }
+    let seeds = std::fs::read_to_string(a.corpus.join("seeds.txt"))
+        .with_context(|| format!("reading {}", a.corpus.join("seeds.txt").display()))?;
+    let mut session = Session::new(ladder.clone(), config, ladder.rungs[0].name())?;
+    let mut text = String::new();
+    for (i, seed) in seeds.lines().filter(|l| !l.trim().is_empty()).enumerate() {
+        session.reset();
+        let opts = GenerateOptions {
+            max_tokens: a.seed_tokens,
+            sampling: SamplingParams::balanced(u64::try_from(i).unwrap_or(0)),
+            force_switch: None,
+        };
+        let g = session.generate(&Prompt::User(seed.to_string()), &opts, &mut |_| {})?;
+        eprintln!("seed {}: {} tokens", i + 1, g.tokens.len());
+        text.push_str(&g.text);
+        text.push_str("\n\n");
+    }
+    let tmp = out.with_extension("txt.partial");
+    std::fs::write(&tmp, &text)?;
+    std::fs::rename(&tmp, &out)?;
+    Ok(())
+}

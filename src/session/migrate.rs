@@ -1,0 +1,209 @@
+//! One migration between two tokens, as data flows: export the source's sequence state →
+//! parse it into per-layer K/V with positions → project every destination layer (depth remap,
+//! RoPE sandwich, map; in parallel over layers) → serialize in the destination's layout →
+//! import → decode the token sampled last on the destination, whose logits are the first the
+//! destination produces.
+//!
+//! [`transplant`] is Molt's way (condition D); [`reprefill`] is the conventional one
+//! (condition C: re-read prompt and generated text on the destination) through the same
+//! timing record, so the two are measured by the same clock from the same decision point.
+//! Both leave the source untouched: freeing or parking it is the caller's choice.
+
+use std::time::Instant;
+
+use crate::engine::{CacheType as EngineCacheType, Context, Token};
+use crate::kv::{CacheType, KvSnapshot, KvStream, LayerKv, ParseOptions};
+use crate::transplant::project::project;
+use crate::transplant::projector::Projector;
+
+use super::SessionError;
+
+/// Where the time of one switch went, ms. `cost_ms` is the decision-to-first-logits total.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct SwitchTimings {
+    /// Source state export.
+    pub export_ms: f64,
+    /// Parse + projection + serialization in the destination's layout.
+    pub project_ms: f64,
+    /// Destination state import.
+    pub import_ms: f64,
+    /// The destination's first decode (one token for a transplant, the whole context for a
+    /// re-prefill).
+    pub first_decode_ms: f64,
+    /// The whole switch, decision to first logits.
+    pub cost_ms: f64,
+    /// Cells carried (transplant) or tokens re-read (re-prefill).
+    pub cells: usize,
+    /// FLOPs the projection spent (0 for a re-prefill, whose cost is `flops_reprefill`).
+    pub flops: f64,
+}
+
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+fn mig(from: &Context, to: &Context, message: String) -> SessionError {
+    SessionError::Migration {
+        from: from.model().name().to_string(),
+        to: to.model().name().to_string(),
+        message,
+    }
+}
+
+fn kv_type(t: EngineCacheType) -> CacheType {
+    match t {
+        EngineCacheType::F16 => CacheType::F16,
+        EngineCacheType::F32 => CacheType::F32,
+    }
+}
+
+/// Builds the destination's cache from the source's through `projector`, without touching
+/// either context: the pure middle of a transplant, exposed for tests and the benchmarks.
+///
+/// # Errors
+/// [`SessionError::Migration`] if the blob does not parse, the projector does not fit the
+/// cache's shapes, or the result cannot be serialized.
+pub fn project_blob(
+    blob: &[u8],
+    projector: &Projector,
+    dst_cache: EngineCacheType,
+) -> Result<(Vec<u8>, f64, usize), String> {
+    let snap = KvSnapshot::parse(
+        blob,
+        ParseOptions {
+            sections: Some(1),
+            ..ParseOptions::default()
+        },
+    )
+    .map_err(|e| format!("source state: {e}"))?;
+    let stream = snap
+        .single_stream()
+        .map_err(|e| format!("source state: {e}"))?;
+    let positions = stream.positions();
+    let views: Vec<_> = stream
+        .layers
+        .iter()
+        .map(|l| (l.k.view(), l.v.view()))
+        .collect();
+    let (layers, stats) =
+        project(projector, &views, &positions).map_err(|e| format!("projection: {e}"))?;
+    let t = kv_type(dst_cache);
+    let out = KvStream {
+        cells: stream.cells.clone(),
+        v_trans: stream.v_trans,
+        n_rot_k: 0,
+        n_rot_v: 0,
+        has_v: true,
+        layers: layers
+            .into_iter()
+            .map(|(k, v)| LayerKv {
+                k,
+                v,
+                k_type: t,
+                v_type: t,
+            })
+            .collect(),
+    };
+    let bytes = KvSnapshot::from_single_stream(snap.seq_id, out)
+        .to_bytes()
+        .map_err(|e| format!("destination state: {e}"))?;
+    #[allow(clippy::cast_precision_loss)] // FLOP counts far below 2^52
+    Ok((bytes, stats.flops() as f64, positions.len()))
+}
+
+/// Molt's switch: carry `src`'s cache to `dst` through `projector`, then decode `last` (the
+/// token sampled on the source but not yet decoded) on `dst`.
+///
+/// On success `dst` holds the projected cache plus `last` and its logits are ready; `src` is
+/// unchanged. On failure `dst` is left empty and `src` unchanged, so the caller can stay.
+///
+/// # Errors
+/// [`SessionError::Migration`] naming the step that failed.
+pub fn transplant(
+    src: &Context,
+    dst: &mut Context,
+    projector: &Projector,
+    last: Token,
+) -> Result<SwitchTimings, SessionError> {
+    let t0 = Instant::now();
+    let blob = src
+        .export_state()
+        .map_err(|e| mig(src, dst, format!("export: {e}")))?;
+    let export_ms = ms(t0);
+    let t1 = Instant::now();
+    let (bytes, flops, cells) =
+        project_blob(&blob, projector, dst.config().cache_type).map_err(|m| mig(src, dst, m))?;
+    drop(blob);
+    let project_ms = ms(t1);
+    let t2 = Instant::now();
+    dst.import_state(&bytes)
+        .map_err(|e| mig(src, dst, format!("import: {e}")))?;
+    let import_ms = ms(t2);
+    if dst.n_past() != src.n_past() {
+        let (a, b) = (src.n_past(), dst.n_past());
+        dst.clear();
+        return Err(mig(
+            src,
+            dst,
+            format!("imported cache ends at position {b}, the source's at {a}"),
+        ));
+    }
+    let t3 = Instant::now();
+    if let Err(e) = dst.decode(&[last]) {
+        dst.clear();
+        return Err(mig(src, dst, format!("first decode: {e}")));
+    }
+    let first_decode_ms = ms(t3);
+    Ok(SwitchTimings {
+        export_ms,
+        project_ms,
+        import_ms,
+        first_decode_ms,
+        cost_ms: ms(t0),
+        cells,
+        flops,
+    })
+}
+
+/// The conventional switch (condition C): clear `dst` and re-read `history` plus `last` on it.
+///
+/// # Errors
+/// [`SessionError::Migration`] if the destination cannot decode them.
+pub fn reprefill(
+    src: &Context,
+    dst: &mut Context,
+    history: &[Token],
+    last: Token,
+) -> Result<SwitchTimings, SessionError> {
+    let t0 = Instant::now();
+    dst.clear();
+    let mut all = Vec::with_capacity(history.len() + 1);
+    all.extend_from_slice(history);
+    all.push(last);
+    if let Err(e) = dst.decode(&all) {
+        dst.clear();
+        return Err(mig(src, dst, format!("re-prefill: {e}")));
+    }
+    let total = ms(t0);
+    Ok(SwitchTimings {
+        first_decode_ms: total,
+        cost_ms: total,
+        cells: all.len(),
+        ..SwitchTimings::default()
+    })
+}
+
+/// FLOPs of a forward pass over `n_tokens` on a rung: 2 × parameters per token for the matrix
+/// products plus the attention scores (2 × n_layer × n_embd × context per token, summed over
+/// the growing context). The standard estimate, used for "FLOPs avoided".
+#[must_use]
+pub fn prefill_flops(n_params: u64, n_layer: u64, n_embd: u64, n_tokens: u64) -> f64 {
+    #[allow(clippy::cast_precision_loss)]
+    let (p, l, e, n) = (
+        n_params as f64,
+        n_layer as f64,
+        n_embd as f64,
+        n_tokens as f64,
+    );
+    2.0 * p * n + 2.0 * l * e * n * (n + 1.0)
+}

@@ -1,0 +1,140 @@
+//! A rung as the session holds it: live (weights mapped, context ready) or parked (weights
+//! unmapped, the sequence's KV state kept in host memory as llama.cpp's own blob).
+//!
+//! Parking is lossless: [`ParkedRung::resume`] maps the weights again, creates a fresh
+//! context and re-imports the blob byte for byte, so the logits after resuming equal those
+//! before parking (tested). While parked, the weights' pages belong to the page cache, not to
+//! this process: RSS falls by their resident size.
+
+use std::time::Instant;
+
+use crate::engine::{Context, ContextConfig, Model, ModelOptions};
+use crate::ladder::RungInfo;
+use crate::pressure::{process_anon_rss_bytes, resident_bytes_of_mapping};
+
+use super::SessionError;
+
+/// A rung with its weights mapped and a context ready.
+pub struct LiveRung {
+    /// What the ladder knows about the rung.
+    pub info: RungInfo,
+    /// Its llama.cpp context (which holds the model).
+    pub ctx: Context,
+    /// Anonymous memory the context added when it was created and first used (KV buffer and
+    /// compute buffers), measured as the change of `RssAnon`; 0 when it could not be read.
+    pub context_bytes: u64,
+    /// Time to map the weights and create the context, ms.
+    pub load_ms: f64,
+}
+
+impl LiveRung {
+    /// Maps the rung's weights and creates its context; measures what the context costs by
+    /// running one warm-up token through it (then clearing it).
+    ///
+    /// # Errors
+    /// [`SessionError::Engine`] when llama.cpp refuses the file or the context.
+    pub fn load(info: &RungInfo, config: ContextConfig) -> Result<Self, SessionError> {
+        let t0 = Instant::now();
+        let wrap = |source| SessionError::Engine {
+            rung: info.name().to_string(),
+            source,
+        };
+        let model = Model::load(&info.path, info.name(), ModelOptions::default()).map_err(wrap)?;
+        let before = process_anon_rss_bytes().unwrap_or(0);
+        let mut ctx = Context::new(model, config).map_err(wrap)?;
+        // One token makes llama.cpp touch its compute buffers, so the measurement sees them.
+        let warm = ctx.model().tokenize(" ", false).map_err(wrap)?;
+        if let Some(&t) = warm.first() {
+            ctx.decode(&[t]).map_err(wrap)?;
+        }
+        ctx.clear();
+        let after = process_anon_rss_bytes().unwrap_or(0);
+        Ok(Self {
+            info: info.clone(),
+            ctx,
+            context_bytes: after.saturating_sub(before),
+            load_ms: t0.elapsed().as_secs_f64() * 1e3,
+        })
+    }
+
+    /// The rung's name.
+    pub fn name(&self) -> &str {
+        self.info.name()
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Model {
+        self.ctx.model()
+    }
+
+    /// Resident bytes of the rung's mapped weights right now (0 if unreadable).
+    pub fn weights_resident(&self) -> u64 {
+        resident_bytes_of_mapping(&self.info.path).unwrap_or(0)
+    }
+
+    /// Parks the rung: exports the sequence's state, then drops the context and the model
+    /// (unmapping the weights).
+    ///
+    /// # Errors
+    /// [`SessionError::Engine`] if the state cannot be exported (the rung is then dropped
+    /// anyway: the caller decided it must go).
+    pub fn park(self) -> Result<ParkedRung, SessionError> {
+        let t0 = Instant::now();
+        let blob = self
+            .ctx
+            .export_state()
+            .map_err(|source| SessionError::Engine {
+                rung: self.info.name().to_string(),
+                source,
+            })?;
+        let n_past = self.ctx.n_past();
+        let config = self.ctx.config();
+        let info = self.info.clone();
+        drop(self);
+        Ok(ParkedRung {
+            info,
+            config,
+            blob,
+            n_past,
+            park_ms: t0.elapsed().as_secs_f64() * 1e3,
+        })
+    }
+}
+
+/// A rung whose weights are unmapped while its sequence's KV state is kept in host memory.
+pub struct ParkedRung {
+    /// The rung.
+    pub info: RungInfo,
+    /// The context configuration to resume with.
+    pub config: ContextConfig,
+    /// llama.cpp's exported sequence state.
+    pub blob: Vec<u8>,
+    /// Positions the sequence had.
+    pub n_past: usize,
+    /// Time the park took, ms.
+    pub park_ms: f64,
+}
+
+impl ParkedRung {
+    /// Bytes the parked state occupies.
+    pub fn kv_bytes(&self) -> u64 {
+        self.blob.len() as u64
+    }
+
+    /// Maps the weights again, creates a context and re-imports the state.
+    ///
+    /// # Errors
+    /// A load failure, or [`SessionError::Engine`] if llama.cpp refuses the blob.
+    pub fn resume(self) -> Result<LiveRung, SessionError> {
+        let mut live = LiveRung::load(&self.info, self.config)?;
+        if self.n_past > 0 {
+            live.ctx
+                .import_state(&self.blob)
+                .map_err(|source| SessionError::Engine {
+                    rung: self.info.name().to_string(),
+                    source,
+                })?;
+        }
+        Ok(live)
+    }
+}

@@ -1,0 +1,415 @@
+//! Fitting the KV projectors of a ladder: the same text through every rung, aligned K and V
+//! collected per layer, one projector fitted per route and variant, written bound to the
+//! sha256 of both rungs' files, and every residual reported.
+//!
+//! Activations come from llama.cpp's own cache: each window of the corpus is decoded from
+//! position 0 on a fresh sequence, the sequence state exported and parsed by the KV mirror,
+//! and K un-rotated at the rung's RoPE angles (the cache holds K after RoPE) — so the maps are
+//! fitted on exactly the numbers a migration will carry, no eval tap needed.
+//!
+//! Main items: [`collect`] (one rung's activations), [`fit_ladder`] (every route and variant),
+//! [`RouteResult`] / [`TrainReport`] (the serialisable residuals), [`corpus_tokens`].
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use ndarray::{Array2, Axis, concatenate};
+use serde::{Deserialize, Serialize};
+
+use crate::engine::{ContextConfig, Token};
+use crate::kv::{KvSnapshot, ParseOptions};
+use crate::ladder::{Ladder, RungInfo};
+use crate::session::routes::{RouteKind, Variant, binding, file_name, route_kind};
+use crate::session::{LiveRung, SessionError};
+use crate::transplant::fit::{
+    DepthPolicy, FitOptions, FitReport, LayerActivations, RouteSamples, Split, fit_route,
+    split_windows,
+};
+use crate::transplant::projector::{ProjectorKind, TensorDtype};
+use crate::transplant::rope::{Direction, rotate};
+use crate::transplant::{ProjectorError, TransplantError};
+
+/// Errors while fitting.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// Loading or running a rung failed.
+    #[error(transparent)]
+    Session(#[from] SessionError),
+    /// The exported cache could not be read.
+    #[error("rung {rung}: exported cache: {detail}")]
+    Cache {
+        /// Rung.
+        rung: String,
+        /// What went wrong.
+        detail: String,
+    },
+    /// Fitting failed.
+    #[error("route {route} ({variant}): {source}")]
+    Fit {
+        /// Route name.
+        route: String,
+        /// Variant.
+        variant: String,
+        /// The error.
+        source: TransplantError,
+    },
+    /// Writing a projector failed.
+    #[error(transparent)]
+    Write(#[from] ProjectorError),
+    /// The corpus is missing or too short.
+    #[error("corpus: {0}")]
+    Corpus(String),
+}
+
+/// One rung's activations over the corpus: pre-RoPE K and V per layer, rows in corpus order.
+#[derive(Debug, Clone)]
+pub struct Activations {
+    /// Per layer.
+    pub layers: Vec<LayerActivations>,
+    /// Position of every row (restarting at 0 in every window).
+    pub positions: Vec<i32>,
+    /// Wall time, ms.
+    pub elapsed_ms: f64,
+}
+
+/// Reads every `*.txt` under `dir` (sorted by name) as the fitting corpus.
+///
+/// # Errors
+/// [`TrainError::Corpus`] if the directory has no text.
+pub fn read_corpus(dir: &Path) -> Result<String, TrainError> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| TrainError::Corpus(format!("{}: {e}", dir.display())))?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "txt"))
+        .collect();
+    files.sort();
+    let mut text = String::new();
+    for f in files {
+        let t = std::fs::read_to_string(&f)
+            .map_err(|e| TrainError::Corpus(format!("{}: {e}", f.display())))?;
+        text.push_str(&t);
+        text.push('\n');
+    }
+    if text.trim().is_empty() {
+        return Err(TrainError::Corpus(format!(
+            "no text in {} (*.txt)",
+            dir.display()
+        )));
+    }
+    Ok(text)
+}
+
+/// Cuts `tokens` into windows of `window` tokens (the last partial window is dropped if it
+/// is shorter than a quarter window).
+#[must_use]
+pub fn windows(tokens: &[Token], window: usize) -> Vec<&[Token]> {
+    tokens
+        .chunks(window.max(1))
+        .filter(|c| c.len() * 4 >= window)
+        .collect()
+}
+
+/// Runs `windows` through `rung` and collects pre-RoPE K and V of every layer.
+///
+/// # Errors
+/// [`TrainError::Session`] if the rung cannot decode, [`TrainError::Cache`] if its exported
+/// state cannot be parsed or un-rotated.
+pub fn collect(
+    info: &RungInfo,
+    config: ContextConfig,
+    windows: &[&[Token]],
+) -> Result<Activations, TrainError> {
+    let t0 = Instant::now();
+    let mut live = LiveRung::load(info, config)?;
+    let b = binding(info);
+    let fail = |detail: String| TrainError::Cache {
+        rung: info.name().to_string(),
+        detail,
+    };
+    let mut ks: Vec<Vec<Array2<f32>>> = vec![Vec::new(); b.n_layer];
+    let mut vs: Vec<Vec<Array2<f32>>> = vec![Vec::new(); b.n_layer];
+    let mut positions = Vec::new();
+    for w in windows {
+        live.ctx.clear();
+        live.ctx.decode(w).map_err(|source| {
+            TrainError::Session(SessionError::Engine {
+                rung: info.name().to_string(),
+                source,
+            })
+        })?;
+        let blob = live.ctx.export_state().map_err(|e| fail(e.to_string()))?;
+        let snap =
+            KvSnapshot::parse(&blob, ParseOptions::default()).map_err(|e| fail(e.to_string()))?;
+        let stream = snap.single_stream().map_err(|e| fail(e.to_string()))?;
+        if stream.layers.len() != b.n_layer {
+            return Err(fail(format!(
+                "{} cache layers, the model has {}",
+                stream.layers.len(),
+                b.n_layer
+            )));
+        }
+        // Rows in position order (cells are in slot order, which a fresh sequence keeps).
+        let pos = stream.positions();
+        for (l, layer) in stream.layers.iter().enumerate() {
+            let mut k = layer.k.clone();
+            rotate(k.view_mut(), &pos, &b.rope, Direction::Unrotate)
+                .map_err(|e| fail(e.to_string()))?;
+            ks[l].push(k);
+            vs[l].push(layer.v.clone());
+        }
+        positions.extend(pos);
+    }
+    live.ctx.clear();
+    let join = |parts: &[Array2<f32>]| -> Result<Array2<f32>, TrainError> {
+        let views: Vec<_> = parts.iter().map(|a| a.view()).collect();
+        concatenate(Axis(0), &views).map_err(|e| fail(e.to_string()))
+    };
+    let layers = ks
+        .iter()
+        .zip(&vs)
+        .map(|(k, v)| {
+            Ok(LayerActivations {
+                k: join(k)?,
+                v: join(v)?,
+            })
+        })
+        .collect::<Result<Vec<_>, TrainError>>()?;
+    Ok(Activations {
+        layers,
+        positions,
+        elapsed_ms: t0.elapsed().as_secs_f64() * 1e3,
+    })
+}
+
+/// The fit options of a variant on a route kind, or `None` where the variant does not apply
+/// (per-head and no-remap maps on the precision route, identity on the size route).
+#[must_use]
+pub fn fit_options(variant: Variant, kind: RouteKind) -> Option<FitOptions> {
+    let same_depth = |mut o: FitOptions| {
+        o.depth = DepthPolicy::Uniform;
+        o
+    };
+    Some(match (variant, kind) {
+        (Variant::Auto, RouteKind::Precision) => FitOptions::precision_route(),
+        (Variant::Auto | Variant::Dense, RouteKind::Size) => FitOptions::size_route(),
+        (Variant::Dense, RouteKind::Precision) => same_depth(FitOptions::size_route()),
+        (Variant::PerHead, RouteKind::Size) => FitOptions::per_head_route(),
+        (Variant::NoSandwich, RouteKind::Size) => FitOptions {
+            sandwich: false,
+            ..FitOptions::size_route()
+        },
+        (Variant::NoSandwich, RouteKind::Precision) => FitOptions {
+            sandwich: false,
+            ..FitOptions::precision_route()
+        },
+        (Variant::NoRemap, RouteKind::Size) => same_depth(FitOptions::size_route()),
+        (Variant::Truncate, RouteKind::Size) => FitOptions::truncate_baseline(),
+        (Variant::Identity, RouteKind::Precision) => FitOptions {
+            kind: ProjectorKind::Identity,
+            lambdas: Vec::new(),
+            ..FitOptions::precision_route()
+        },
+        _ => return None,
+    })
+}
+
+/// One fitted route and variant.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RouteResult {
+    /// `src→dst`.
+    pub route: String,
+    /// Source rung.
+    pub src: String,
+    /// Destination rung.
+    pub dst: String,
+    /// Precision or size.
+    pub kind: RouteKind,
+    /// The variant.
+    pub variant: Variant,
+    /// Where the projector was written (None for variants not written).
+    pub file: Option<String>,
+    /// File size in bytes.
+    pub file_bytes: u64,
+    /// The fit's full report (per-layer residuals, λ, depth candidates).
+    pub fit: FitReport,
+}
+
+/// Everything one fitting run measured.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TrainReport {
+    /// Corpus tokens used.
+    pub corpus_tokens: usize,
+    /// Window length.
+    pub window: usize,
+    /// Every `held_out_every`-th window was held out.
+    pub held_out_every: usize,
+    /// Activation collection time per rung, ms.
+    pub collect_ms: Vec<(String, f64)>,
+    /// One entry per route and variant.
+    pub routes: Vec<RouteResult>,
+}
+
+/// Options for [`fit_ladder`].
+#[derive(Debug, Clone)]
+pub struct TrainOptions {
+    /// Tokens per window (each decoded from position 0).
+    pub window: usize,
+    /// Every n-th window is held out.
+    pub held_out_every: usize,
+    /// Variants to fit (on the routes they apply to).
+    pub variants: Vec<Variant>,
+    /// Element type of the written maps.
+    pub dtype: TensorDtype,
+    /// Where to write: `<out>/<ladder>/<file>`.
+    pub out_dir: PathBuf,
+}
+
+/// Fits every ordered pair of rungs of `ladder` for every variant in `opts`, writes the
+/// projectors, and reports the residuals. `progress` receives one line per step.
+///
+/// # Errors
+/// Any collection, fitting or write error, naming the route.
+pub fn fit_ladder(
+    ladder: &Ladder,
+    config: ContextConfig,
+    tokens: &[Token],
+    opts: &TrainOptions,
+    progress: &mut dyn FnMut(&str),
+) -> Result<TrainReport, TrainError> {
+    let wins = windows(tokens, opts.window);
+    if wins.len() < opts.held_out_every.max(2) {
+        return Err(TrainError::Corpus(format!(
+            "{} tokens make {} windows of {}; need at least {}",
+            tokens.len(),
+            wins.len(),
+            opts.window,
+            opts.held_out_every.max(2)
+        )));
+    }
+    let mut acts = Vec::new();
+    let mut collect_ms = Vec::new();
+    for r in &ladder.rungs {
+        progress(&format!(
+            "collecting K/V on {} ({} windows of {} tokens)",
+            r.name(),
+            wins.len(),
+            opts.window
+        ));
+        let a = collect(r, config, &wins)?;
+        collect_ms.push((r.name().to_string(), a.elapsed_ms));
+        acts.push(a);
+    }
+    let n_rows = acts[0].positions.len();
+    let (train, held_out) = split_windows_by_rows(&acts[0].positions, opts.held_out_every)
+        .map_err(|source| TrainError::Fit {
+            route: "*".into(),
+            variant: "split".into(),
+            source,
+        })?;
+    let dir = opts.out_dir.join(ladder.name());
+    std::fs::create_dir_all(&dir).map_err(|source| ProjectorError::Io {
+        file: dir.clone(),
+        source,
+    })?;
+    let mut routes = Vec::new();
+    for (si, s) in ladder.rungs.iter().enumerate() {
+        for (di, d) in ladder.rungs.iter().enumerate() {
+            if si == di {
+                continue;
+            }
+            let (sb, db) = (binding(s), binding(d));
+            let kind = route_kind(&sb, &db);
+            for &variant in &opts.variants {
+                let Some(fo) = fit_options(variant, kind) else {
+                    continue;
+                };
+                let route = format!("{}→{}", s.name(), d.name());
+                progress(&format!("fitting {route} ({})", variant.tag(kind)));
+                let samples = RouteSamples {
+                    src: sb.clone(),
+                    dst: db.clone(),
+                    src_layers: acts[si].layers.clone(),
+                    dst_layers: acts[di].layers.clone(),
+                    positions: acts[si].positions.clone(),
+                    train: train.clone(),
+                    held_out: held_out.clone(),
+                };
+                debug_assert_eq!(samples.n_rows(), n_rows);
+                let (projector, fit) =
+                    fit_route(&samples, &fo).map_err(|source| TrainError::Fit {
+                        route: route.clone(),
+                        variant: variant.tag(kind).to_string(),
+                        source,
+                    })?;
+                drop(samples);
+                let (file, file_bytes) = if variant.is_fitted() {
+                    let path = dir.join(file_name(s.name(), d.name(), variant.tag(kind)));
+                    projector.save(&path, opts.dtype)?;
+                    let bytes = std::fs::metadata(&path).map_or(0, |m| m.len());
+                    (Some(path.display().to_string()), bytes)
+                } else {
+                    (None, 0)
+                };
+                progress(&format!(
+                    "  K held-out {:.3} (train {:.3}), V held-out {:.3} (train {:.3})",
+                    fit.k.held_out, fit.k.train, fit.v.held_out, fit.v.train
+                ));
+                routes.push(RouteResult {
+                    route,
+                    src: s.name().to_string(),
+                    dst: d.name().to_string(),
+                    kind,
+                    variant,
+                    file,
+                    file_bytes,
+                    fit,
+                });
+            }
+        }
+    }
+    Ok(TrainReport {
+        corpus_tokens: tokens.len(),
+        window: opts.window,
+        held_out_every: opts.held_out_every,
+        collect_ms,
+        routes,
+    })
+}
+
+/// Train / held-out row ranges by window: a window starts where the position returns to 0.
+fn split_windows_by_rows(
+    positions: &[i32],
+    held_out_every: usize,
+) -> Result<Split, TransplantError> {
+    let starts: Vec<usize> = positions
+        .iter()
+        .enumerate()
+        .filter(|&(_, &p)| p == 0)
+        .map(|(i, _)| i)
+        .collect();
+    if starts.len() < 2 {
+        // One window: fall back to fixed-size pieces of it.
+        return split_windows(
+            positions.len(),
+            positions.len().div_ceil(8).max(1),
+            held_out_every,
+        );
+    }
+    let mut train = Vec::new();
+    let mut held = Vec::new();
+    for (w, &st) in starts.iter().enumerate() {
+        let end = starts.get(w + 1).copied().unwrap_or(positions.len());
+        if w % held_out_every == held_out_every - 1 {
+            held.push(st..end);
+        } else {
+            train.push(st..end);
+        }
+    }
+    if held.is_empty()
+        && let Some(last) = train.pop()
+    {
+        held.push(last);
+    }
+    Ok((train, held))
+}
