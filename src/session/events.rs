@@ -56,6 +56,10 @@ pub struct SwitchInfo {
     /// after the switch and the source's own at the same step (measured only when asked).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub handoff_jsd: Option<f64>,
+    /// Why the switch did not go the usual way (e.g. the projector that was missing or bound
+    /// to other files, when a transplant fell back to a re-prefill).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
 }
 
 impl SwitchInfo {

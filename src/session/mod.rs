@@ -379,6 +379,18 @@ impl Session {
         c.resident_bytes() + c.kv_bytes(tokens)
     }
 
+    /// The modelled footprint of every rung at `tokens` of context, by rung name: the
+    /// references a relative trace's `frac … of tierN` events resolve against
+    /// ([`crate::pressure::Trace::load_with`]).
+    pub fn trace_refs(&self, tokens: u64) -> crate::pressure::TraceRefs {
+        self.ladder
+            .rungs
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (r.name().to_string(), self.modelled_footprint(i, tokens)))
+            .collect()
+    }
+
     /// The measured footprint of the loaded rungs: resident weight pages (from the process's
     /// own mappings) plus each context's measured overhead.
     pub fn measured_footprint(&self) -> u64 {
@@ -451,12 +463,19 @@ impl Session {
         };
         let mut src = self.rungs[from].take().expect("current rung is loaded");
         let mut dst = self.rungs[to].take().expect("destination just loaded");
+        let mut note = None;
         let result = match self.opts.strategy {
             Strategy::Reprefill => migrate::reprefill(&src.ctx, &mut dst.ctx, &self.history, last)
                 .map(|t| (t, "reprefill")),
+            // Without a usable projector the answer must still survive: fall back to a
+            // re-prefill, named as such in the switch event, rather than lose it.
             _ => match self.routes.get(from, to) {
                 Ok(p) => migrate::transplant(&src.ctx, &mut dst.ctx, &p, last).map(|t| (t, "molt")),
-                Err(e) => Err(SessionError::Route(e)),
+                Err(e) => {
+                    note = Some(format!("fell back to a re-prefill: {e}"));
+                    migrate::reprefill(&src.ctx, &mut dst.ctx, &self.history, last)
+                        .map(|t| (t, "reprefill-no-projector"))
+                }
             },
         };
         let (timings, method) = match result {
@@ -483,8 +502,8 @@ impl Session {
             dst.model().n_embd() as u64,
             n_tokens,
         );
-        let flops = match self.opts.strategy {
-            Strategy::Reprefill => flops_reprefill,
+        let flops = match method {
+            "reprefill" | "reprefill-no-projector" => flops_reprefill,
             _ => {
                 timings.flops
                     + migrate::prefill_flops(
@@ -512,6 +531,7 @@ impl Session {
             pressure: budget.map_or(0.0, |b| b.pressure),
             budget_bytes: budget.map_or(0, |b| b.bytes),
             handoff_jsd,
+            note,
         };
         self.rungs[to] = Some(dst);
         if self.opts.keep_source {
@@ -581,6 +601,30 @@ impl Session {
                 });
             }
         }
+        // Start the answer on the largest rung the budget holds (never above home): the prompt
+        // has to be read anyway, so moving now costs only the earlier turns' re-read.
+        if let (Some(b), true) = (budget0, self.opts.strategy != Strategy::Never) {
+            let view = TenantView::new(0, TenantClass::Foreground)
+                .with_rung(self.current)
+                .with_home(self.home)
+                .with_context(tokens.len() as u64, 0);
+            let costs = self.rung_costs();
+            if let Ok(Decision::Demote { to } | Decision::Promote { to }) =
+                decide_one(&view, b.bytes, &costs, &self.opts.policy)
+            {
+                let from = self.current;
+                self.ensure_loaded(to)?;
+                self.current = to;
+                self.history.clear();
+                self.pending = None;
+                if let Some(r) = self.rungs[to].as_mut() {
+                    r.ctx.clear();
+                }
+                if !self.opts.keep_source {
+                    self.rungs[from] = None;
+                }
+            }
+        }
         let keep = common_prefix(&self.history, &tokens).min(tokens.len().saturating_sub(1));
         let rung_name = self.current_rung().to_string();
         let wrap = |source| SessionError::Engine {
@@ -621,8 +665,8 @@ impl Session {
                 }
                 match self.between_tokens(i, tok, t0, opts, sink)? {
                     Between::Switched(info) => {
-                        sink(&Event::Switch(info.clone()));
-                        switches.push(info);
+                        sink(&Event::Switch((*info).clone()));
+                        switches.push(*info);
                     }
                     Between::Stay => {
                         let name = self.current_rung().to_string();
@@ -716,7 +760,7 @@ impl Session {
             && to < self.rungs.len()
         {
             let info = self.switch_to(to, tok, i, None)?;
-            return Ok(Between::Switched(info));
+            return Ok(Between::Switched(Box::new(info)));
         }
         let mut waited = false;
         loop {
@@ -761,7 +805,7 @@ impl Session {
             }
             if let Some(to) = target {
                 let info = self.switch_to(to, tok, i, Some(b))?;
-                return Ok(Between::Switched(info));
+                return Ok(Between::Switched(Box::new(info)));
             }
             // Not even the smallest rung fits: wait for memory to come back (the system budget
             // moves with time; a replayed trace was checked before the answer started).
@@ -784,7 +828,7 @@ impl Session {
 
 enum Between {
     Stay,
-    Switched(SwitchInfo),
+    Switched(Box<SwitchInfo>),
     Killed,
 }
 

@@ -4,7 +4,8 @@
 //! layer count, KV heads and head size are a **precision route** (tier0 ↔ tier1: same weights,
 //! other quantization → per-channel diagonal maps); anything else is a **size route**
 //! (tier0/tier1 ↔ tier2 → dense maps with a depth remap). Fitted projectors live in
-//! `<projectors>/<ladder>/<src>-to-<dst>.<variant>.molt-proj`, each bound to the sha256 of both
+//! `<projectors>/<ladder>/<src>-to-<dst>.<variant>.molt-proj` (ablation variants under
+//! `<projectors>/<ladder>/ablations/`), each bound to the sha256 of both
 //! rungs' files; [`Routes`] loads them on first use and caches them. The naive truncated map
 //! and the identity need no fitting and are built in memory.
 
@@ -49,7 +50,8 @@ impl Variant {
             (Self::Auto, RouteKind::Precision) => "diagonal",
             (Self::Auto | Self::Dense, _) => "dense",
             (Self::PerHead, _) => "per-head",
-            (Self::NoSandwich, _) => "dense-no-sandwich",
+            (Self::NoSandwich, RouteKind::Precision) => "diagonal-no-sandwich",
+            (Self::NoSandwich, RouteKind::Size) => "dense-no-sandwich",
             (Self::NoRemap, _) => "dense-no-remap",
             (Self::Truncate, _) => "truncate",
             (Self::Identity, _) => "identity",
@@ -268,7 +270,10 @@ impl Routes {
                 let found = self
                     .dirs
                     .iter()
-                    .map(|dir| dir.join(&self.ladder_name).join(&file))
+                    .flat_map(|dir| {
+                        let d = dir.join(&self.ladder_name);
+                        [d.join(&file), d.join("ablations").join(&file)]
+                    })
                     .find(|p| p.exists());
                 let Some(path) = found else {
                     return Err(RouteError::Missing {

@@ -324,6 +324,13 @@ pub fn fit_ladder(
                 let Some(fo) = fit_options(variant, kind) else {
                     continue;
                 };
+                // On the size route the shipped choice *is* the dense map: fit it once.
+                if variant == Variant::Dense
+                    && kind == RouteKind::Size
+                    && opts.variants.contains(&Variant::Auto)
+                {
+                    continue;
+                }
                 let route = format!("{}→{}", s.name(), d.name());
                 progress(&format!("fitting {route} ({})", variant.tag(kind)));
                 let samples = RouteSamples {
@@ -344,7 +351,18 @@ pub fn fit_ladder(
                     })?;
                 drop(samples);
                 let (file, file_bytes) = if variant.is_fitted() {
-                    let path = dir.join(file_name(s.name(), d.name(), variant.tag(kind)));
+                    // Shipped maps beside the ladder, ablations in a subdirectory (regenerated
+                    // by the benchmark, not committed).
+                    let sub = if variant == Variant::Auto {
+                        dir.clone()
+                    } else {
+                        dir.join("ablations")
+                    };
+                    std::fs::create_dir_all(&sub).map_err(|source| ProjectorError::Io {
+                        file: sub.clone(),
+                        source,
+                    })?;
+                    let path = sub.join(file_name(s.name(), d.name(), variant.tag(kind)));
                     projector.save(&path, opts.dtype)?;
                     let bytes = std::fs::metadata(&path).map_or(0, |m| m.len());
                     (Some(path.display().to_string()), bytes)

@@ -157,11 +157,12 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     for (line, why) in &bad {
         eprintln!("molt-run: prompt file line {line}: {why} (skipped)");
     }
-    let trace = match &a.trace {
-        Some(p) => Some(Trace::load(p).with_context(|| format!("trace {}", p.display()))?),
-        None => None,
-    };
     let ladder = g.open_ladder()?;
+    if let Some(p) = &a.trace {
+        // Validate the file before any model loads; references resolve later.
+        let dummy = ladder.names().into_iter().map(|n| (n, 1)).collect();
+        Trace::load_with(p, &dummy).with_context(|| format!("trace {}", p.display()))?;
+    }
     let start = a
         .rung
         .clone()
@@ -172,6 +173,15 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         ..SessionOptions::default()
     };
     let mut session = Session::with_options(ladder, config, &start, opts)?;
+    // Relative traces (`frac … of tierN`) resolve against the modelled footprints at the
+    // longest context an answer can reach.
+    let trace = match &a.trace {
+        Some(p) => {
+            let refs = session.trace_refs(u64::from(config.n_ctx));
+            Some(Trace::load_with(p, &refs).with_context(|| format!("trace {}", p.display()))?)
+        }
+        None => None,
+    };
     let sampling = if a.temperature > 0.0 {
         SamplingParams {
             temperature: a.temperature,

@@ -9,7 +9,7 @@
 use crate::common::GlobalArgs;
 use anyhow::{Context as _, Result, bail};
 use molt::engine::SamplingParams;
-use molt::session::{GenerateOptions, Prompt, Session, Variant};
+use molt::session::{GenerateOptions, Prompt, Routes, Session, Variant};
 use molt::train::{TrainOptions, fit_ladder, read_corpus};
 use molt::transplant::projector::TensorDtype;
 use std::path::PathBuf;
@@ -43,6 +43,10 @@ pub struct Args {
     /// Tokens per generated seed answer.
     #[arg(long, default_value_t = 192)]
     pub seed_tokens: usize,
+    /// Do nothing if every route already has a projector bound to these rungs' files (what
+    /// the demo and CI run: the shipped maps are reused unless the local rungs differ).
+    #[arg(long)]
+    pub if_stale: bool,
     /// Residual report.
     #[arg(long, default_value = "results/projector_residuals.json")]
     pub report: PathBuf,
@@ -57,6 +61,24 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         .n_ctx
         .max(u32::try_from(a.window).unwrap_or(u32::MAX) + 8);
     let ladder = g.open_ladder()?;
+    if a.if_stale {
+        let mut routes = Routes::new(&ladder, vec![a.out.clone()], Variant::Auto);
+        let n = ladder.rungs.len();
+        let stale: Vec<String> = (0..n)
+            .flat_map(|i| (0..n).filter(move |&j| j != i).map(move |j| (i, j)))
+            .filter_map(|(i, j)| routes.get(i, j).err().map(|e| e.to_string()))
+            .collect();
+        if stale.is_empty() {
+            eprintln!(
+                "projectors in {} match every rung; nothing to fit",
+                a.out.display()
+            );
+            return Ok(());
+        }
+        for s in &stale {
+            eprintln!("stale: {s}");
+        }
+    }
     if a.generate_corpus {
         generate_corpus(&ladder, config, a)?;
     }
