@@ -47,6 +47,36 @@ pub struct SweepPoint {
     pub reprefill_jsd: f64,
     /// transplant_jsd / reprefill_jsd.
     pub seam_ratio: f64,
+    /// Mean JSD of the transplant over the switch step and the next [`SEAM`] steps
+    /// (teacher-forced on the corpus): one step can be near-certain for both models, so the
+    /// mean is the steadier seam measure.
+    pub transplant_jsd_mean: f64,
+    /// The same for the re-prefill (the floor).
+    pub reprefill_jsd_mean: f64,
+    /// transplant_jsd_mean / reprefill_jsd_mean.
+    pub seam_mean_ratio: f64,
+}
+
+/// Steps after the switch over which the seam is averaged.
+pub const SEAM: usize = 8;
+
+/// `(JSD at the switch step, mean JSD over it and the next steps)` of `dst` against the
+/// source's `reference` rows; `dst` has just produced its first logits after the switch and
+/// is then fed `next` (teacher forcing).
+fn seam(
+    dst: &mut crate::engine::Context,
+    reference: &[Vec<f32>],
+    next: &[Token],
+) -> Result<(f64, f64), crate::engine::EngineError> {
+    let first = jsd(&reference[0], dst.logits());
+    let rows = dst.decode_all_logits(next)?;
+    let mut sum = first;
+    for (r, d) in reference[1..].iter().zip(&rows) {
+        sum += jsd(r, d);
+    }
+    #[allow(clippy::cast_precision_loss)]
+    let mean = sum / (rows.len() + 1) as f64;
+    Ok((first, mean))
 }
 
 /// Options.
@@ -77,11 +107,11 @@ pub fn run(
     progress: &mut dyn FnMut(&str),
 ) -> Result<Vec<SweepPoint>, SessionError> {
     let max_len = opts.lengths.iter().copied().max().unwrap_or(0);
-    if corpus.len() < max_len + 1 {
+    if corpus.len() < max_len + 1 + SEAM {
         return Err(SessionError::PromptTooLong {
             prompt_tokens: corpus.len(),
             n_ctx: config.n_ctx,
-            reserve: max_len + 1 - corpus.len(),
+            reserve: max_len + 1 + SEAM - corpus.len(),
         });
     }
     let mut rungs: Vec<LiveRung> = ladder
@@ -109,30 +139,35 @@ pub fn run(
                 let (src, dst) = pair(&mut rungs, si, di);
                 src.ctx.clear();
                 src.ctx.decode(history).map_err(engine(src.name()))?;
-                // The source's own next-token distribution, then rewind it.
-                src.ctx.decode(&[last]).map_err(engine(src.name()))?;
-                let reference = src.ctx.logits().to_vec();
+                // The source's own distributions at the switch step and the next `SEAM` steps
+                // (teacher-forced on the corpus), then rewind it.
+                let follow = &corpus[n..n + 1 + SEAM];
+                let reference = src
+                    .ctx
+                    .decode_all_logits(follow)
+                    .map_err(engine(src.name()))?;
                 src.ctx.truncate(n);
                 let (mut t_ms, mut r_ms) = (Vec::new(), Vec::new());
                 let mut parts = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
-                let (mut t_jsd, mut r_jsd, mut t_flops) = (0.0, 0.0, 0.0);
+                let (mut t_seam, mut r_seam, mut t_flops) = ((0.0, 0.0), (0.0, 0.0), 0.0);
                 for _ in 0..opts.reps.max(1) {
                     let t = transplant(&src.ctx, &mut dst.ctx, &projector, last)?;
-                    t_jsd = jsd(&reference, dst.ctx.logits());
+                    t_seam = seam(&mut dst.ctx, &reference, &follow[1..])
+                        .map_err(engine(dst.name()))?;
                     t_flops = t.flops;
                     t_ms.push(t.cost_ms);
-                    for (p, v) in parts.iter_mut().zip([
-                        t.export_ms,
-                        t.project_ms,
-                        t.import_ms,
-                        t.first_decode_ms,
-                    ]) {
+                    for (p, v) in parts
+                        .iter_mut()
+                        .zip([t.export_ms, t.project_ms, t.import_ms, t.first_decode_ms])
+                    {
                         p.push(v);
                     }
                     let r = reprefill(&src.ctx, &mut dst.ctx, history, last)?;
-                    r_jsd = jsd(&reference, dst.ctx.logits());
+                    r_seam = seam(&mut dst.ctx, &reference, &follow[1..])
+                        .map_err(engine(dst.name()))?;
                     r_ms.push(r.cost_ms);
                 }
+                let (t_jsd, r_jsd) = (t_seam.0, r_seam.0);
                 let m = dst.model();
                 let (p, l, e) = (m.n_params(), m.n_layer() as u64, m.n_embd() as u64);
                 let reprefill_flops = prefill_flops(p, l, e, n as u64 + 1);
@@ -144,8 +179,8 @@ pub fn run(
                     0.0
                 };
                 progress(&format!(
-                    "  transplant {:.1} ms, re-prefill {:.1} ms ({speedup:.1}x); JSD {:.4} vs floor {:.4}",
-                    tm.median, rm.median, t_jsd, r_jsd
+                    "  transplant {:.1} ms, re-prefill {:.1} ms ({speedup:.1}x); seam JSD {:.4} vs floor {:.4} (mean over {} steps {:.4} vs {:.4})",
+                    tm.median, rm.median, t_jsd, r_jsd, SEAM + 1, t_seam.1, r_seam.1
                 ));
                 out.push(SweepPoint {
                     route: route.clone(),
@@ -166,6 +201,9 @@ pub fn run(
                     transplant_jsd: t_jsd,
                     reprefill_jsd: r_jsd,
                     seam_ratio: if r_jsd > 0.0 { t_jsd / r_jsd } else { f64::NAN },
+                    transplant_jsd_mean: t_seam.1,
+                    reprefill_jsd_mean: r_seam.1,
+                    seam_mean_ratio: if r_seam.1 > 0.0 { t_seam.1 / r_seam.1 } else { f64::NAN },
                 });
             }
         }

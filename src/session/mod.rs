@@ -855,3 +855,18 @@ pub fn jsd(a: &[f32], b: &[f32]) -> f64 {
 fn common_prefix(a: &[Token], b: &[Token]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::jsd;
+
+    #[test]
+    fn jsd_is_zero_for_equal_and_positive_for_different_rows() {
+        let a = [1.0f32, 2.0, 3.0, -1.0];
+        let b = [3.0f32, 2.0, 1.0, -1.0];
+        assert!(jsd(&a, &a).abs() < 1e-12);
+        let d = jsd(&a, &b);
+        assert!(d > 0.05 && d < std::f64::consts::LN_2, "{d}");
+        assert!((jsd(&a, &b) - jsd(&b, &a)).abs() < 1e-12);
+    }
+}

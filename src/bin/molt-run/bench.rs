@@ -68,12 +68,12 @@ fn run_cost_sweep(g: &GlobalArgs, a: &Args) -> Result<()> {
         let live = molt::session::LiveRung::load(&ladder.rungs[0], config)?;
         live.model().tokenize(&text, false)?
     };
-    if tokens.len() <= max_len {
+    if tokens.len() <= max_len + molt::bench::cost_sweep::SEAM {
         bail!(
             "the corpus in {} has {} tokens; the sweep needs {}",
             a.corpus.display(),
             tokens.len(),
-            max_len + 1
+            max_len + 1 + molt::bench::cost_sweep::SEAM
         );
     }
     let mut routes = molt::session::Routes::new(
@@ -94,19 +94,20 @@ fn run_cost_sweep(g: &GlobalArgs, a: &Args) -> Result<()> {
         &mut |s| eprintln!("{s}"),
     )?;
     println!(
-        "{:<14} {:>6} {:>13} {:>13} {:>8} {:>9} {:>9} {:>9}",
-        "route", "ctx", "transplant ms", "reprefill ms", "speedup", "JSD", "floor", "FLOPs av."
+        "{:<14} {:>6} {:>13} {:>13} {:>8} {:>9} {:>9} {:>9} {:>9}",
+        "route", "ctx", "transplant ms", "reprefill ms", "speedup", "seam JSD", "floor", "ratio", "FLOPs av."
     );
     for p in &points {
         println!(
-            "{:<14} {:>6} {:>13.1} {:>13.1} {:>7.1}x {:>9.4} {:>9.4} {:>8.2}%",
+            "{:<14} {:>6} {:>13.1} {:>13.1} {:>7.1}x {:>9.4} {:>9.4} {:>9.2} {:>8.2}%",
             p.route,
             p.context_tokens,
             p.transplant_ms.median,
             p.reprefill_ms.median,
             p.speedup,
-            p.transplant_jsd,
-            p.reprefill_jsd,
+            p.transplant_jsd_mean,
+            p.reprefill_jsd_mean,
+            p.seam_mean_ratio,
             p.flops_avoided * 100.0
         );
     }
