@@ -22,8 +22,8 @@ use anyhow::{Context as _, Result, bail};
 use budget::{BudgetControl, fmt_bytes, parse_size};
 use input::{Input, Line};
 use molt::pressure::{
-    BudgetSource, MIB, SystemBudget, TraceBudget, file_resident_in_page_cache, process_rss_bytes,
-    resident_bytes_of_mapping,
+    BudgetSource, MIB, SystemBudget, TraceBudget, file_resident_in_page_cache,
+    process_anon_rss_bytes, process_rss_bytes, resident_bytes_of_mapping,
 };
 use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions, Strategy, routes};
 use render::Renderer;
@@ -192,6 +192,7 @@ Ctrl-C stops an answer, Ctrl-D quits; a message starting with / is written //…
 /// What is going on in the answer being generated, for `/status` mid-answer.
 struct Live {
     rung: String,
+    prompt: usize,
     tokens: usize,
     reused: usize,
 }
@@ -426,7 +427,10 @@ impl Chat {
     }
 
     fn context_tokens(&self) -> u64 {
-        (self.snapshot.context_tokens + self.live.as_ref().map_or(0, |l| l.tokens)) as u64
+        match &self.live {
+            Some(l) if l.prompt > 0 => (l.prompt + l.tokens) as u64,
+            _ => self.snapshot.context_tokens as u64,
+        }
     }
 
     /// Bytes rung `i` needs with `tokens` of context (the policy's model).
@@ -607,7 +611,7 @@ impl Chat {
             .unwrap_or(self.snapshot.current);
         let mut s =
             String::from("  rung       state      weights   resident  page cache   needs now\n");
-        let mut measured = 0;
+        let mut weights_resident = 0;
         for (i, name) in self.names.iter().enumerate() {
             let c = &self.snapshot.costs[i];
             let loaded = self.snapshot.loaded[i];
@@ -616,9 +620,7 @@ impl Chat {
             } else {
                 0
             };
-            if loaded {
-                measured += resident + c.compute_bytes;
-            }
+            weights_resident += resident;
             let cached = file_resident_in_page_cache(&self.paths[i])
                 .map_or_else(|_| "?".to_string(), |p| fmt_bytes(p.resident_bytes));
             let _ = writeln!(
@@ -653,12 +655,17 @@ impl Chat {
                 l.rung, l.tokens, l.reused
             );
         }
+        // Measured, not modelled: the mapped weights' resident pages plus all anonymous memory
+        // (KV caches, compute buffers, logits, heap); beside it what the policy assumes.
+        let anon = process_anon_rss_bytes().unwrap_or(0);
         let rss = process_rss_bytes().map_or_else(|_| "?".to_string(), fmt_bytes);
         let _ = write!(
             s,
-            "\nfootprint {} measured (resident weight pages + context buffers of mapped rungs; \
-             the policy models {}) · process RSS {rss}",
-            fmt_bytes(measured),
+            "\nfootprint {} measured = weight pages resident {} + anonymous memory {} (KV, \
+             compute buffers, heap) · the policy models {} · process RSS {rss}",
+            fmt_bytes(weights_resident + anon),
+            fmt_bytes(weights_resident),
+            fmt_bytes(anon),
             fmt_bytes(self.need(current, tokens.max(1))),
         );
         self.renderer.note(&s);
@@ -690,6 +697,7 @@ impl Chat {
             .context("the generation thread ended")?;
         self.live = Some(Live {
             rung: self.names[self.snapshot.current].clone(),
+            prompt: 0,
             tokens: 0,
             reused: 0,
         });
@@ -762,11 +770,12 @@ impl Chat {
         match e {
             Event::Start {
                 rung,
+                prompt_tokens,
                 reused_tokens,
-                ..
             } => {
                 if let Some(l) = self.live.as_mut() {
                     l.rung = rung;
+                    l.prompt = prompt_tokens;
                     l.reused = reused_tokens;
                 }
             }
