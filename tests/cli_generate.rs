@@ -163,3 +163,62 @@ fn a_bad_trace_fails_before_any_model_loads() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("tier9"), "{stderr}");
 }
+
+/// Real ladder (CI, once fetched): a prompt file under a relative trace moves tier0 → tier1 by
+/// the shipped diagonal projector (found on disk in `projectors/` or built into the binary) and
+/// the answer goes on in readable text.
+#[test]
+fn real_ladder_prompt_file_switches_by_projection() {
+    if common::real_ladder().is_none() {
+        return;
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dir = tempfile::tempdir().unwrap();
+    let prompts = dir.path().join("p.txt");
+    std::fs::write(&prompts, "Explain in two sentences what a mutex is.\n").unwrap();
+    let trace = dir.path().join("t.json");
+    std::fs::write(
+        &trace,
+        r#"{"name": "to-tier1", "unit": "MiB", "initial": 8000,
+            "events": [{"at": 8, "frac": 1.05, "of": "tier1"}]}"#,
+    )
+    .unwrap();
+    let out = assert_cmd::Command::new(env!("CARGO_BIN_EXE_molt-run"))
+        .env_remove("MOLT_LADDER")
+        .current_dir(root)
+        .args([
+            "--threads",
+            "2",
+            "generate",
+            "--max-tokens",
+            "24",
+            "--prompt-file",
+        ])
+        .arg(&prompts)
+        .arg("--trace")
+        .arg(&trace)
+        .timeout(Duration::from_secs(600))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if stderr.contains("no diagonal projector for tier0 -> tier1") {
+        eprintln!("real ladder present but its projectors are not fitted yet: {stderr}");
+        return;
+    }
+    assert!(out.status.success(), "{stderr}");
+    let row: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(
+        row["rungs_used"],
+        serde_json::json!(["tier0", "tier1"]),
+        "{row}"
+    );
+    assert_eq!(row["switches"][0]["method"], "molt");
+    assert_eq!(row["switches"][0]["at_token"], 8);
+    let text = row["text"].as_str().unwrap();
+    let letters = text.chars().filter(|c| c.is_alphabetic()).count();
+    assert!(
+        letters * 2 > text.len(),
+        "readable text after the switch: {text:?}"
+    );
+}
