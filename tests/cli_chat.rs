@@ -135,9 +135,11 @@ fn budget_cut_mid_answer_switches_and_the_conversation_goes_on() {
         "the answer continued after the switch ({tokens} tokens, switch at {at})"
     );
     assert!(rungs.starts_with("big → "), "{rungs}");
+    // Normally Ctrl-C stops it; the small rung may also end the answer by itself first, and the
+    // Ctrl-C then lands at the prompt (where it must not end the program either).
     assert!(
-        ending.contains("stopped"),
-        "Ctrl-C stopped the answer: {ending}"
+        ["stopped", "end of answer", "max tokens"].contains(&ending.as_str()),
+        "{ending}"
     );
     assert!(prompt > 0);
 
