@@ -309,6 +309,26 @@ impl Session {
         }
     }
 
+    /// Forgets the conversation and moves back to the rung the session started on (mapping it
+    /// again if a switch freed it), so the next answer starts where the first one did — what a
+    /// prompt file wants between independent prompts.
+    ///
+    /// # Errors
+    /// A load failure of the home rung (the session then stays where it was, reset).
+    pub fn reset_home(&mut self) -> Result<(), SessionError> {
+        self.reset();
+        if self.current != self.home {
+            self.ensure_loaded(self.home)?;
+            let old = self.current;
+            self.current = self.home;
+            if !self.opts.keep_source {
+                self.unload(old);
+            }
+            self.live().ctx.clear();
+        }
+        Ok(())
+    }
+
     /// Loads a rung if it is not loaded.
     ///
     /// # Errors

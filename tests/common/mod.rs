@@ -82,3 +82,52 @@ pub fn real_ladder() -> Option<&'static Ladder> {
     })
     .as_ref()
 }
+
+/// The tiny ladder's fitted projectors (`<dir>/tiny/*.molt-proj`), fitted once and reused while
+/// every route still loads against the current tiny files (generation is deterministic).
+pub fn tiny_projectors() -> &'static PathBuf {
+    use molt::engine::{ContextConfig, Model, ModelOptions};
+    use molt::session::{Routes, Variant};
+    use molt::train::{TrainOptions, fit_ladder, read_corpus};
+    use molt::transplant::projector::TensorDtype;
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let l = tiny_ladder();
+        let out = fixture_dir().join("projectors");
+        let n = l.rungs.len();
+        let mut routes = Routes::new(l, vec![out.clone()], Variant::Auto);
+        let current = (0..n)
+            .flat_map(|i| (0..n).map(move |j| (i, j)))
+            .filter(|(i, j)| i != j)
+            .all(|(i, j)| routes.get(i, j).is_ok());
+        if current {
+            return out;
+        }
+        let config = ContextConfig {
+            n_ctx: 1024,
+            n_batch: 256,
+            n_threads: 2,
+            ..ContextConfig::default()
+        };
+        let corpus = read_corpus(&Path::new(env!("CARGO_MANIFEST_DIR")).join("projectors/corpus"))
+            .expect("corpus");
+        let model = Model::load(&l.rungs[0].path, "big", ModelOptions::default()).expect("big");
+        let tokens = model.tokenize(&corpus, false).expect("tokenize");
+        let tokens = &tokens[..tokens.len().min(1600)];
+        fit_ladder(
+            l,
+            config,
+            tokens,
+            &TrainOptions {
+                window: 128,
+                held_out_every: 4,
+                variants: vec![Variant::Auto],
+                dtype: TensorDtype::F32,
+                out_dir: out.clone(),
+            },
+            &mut |_| {},
+        )
+        .expect("fitting tiny projectors");
+        out
+    })
+}

@@ -1,9 +1,11 @@
 //! Options every subcommand shares, and their validation into typed settings.
 
 use anyhow::{Context as _, Result, bail};
-use molt::engine::{CacheType, ContextConfig};
+use molt::engine::{CacheType, ContextConfig, SamplingParams};
 use molt::ladder::{Ladder, search};
-use std::path::PathBuf;
+use molt::pressure::{Trace, TraceRefs};
+use molt::sched::RungCost;
+use std::path::{Path, PathBuf};
 
 /// Global options.
 #[derive(clap::Args, Debug, Clone)]
@@ -70,4 +72,60 @@ impl GlobalArgs {
         Ladder::open(&loc.manifest, &loc.models_dir)
             .with_context(|| format!("opening ladder {}", loc.manifest.display()))
     }
+}
+
+/// Sampling settings from the shared flags, validated.
+pub fn sampling(temperature: f32, top_p: f32, seed: u64) -> Result<SamplingParams> {
+    if !(0.0..=5.0).contains(&temperature) || !(0.0..=1.0).contains(&top_p) || top_p == 0.0 {
+        bail!("--temperature must be in 0..=5 and --top-p in (0, 1]");
+    }
+    Ok(if temperature > 0.0 {
+        SamplingParams {
+            temperature,
+            top_p,
+            top_k: 0,
+            seed,
+        }
+    } else {
+        SamplingParams::greedy()
+    })
+}
+
+/// Checks a trace file before any model loads: readable, valid JSON, every `of` naming a rung
+/// (the footprints it refers to are measured later, see [`load_trace`]).
+pub fn check_trace(path: &Path, rungs: &[String]) -> Result<()> {
+    let refs: TraceRefs = rungs.iter().map(|r| (r.clone(), 1)).collect();
+    Trace::load_with(path, &refs).with_context(|| format!("trace {}", path.display()))?;
+    Ok(())
+}
+
+/// Loads a trace whose events may be relative (`{"frac": 1.05, "of": "tier1"}`): each rung name
+/// stands for what that rung needs with a full context window of `n_ctx` tokens (weights,
+/// context buffers and KV), as the session's policy models it.
+pub fn load_trace(path: &Path, rungs: &[String], costs: &[RungCost], n_ctx: u32) -> Result<Trace> {
+    let refs: TraceRefs = rungs
+        .iter()
+        .zip(costs)
+        .map(|(r, c)| (r.clone(), c.resident_bytes() + c.kv_bytes(u64::from(n_ctx))))
+        .collect();
+    Trace::load_with(path, &refs).with_context(|| format!("trace {}", path.display()))
+}
+
+/// Loads every rung below the session's current one once and unmaps it again, so the policy
+/// decides with measured context overheads instead of the session's conservative estimate
+/// (which, on small models, can exceed the rung itself many times over). Returns
+/// `(rung, milliseconds)` per rung measured.
+pub fn measure_rungs(session: &mut molt::session::Session) -> Result<Vec<(String, f64)>> {
+    let home = session.current_index();
+    let mut done = Vec::new();
+    for i in home + 1..session.ladder().rungs.len() {
+        let t0 = std::time::Instant::now();
+        session.ensure_loaded(i)?;
+        session.unload(i);
+        done.push((
+            session.ladder().rungs[i].name().to_string(),
+            t0.elapsed().as_secs_f64() * 1e3,
+        ));
+    }
+    Ok(done)
 }

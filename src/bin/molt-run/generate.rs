@@ -1,12 +1,13 @@
 //! `molt-run generate`: one prompt (`--prompt`) or a prompt file (`--prompt-file`: plain lines
 //! or JSONL), JSONL results out. A bad line is reported with its number and the rest still run.
 
-use crate::common::GlobalArgs;
+use crate::common::{self, GlobalArgs};
+use crate::shipped;
 use anyhow::{Context as _, Result, bail};
-use molt::engine::SamplingParams;
-use molt::pressure::{Trace, TraceBudget};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use molt::pressure::TraceBudget;
 use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions, Strategy, routes};
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 
 /// Generate options.
@@ -138,9 +139,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     if a.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
-    if !(0.0..=5.0).contains(&a.temperature) || !(0.0..=1.0).contains(&a.top_p) || a.top_p == 0.0 {
-        bail!("--temperature must be in 0..=5 and --top-p in (0, 1]");
-    }
+    let sampling = common::sampling(a.temperature, a.top_p, a.seed)?;
     let (items, bad) = match (&a.prompt, &a.prompt_file) {
         (Some(p), None) => (
             vec![Item {
@@ -158,50 +157,59 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         eprintln!("molt-run: prompt file line {line}: {why} (skipped)");
     }
     let ladder = g.open_ladder()?;
-    if let Some(p) = &a.trace {
-        // Validate the file before any model loads; references resolve later.
-        let dummy = ladder.names().into_iter().map(|n| (n, 1)).collect();
-        Trace::load_with(p, &dummy).with_context(|| format!("trace {}", p.display()))?;
+    let names = ladder.names();
+    if let Some(t) = &a.trace {
+        common::check_trace(t, &names)?;
     }
-    let start = a
-        .rung
-        .clone()
-        .unwrap_or_else(|| ladder.rungs[0].name().to_string());
+    let start = a.rung.clone().unwrap_or_else(|| names[0].clone());
     let opts = SessionOptions {
         strategy: a.strategy.into(),
         projector_dirs: routes::search_dirs(a.projectors.as_deref()),
         ..SessionOptions::default()
     };
     let mut session = Session::with_options(ladder, config, &start, opts)?;
-    // Relative traces (`frac … of tierN`) resolve against the modelled footprints at the
-    // longest context an answer can reach.
+    shipped::install(&mut session);
+    if a.trace.is_some() {
+        // Under a trace the policy decides, and relative traces refer to footprints: measure.
+        common::measure_rungs(&mut session)?;
+    }
     let trace = match &a.trace {
-        Some(p) => {
-            let refs = session.trace_refs(u64::from(config.n_ctx));
-            Some(Trace::load_with(p, &refs).with_context(|| format!("trace {}", p.display()))?)
-        }
+        Some(p) => Some(common::load_trace(
+            p,
+            &names,
+            &session.rung_costs(),
+            config.n_ctx,
+        )?),
         None => None,
     };
-    let sampling = if a.temperature > 0.0 {
-        SamplingParams {
-            temperature: a.temperature,
-            top_p: a.top_p,
-            top_k: 0,
-            seed: a.seed,
-        }
-    } else {
-        SamplingParams::greedy()
-    };
+    let home = session.current_index();
+    let raw = a.raw
+        || session
+            .rung_mut(home)
+            .and_then(|r| r.model().chat_template())
+            .is_none();
+    if raw && !a.raw {
+        eprintln!("molt-run: {start} ships no chat template; prompts are sent as raw text");
+    }
     let mut out: Box<dyn Write> = match &a.out {
         Some(p) => Box::new(std::io::BufWriter::new(
             std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
         )),
         None => Box::new(std::io::stdout().lock()),
     };
+    for (line, why) in &bad {
+        writeln!(
+            out,
+            "{}",
+            serde_json::json!({ "id": line, "line": line, "error": why })
+        )?;
+    }
     let stream_text = a.out.is_some();
+    let bar = progress_bar(items.len());
     let mut failures = bad.len();
     for item in &items {
-        session.reset();
+        // Each prompt is its own run: back on the home rung, the trace from its start.
+        session.reset_home()?;
         if let Some(t) = &trace {
             session.set_budget_source(Some(Box::new(TraceBudget::new(t.clone()))));
         }
@@ -210,29 +218,57 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
             sampling,
             force_switch: None,
         };
-        let prompt = if a.raw {
+        let prompt = if raw {
             Prompt::Text(item.prompt.clone())
         } else {
             Prompt::User(item.prompt.clone())
         };
-        let mut sink = |e: &Event| match (stream_text, e) {
-            (true, Event::Token { text, .. }) => {
-                print!("{text}");
-                let _ = std::io::stdout().flush();
-            }
-            (true, Event::Switch(s)) => {
-                println!(
-                    "\n⇆ {} → {} ({}, {:.0} ms, pressure {:.2})",
-                    s.from, s.to, s.method, s.cost_ms, s.pressure
-                );
-            }
-            _ => {}
-        };
-        match session.generate(&prompt, &opts, &mut sink) {
-            Ok(gen_) => {
-                if stream_text {
-                    println!();
+        // While the bar is drawn, an answer's text is printed whole when it ends (streaming it
+        // would tear the bar); without a bar it streams token by token.
+        let mut held = String::new();
+        let mut per_rung: Vec<(String, usize)> = Vec::new();
+        let mut sink = |e: &Event| {
+            let piece = match e {
+                Event::Token { text, rung, .. } => {
+                    match per_rung.last_mut() {
+                        Some((r, n)) if r == rung => *n += 1,
+                        _ => per_rung.push((rung.clone(), 1)),
+                    }
+                    let n: usize = per_rung.iter().map(|(_, n)| n).sum();
+                    bar.set_message(format!("{}: {rung}, {n} tokens", item.id));
+                    text.clone()
                 }
+                Event::Switch(s) => format!(
+                    "\n⇆ {} → {} ({}, {:.0} ms, pressure {:.2})\n",
+                    s.from, s.to, s.method, s.cost_ms, s.pressure
+                ),
+                _ => return,
+            };
+            if !stream_text {
+                return;
+            }
+            if bar.is_hidden() {
+                print!("{piece}");
+                let _ = std::io::stdout().flush();
+            } else {
+                held.push_str(&piece);
+            }
+        };
+        let result = session.generate(&prompt, &opts, &mut sink);
+        if stream_text {
+            if bar.is_hidden() {
+                println!();
+            } else {
+                bar.suspend(|| println!("{held}"));
+            }
+        }
+        bar.inc(1);
+        match result {
+            Ok(gen_) => {
+                let rung_tokens: Vec<_> = per_rung
+                    .iter()
+                    .map(|(r, n)| serde_json::json!({ "rung": r, "tokens": n }))
+                    .collect();
                 let row = serde_json::json!({
                     "id": item.id,
                     "line": item.line,
@@ -241,18 +277,22 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
                     "tokens": gen_.tokens.len(),
                     "prompt_tokens": gen_.prompt_tokens,
                     "rungs_used": gen_.rungs_used,
+                    "rung_tokens": rung_tokens,
                     "switches": gen_.switches,
                     "ttft_ms": gen_.ttft_ms,
                     "total_ms": gen_.total_ms,
                     "tokens_per_s": gen_.tokens_per_s(),
                     "stop": gen_.stop,
+                    "budget": session.budget_description(),
                 });
                 writeln!(out, "{row}")?;
                 out.flush()?;
             }
             Err(e) => {
                 failures += 1;
-                eprintln!("molt-run: prompt {} (line {}): {e}", item.id, item.line);
+                bar.suspend(|| {
+                    eprintln!("molt-run: prompt {} (line {}): {e}", item.id, item.line);
+                });
                 writeln!(
                     out,
                     "{}",
@@ -261,8 +301,23 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
             }
         }
     }
+    bar.finish_and_clear();
     if failures > 0 && failures == items.len() + bad.len() {
         bail!("every prompt failed");
     }
     Ok(())
+}
+
+/// A bar over the prompts on stderr, drawn only when stderr is a terminal.
+fn progress_bar(len: usize) -> ProgressBar {
+    if len < 2 || !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::with_draw_target(Some(len as u64), ProgressDrawTarget::stderr());
+    if let Ok(style) = ProgressStyle::with_template(
+        "{bar:30.cyan/blue} {pos}/{len} prompts · {msg} · {elapsed_precise} (eta {eta})",
+    ) {
+        bar.set_style(style.progress_chars("█▉▊▋▌▍▎▏ "));
+    }
+    bar
 }

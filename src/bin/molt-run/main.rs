@@ -5,10 +5,12 @@
 //! milliseconds rather than after a 2-second mmap.
 
 mod bench;
+mod chat;
 mod common;
 mod fetch;
 mod generate;
 mod inspect;
+mod shipped;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -35,6 +37,8 @@ enum Command {
     Inspect(inspect::Args),
     /// Answer one prompt, or every line of a prompt file (JSONL results out).
     Generate(generate::Args),
+    /// Chat in the terminal under the real (or a replayed) memory budget.
+    Chat(chat::Args),
     /// Run the benchmark programs (JSON results under results/).
     Bench(bench::Args),
     /// Fit the KV projectors of the ladder on the project's corpus.
@@ -47,6 +51,7 @@ fn main() {
         Command::Fetch(a) => fetch::run(&cli.global, &a),
         Command::Inspect(a) => inspect::run(&cli.global, &a),
         Command::Generate(a) => generate::run(&cli.global, &a),
+        Command::Chat(a) => chat::run(&cli.global, &a),
         Command::Bench(a) => bench::run(&cli.global, &a),
         Command::TrainProjectors(a) => train::run(&cli.global, &a),
     };
