@@ -69,6 +69,8 @@ pub struct Context {
     n_vocab: usize,
     /// Number of positions decoded into sequence 0 (the next token goes at this position).
     n_past: usize,
+    /// Bytes llama.cpp reported reserving for this context (KV, compute and output buffers).
+    reserved_bytes: u64,
 }
 
 // SAFETY: a llama_context is used from one thread at a time (all mutation takes &mut self);
@@ -118,6 +120,7 @@ impl Context {
         p.type_v = config.cache_type.ggml();
         p.no_perf = true;
         let _ = recent_llama_errors();
+        let _ = super::logs::take_buffer_sizes();
         // SAFETY: the model pointer is alive (we hold an Arc); params by value.
         let raw = unsafe { llama_cpp_sys_2::llama_init_from_model(model.as_ptr(), p) };
         let ptr = std::ptr::NonNull::new(raw).ok_or_else(|| EngineError::ContextFailed {
@@ -126,12 +129,19 @@ impl Context {
             detail: recent_llama_errors(),
         })?;
         let n_vocab = model.n_vocab();
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let reserved_bytes = super::logs::take_buffer_sizes()
+            .iter()
+            .filter(|(what, _)| !what.contains("model") && !what.contains("Mapped"))
+            .map(|(_, mib)| (mib * 1_048_576.0) as u64)
+            .sum();
         Ok(Self {
             ptr,
             model,
             config,
             n_vocab,
             n_past: 0,
+            reserved_bytes,
         })
     }
 
@@ -148,6 +158,13 @@ impl Context {
     /// Positions decoded so far in the sequence (where the next token goes).
     pub fn n_past(&self) -> usize {
         self.n_past
+    }
+
+    /// Bytes llama.cpp reported reserving for this context's KV, compute and output buffers
+    /// (0 if its log did not say). Pages of these buffers count in RSS only once touched, so
+    /// this is the ceiling a context can grow to, which is what a budget must hold.
+    pub fn reserved_bytes(&self) -> u64 {
+        self.reserved_bytes
     }
 
     /// The context window.

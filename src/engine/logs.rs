@@ -6,6 +6,9 @@ use std::ffi::{CStr, c_char, c_void};
 use std::sync::Mutex;
 
 static RECENT: Mutex<VecDeque<String>> = Mutex::new(VecDeque::new());
+/// `(what, MiB)` of every "… buffer size = X MiB" line since the last [`take_buffer_sizes`]:
+/// llama.cpp's own account of what a context reserves (KV, compute, output buffers).
+static BUFFERS: Mutex<Vec<(String, f64)>> = Mutex::new(Vec::new());
 const KEEP: usize = 16;
 
 extern "C" fn on_log(level: llama_cpp_sys_2::ggml_log_level, text: *const c_char, _: *mut c_void) {
@@ -16,6 +19,11 @@ extern "C" fn on_log(level: llama_cpp_sys_2::ggml_log_level, text: *const c_char
     let line = unsafe { CStr::from_ptr(text) }.to_string_lossy();
     if std::env::var_os("MOLT_LLAMA_LOG").is_some() {
         eprint!("{line}");
+    }
+    if let Some(rec) = parse_buffer_size(&line)
+        && let Ok(mut b) = BUFFERS.lock()
+    {
+        b.push(rec);
     }
     if (level == llama_cpp_sys_2::GGML_LOG_LEVEL_WARN
         || level == llama_cpp_sys_2::GGML_LOG_LEVEL_ERROR)
@@ -46,5 +54,31 @@ pub fn recent_llama_errors() -> String {
         "no detail logged".to_string()
     } else {
         lines.join(" | ")
+    }
+}
+
+/// Parses `"<prefix>: <what> buffer size = <x> MiB"`.
+fn parse_buffer_size(line: &str) -> Option<(String, f64)> {
+    let (head, tail) = line.split_once("buffer size =")?;
+    let mib: f64 = tail.trim().strip_suffix("MiB")?.trim().parse().ok()?;
+    let what = head.rsplit(':').next()?.trim().to_string();
+    Some((what, mib))
+}
+
+/// Takes (and clears) the buffer sizes llama.cpp reported since the last call.
+pub fn take_buffer_sizes() -> Vec<(String, f64)> {
+    BUFFERS
+        .lock()
+        .map(|mut b| std::mem::take(&mut *b))
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn buffer_size_lines_parse() {
+        let r = super::parse_buffer_size("sched_reserve:        CPU compute buffer size =   310.02 MiB\n");
+        assert_eq!(r, Some(("CPU compute".to_string(), 310.02)));
+        assert!(super::parse_buffer_size("compute buffer size is 310.0 MiB, matches").is_none());
     }
 }

@@ -13,11 +13,20 @@ pub struct ModelOptions {
     /// Memory-map the weights (Molt's default: the page cache holds them, RSS counts only the
     /// pages touched, and unmapping gives them back at once).
     pub mmap: bool,
+    /// Let llama.cpp repack weights into its CPU-optimised layouts (`use_extra_bufts`). Off by
+    /// default in Molt: a repacked weight is a copy in anonymous memory beside the mapped file,
+    /// which roughly doubles what a rung really occupies and makes the mapped pages
+    /// meaningless as a footprint. Set `MOLT_REPACK=1` to turn it on (faster prefill on some
+    /// CPUs, at that memory cost).
+    pub repack: bool,
 }
 
 impl Default for ModelOptions {
     fn default() -> Self {
-        Self { mmap: true }
+        Self {
+            mmap: true,
+            repack: std::env::var_os("MOLT_REPACK").is_some_and(|v| v != "0"),
+        }
     }
 }
 
@@ -97,6 +106,7 @@ impl Model {
             llama_cpp_sys_2::LLAMA_LOAD_MODE_NONE
         };
         params.n_gpu_layers = 0;
+        params.use_extra_bufts = opts.repack;
         // SAFETY: c_path is a valid NUL-terminated string; params is a valid struct by value.
         let raw = unsafe { llama_cpp_sys_2::llama_model_load_from_file(c_path.as_ptr(), params) };
         let ptr = NonNull::new(raw).ok_or_else(|| fail(recent_llama_errors()))?;
