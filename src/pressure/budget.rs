@@ -86,6 +86,13 @@ pub trait BudgetSource {
 
     /// One line for logs and results JSON, e.g. `trace spike_mid_answer (token clock, 2 steps)`.
     fn describe(&self) -> String;
+
+    /// Whether the budget can change while no token is generated. A parked answer waits on
+    /// the wall clock for memory to return; a source keyed by the answer's own token count
+    /// (a token-clock trace) never would, so the session refuses to wait on it.
+    fn moves_with_time(&self) -> bool {
+        true
+    }
 }
 
 /// `1 − bytes / reference`, clamped to `[0, 1]`; 0 when the reference is 0.
@@ -142,6 +149,10 @@ impl BudgetSource for TraceBudget {
             self.trace.steps.len(),
             self.trace.initial_bytes / MIB
         )
+    }
+
+    fn moves_with_time(&self) -> bool {
+        self.trace.clock == super::Clock::Ms
     }
 }
 
