@@ -23,7 +23,7 @@ pub mod trace;
 
 pub use budget::{
     Budget, BudgetOrigin, BudgetSource, CgroupReading, CgroupVersion, DEFAULT_RESERVE_BYTES,
-    FixedBudget, FixedBudgetHandle, Psi, SystemBudget, SystemReading, SystemRoots, Tick,
+    FixedBudget, FixedBudgetHandle, HogBudget, Psi, SystemBudget, SystemReading, SystemRoots, Tick,
     TraceBudget,
 };
 pub use error::{HogError, PressureError, TraceError, TraceProblem};

@@ -31,6 +31,29 @@ pub(super) struct Parked {
     pub since: Instant,
 }
 
+/// Tokens of a chat prompt that shedding must keep: the rendered system prompt and the opening
+/// of the first user turn — the longest token prefix two different one-turn chats share — if
+/// `tokens` starts with it; 0 otherwise (or when the model has no chat template).
+pub fn chat_pinned_prefix(model: &crate::engine::Model, tokens: &[Token]) -> usize {
+    let render = |text: &str| {
+        model
+            .apply_chat_template(&[crate::engine::ChatMessage::new("user", text)], true)
+            .and_then(|t| model.tokenize(&t, true))
+            .ok()
+    };
+    match (render("a"), render("b")) {
+        (Some(a), Some(b)) => {
+            let shared = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+            if tokens.len() >= shared && tokens[..shared] == a[..shared] {
+                shared
+            } else {
+                0
+            }
+        }
+        _ => 0,
+    }
+}
+
 fn rss() -> u64 {
     process_rss_bytes().unwrap_or(0)
 }
@@ -149,23 +172,7 @@ impl Session {
             return 0;
         }
         let model = std::sync::Arc::clone(self.live().ctx.model());
-        let render = |text: &str| {
-            model
-                .apply_chat_template(&[crate::engine::ChatMessage::new("user", text)], true)
-                .and_then(|t| model.tokenize(&t, true))
-                .ok()
-        };
-        match (render("a"), render("b")) {
-            (Some(a), Some(b)) => {
-                let shared = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
-                if tokens.len() >= shared && tokens[..shared] == a[..shared] {
-                    shared
-                } else {
-                    0
-                }
-            }
-            _ => 0,
-        }
+        chat_pinned_prefix(&model, tokens)
     }
 
     fn lever(&self, at_token: usize, lever: &str, tokens: usize, t0: Instant) -> LeverInfo {

@@ -14,6 +14,7 @@ mod rung;
 
 pub use condition::Condition;
 pub use events::{Event, FootprintSample, Generation, LeverInfo, StopReason, Summary, SwitchInfo};
+pub use levers::chat_pinned_prefix;
 pub use routes::{RouteError, RouteKind, Routes, Variant};
 pub use rung::{LiveRung, ParkedRung};
 

@@ -44,6 +44,14 @@ pub struct Args {
     /// moves between rungs as the budget demands.
     #[arg(long)]
     pub trace: Option<PathBuf>,
+    /// Make the trace real: a child process allocates and touches what the trace says the
+    /// rest of the device takes, and the budget is read back from the operating system
+    /// (min(device − the child's RSS, cgroup/MemAvailable)).
+    #[arg(long, requires = "trace")]
+    pub real_hog: bool,
+    /// The device size for --real-hog, MiB (default: the trace's initial budget).
+    #[arg(long, requires = "real_hog")]
+    pub device_mib: Option<u64>,
     /// How to change rung under pressure: molt (KV transplant), reprefill, never.
     #[arg(long, value_enum, default_value_t = StrategyArg::Molt)]
     pub strategy: StrategyArg,
@@ -193,7 +201,13 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     for item in &items {
         session.reset();
         if let Some(t) = &trace {
-            session.set_budget_source(Some(Box::new(TraceBudget::new(t.clone()))));
+            if a.real_hog {
+                let hog = crate::hog::spawn_budget(t.clone(), a.device_mib.map(|m| m << 20))?;
+                eprintln!("molt-run: {}", molt::pressure::BudgetSource::describe(&hog));
+                session.set_budget_source(Some(Box::new(hog)));
+            } else {
+                session.set_budget_source(Some(Box::new(TraceBudget::new(t.clone()))));
+            }
         }
         let opts = GenerateOptions {
             max_tokens: item.max_tokens.unwrap_or(a.max_tokens),
@@ -205,7 +219,9 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         } else {
             Prompt::User(item.prompt.clone())
         };
+        let mut footprints = Vec::new();
         let mut sink = |e: &Event| match (stream_text, e) {
+            (_, Event::Footprint(f)) => footprints.push(f.clone()),
             (true, Event::Token { text, .. }) => {
                 print!("{text}");
                 let _ = std::io::stdout().flush();
@@ -214,6 +230,17 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
                 println!(
                     "\n⇆ {} → {} ({}, {:.0} ms, pressure {:.2})",
                     s.from, s.to, s.method, s.cost_ms, s.pressure
+                );
+            }
+            (true, Event::Lever(l)) => {
+                println!(
+                    "\n⏸ {} on {} ({} tokens, {:.0} ms, RSS {} → {} MiB)",
+                    l.lever,
+                    l.rung,
+                    l.tokens,
+                    l.cost_ms,
+                    l.rss_before >> 20,
+                    l.rss_after >> 20
                 );
             }
             _ => {}
@@ -236,6 +263,11 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
                     "total_ms": gen_.total_ms,
                     "tokens_per_s": gen_.tokens_per_s(),
                     "stop": gen_.stop,
+                    "killed": gen_.killed,
+                    "lost_tokens": gen_.lost_tokens,
+                    "levers": gen_.levers,
+                    "stall_ms": gen_.stall_ms,
+                    "footprints": footprints,
                 });
                 writeln!(out, "{row}")?;
                 out.flush()?;
