@@ -196,6 +196,77 @@ impl Context {
         self.n_past = from;
     }
 
+    /// Sheds context: drops the `n` positions after the first `pinned` (the oldest tokens that
+    /// are not the pinned system prompt), shifts every later position down by `n` (llama.cpp
+    /// re-rotates their cached keys), then decodes `next` at the new end of the sequence.
+    ///
+    /// llama.cpp applies a position shift lazily, at the next decode; until then the cached
+    /// keys are still rotated at the old positions and an exported state would be
+    /// inconsistent. Decoding `next` in the same call applies the shift at once, so no caller
+    /// can observe that window. `next` must be non-empty (in the token loop it is the token
+    /// sampled last and not decoded yet).
+    ///
+    /// # Errors
+    /// [`EngineError::Shed`] if `next` is empty, `pinned + n` exceeds the sequence, or the
+    /// cache cannot shift positions (nothing is changed then); a decode error otherwise (the
+    /// shed has happened, the sequence ends at `n_past − n`).
+    pub fn shed_and_decode(
+        &mut self,
+        pinned: usize,
+        n: usize,
+        next: &[Token],
+    ) -> Result<(), EngineError> {
+        let n_past = self.n_past;
+        let refuse = |detail: String| EngineError::Shed {
+            pinned,
+            n,
+            n_past,
+            detail,
+        };
+        if next.is_empty() {
+            return Err(refuse("no token to decode after the shift".into()));
+        }
+        let end = pinned.checked_add(n).filter(|&e| e <= n_past);
+        let Some(end) = end else {
+            return Err(refuse(
+                "the range reaches past the end of the sequence".into(),
+            ));
+        };
+        let conv = |v: usize| {
+            i32::try_from(v).map_err(|_| EngineError::OutOfRange {
+                what: "position",
+                value: v as u64,
+            })
+        };
+        let (p0, p1, delta) = (conv(pinned)?, conv(end)?, conv(n)?);
+        if n > 0 {
+            // SAFETY: live context; read-only query.
+            let can = unsafe {
+                let mem = llama_cpp_sys_2::llama_get_memory(self.ptr.as_ptr());
+                llama_cpp_sys_2::llama_memory_can_shift(mem)
+            };
+            if !can {
+                return Err(refuse("this cache cannot shift positions".into()));
+            }
+            // SAFETY: live context; removing a position range of sequence 0 and shifting the
+            // later positions of sequence 0 by a negative delta are valid on a cache that can
+            // shift (checked above).
+            let removed = unsafe {
+                let mem = llama_cpp_sys_2::llama_get_memory(self.ptr.as_ptr());
+                let ok = llama_cpp_sys_2::llama_memory_seq_rm(mem, SEQ, p0, p1);
+                if ok {
+                    llama_cpp_sys_2::llama_memory_seq_add(mem, SEQ, p1, -1, -delta);
+                }
+                ok
+            };
+            if !removed {
+                return Err(refuse("llama.cpp refused to remove the range".into()));
+            }
+            self.n_past -= n;
+        }
+        self.decode(next)
+    }
+
     /// Decodes `tokens` at positions `n_past..`, in chunks of `n_batch`, and keeps the logits
     /// of the last token. An empty slice is a no-op.
     ///

@@ -85,6 +85,18 @@ pub enum EngineError {
         /// What went wrong.
         detail: String,
     },
+    /// Shedding context was refused.
+    #[error("cannot shed {n} tokens after {pinned} pinned of {n_past}: {detail}")]
+    Shed {
+        /// Leading positions kept.
+        pinned: usize,
+        /// Positions to drop after them.
+        n: usize,
+        /// Positions in the sequence.
+        n_past: usize,
+        /// Why.
+        detail: String,
+    },
     /// Quantization failed.
     #[error("quantizing {src} to {dst} failed (code {code}): {detail}")]
     Quantize {

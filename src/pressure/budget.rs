@@ -1,11 +1,13 @@
 //! Budget sources: how many bytes Molt may occupy right now.
 //!
 //! The session asks a [`BudgetSource`] once between two tokens, passing the current [`Tick`],
-//! and gets a [`Budget`]. Three sources:
+//! and gets a [`Budget`]. Four sources:
 //!
 //! - [`TraceBudget`] replays a [`Trace`] — reproducible, the default for benchmarks.
 //! - [`FixedBudget`] holds a value set from elsewhere through a cloneable
 //!   [`FixedBudgetHandle`] (the server's `/budget` endpoint, an interactive command).
+//! - [`HogBudget`] makes a trace real: a child process allocates what the trace says others
+//!   take, and the budget is read back from the operating system.
 //! - [`SystemBudget`] reads the real machine: the cgroup the process lives in (v2
 //!   `memory.max` / `memory.high` / `memory.current`, or v1 `memory.limit_in_bytes` /
 //!   `memory.usage_in_bytes`, every ancestor included), `/proc/meminfo` `MemAvailable`, and
@@ -86,6 +88,13 @@ pub trait BudgetSource {
 
     /// One line for logs and results JSON, e.g. `trace spike_mid_answer (token clock, 2 steps)`.
     fn describe(&self) -> String;
+
+    /// Whether the budget can change while no token is generated. A parked answer waits on
+    /// the wall clock for memory to return; a source keyed by the answer's own token count
+    /// (a token-clock trace) never would, so the session refuses to wait on it.
+    fn moves_with_time(&self) -> bool {
+        true
+    }
 }
 
 /// `1 − bytes / reference`, clamped to `[0, 1]`; 0 when the reference is 0.
@@ -142,6 +151,10 @@ impl BudgetSource for TraceBudget {
             self.trace.steps.len(),
             self.trace.initial_bytes / MIB
         )
+    }
+
+    fn moves_with_time(&self) -> bool {
+        self.trace.clock == super::Clock::Ms
     }
 }
 
@@ -445,6 +458,129 @@ impl BudgetSource for SystemBudget {
             self.roots.sys_root.display(),
             self.reserve_bytes / MIB
         )
+    }
+}
+
+/// Genuine pressure, replayed: a [`HogChild`] allocates and touches what a [`Trace`] says the
+/// rest of the device takes, and the budget is read back from the operating system.
+///
+/// A trace budgets Molt for a device of `ceiling` bytes (by default the trace's initial
+/// budget). At each reading the hog is steered to hold `ceiling − trace budget` (and waited
+/// for: its pages are touched before the budget is read), then
+///
+/// ```text
+/// budget = min(ceiling − (hog RSS − hog RSS at start),  SystemBudget)
+/// ```
+///
+/// with the hog's RSS read from `/proc/<pid>/status` — what it really holds, late or short if
+/// the kernel made it so; its own code and libraries, resident before it allocated anything,
+/// are not counted as taken — and [`SystemBudget`] (cgroup, `MemAvailable`, PSI) still bounding
+/// it from the real machine. On a machine or cgroup the size of the device, the system term
+/// alone binds and the same run is pressure end to end; on a larger shared machine the ceiling
+/// stands in for the device without having to take the whole machine's memory away from
+/// everyone else. Pressure is the larger of the squeeze below the ceiling and PSI.
+#[derive(Debug)]
+pub struct HogBudget {
+    hog: super::HogChild,
+    trace: Trace,
+    ceiling_bytes: u64,
+    system: SystemBudget,
+    held_mib: Option<u64>,
+    /// How long the last steering took (allocating and touching), ms.
+    last_steer_ms: f64,
+    /// The hog's RSS before it allocated anything (its code and libraries): not memory taken
+    /// from the device.
+    hog_base_rss: u64,
+}
+
+/// How long the hog may take to reach a target (allocate and touch gigabytes).
+const HOG_STEER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
+
+impl HogBudget {
+    /// Starts the hog (`program args…`, a process running [`super::run_hog`]) and binds it to
+    /// `trace` under `ceiling_bytes` (`None`: the trace's initial budget).
+    ///
+    /// # Errors
+    /// [`super::HogError`] if the child cannot be started or does not report ready.
+    pub fn spawn<I, S>(
+        program: &Path,
+        args: I,
+        trace: Trace,
+        ceiling_bytes: Option<u64>,
+    ) -> Result<HogBudget, super::HogError>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<std::ffi::OsStr>,
+    {
+        let hog = super::HogChild::spawn(program, args)?;
+        let hog_base_rss = hog.rss_bytes().unwrap_or(0);
+        let ceiling_bytes = ceiling_bytes.unwrap_or(trace.initial_bytes);
+        Ok(HogBudget {
+            hog,
+            trace,
+            ceiling_bytes,
+            system: SystemBudget::new(),
+            held_mib: None,
+            last_steer_ms: 0.0,
+            hog_base_rss,
+        })
+    }
+
+    /// The hog's process id.
+    #[must_use]
+    pub fn hog_pid(&self) -> u32 {
+        self.hog.pid()
+    }
+
+    /// MiB the hog was last told to hold.
+    #[must_use]
+    pub fn held_mib(&self) -> Option<u64> {
+        self.held_mib
+    }
+
+    /// How long the last change of the hog's size took, ms.
+    #[must_use]
+    pub fn last_steer_ms(&self) -> f64 {
+        self.last_steer_ms
+    }
+}
+
+impl BudgetSource for HogBudget {
+    fn budget(&mut self, now: Tick) -> Result<Budget, PressureError> {
+        let want = self.trace.budget_at(now.token_index, now.elapsed_ms);
+        let mib = self.ceiling_bytes.saturating_sub(want).div_ceil(MIB);
+        if self.held_mib != Some(mib) {
+            let t0 = std::time::Instant::now();
+            self.hog.set_target_mib_and_wait(mib, HOG_STEER_TIMEOUT)?;
+            self.last_steer_ms = t0.elapsed().as_secs_f64() * 1e3;
+            self.held_mib = Some(mib);
+        }
+        let taken = self.hog.rss_bytes()?.saturating_sub(self.hog_base_rss);
+        let reading = self.system.read()?;
+        let device = self.ceiling_bytes.saturating_sub(taken);
+        let bytes = reading.budget_bytes().map_or(device, |sys| sys.min(device));
+        let psi = reading
+            .psi
+            .map_or(0.0, |p| (p.some_avg10 / 100.0).clamp(0.0, 1.0));
+        Ok(Budget {
+            bytes,
+            pressure: squeeze(bytes, self.ceiling_bytes).max(psi),
+            origin: BudgetOrigin::System,
+        })
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "real hog (pid {}) following trace {} under a {} MiB device; budget = min(device - hog RSS, system)",
+            self.hog.pid(),
+            self.trace.name,
+            self.ceiling_bytes / MIB
+        )
+    }
+
+    fn moves_with_time(&self) -> bool {
+        // The hog follows the trace's clock; a token clock holds it still while parked.
+        self.trace.clock == super::Clock::Ms
     }
 }
 

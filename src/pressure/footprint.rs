@@ -157,6 +157,28 @@ fn mapping_pathname(header: &str) -> &str {
     rest.trim()
 }
 
+/// Makes freed large buffers go back to the operating system at once, process-wide
+/// (idempotent).
+///
+/// glibc serves allocations above `M_MMAP_THRESHOLD` with their own mappings, unmapped on
+/// free — but by default the threshold *rises* to the size of each such block freed (up to
+/// 32 MiB), after which blocks of that size come from the heap, where a free keeps the pages.
+/// Parking drops a context's KV and compute buffers (tens to hundreds of MiB) and must give
+/// them back, and a rung's measured cost is the change of `RssAnon` when it loads, which a
+/// recycled heap block would hide. Setting the threshold explicitly (to glibc's own default,
+/// 128 KiB) turns the adjustment off. Other C libraries return large blocks already.
+pub fn return_freed_buffers_to_os() {
+    static DONE: std::sync::Once = std::sync::Once::new();
+    DONE.call_once(|| {
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        // SAFETY: mallopt only changes allocator tuning; M_MMAP_THRESHOLD with a value below
+        // the maximum is always accepted and affects only future allocations.
+        unsafe {
+            libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024);
+        }
+    });
+}
+
 pub(crate) fn page_size() -> usize {
     // SAFETY: sysconf has no preconditions; it only reads a configuration value.
     let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };

@@ -23,14 +23,14 @@ pub mod trace;
 
 pub use budget::{
     Budget, BudgetOrigin, BudgetSource, CgroupReading, CgroupVersion, DEFAULT_RESERVE_BYTES,
-    FixedBudget, FixedBudgetHandle, Psi, SystemBudget, SystemReading, SystemRoots, Tick,
+    FixedBudget, FixedBudgetHandle, HogBudget, Psi, SystemBudget, SystemReading, SystemRoots, Tick,
     TraceBudget,
 };
 pub use error::{HogError, PressureError, TraceError, TraceProblem};
 pub use footprint::{
     Footprint, PageCacheResidency, file_resident_in_page_cache, mincore_resident_bytes,
     process_anon_rss_bytes, process_pss_bytes, process_rss_bytes, resident_bytes_of_mapping,
-    rss_bytes_in,
+    return_freed_buffers_to_os, rss_bytes_in,
 };
 pub use hog::{HogChild, HogMemory, HogReport, HogSchedule, HogStep, run_hog, run_hog_with};
 pub use trace::{Clock, Trace, TraceRefs, TraceStep, Unit};

@@ -760,6 +760,33 @@ mod tests {
         assert!((1000 * MIB..1400 * MIB).contains(&b1), "{b1}");
         assert!((700 * MIB..1000 * MIB).contains(&b2), "{b2}");
         assert!(Trace::load(&dir.join("spike_mid_answer_relative.json")).is_err());
+
+        // Every shipped trace loads (with the rung references) and is named after its file.
+        let mut seen = 0;
+        for entry in std::fs::read_dir(&dir).expect("traces/") {
+            let path = entry.expect("entry").path();
+            if path.extension().is_none_or(|e| e != "json") {
+                continue;
+            }
+            let t = Trace::load_with(&path, &refs).expect("shipped trace loads");
+            assert_eq!(
+                Some(t.name.as_str()),
+                path.file_stem().and_then(|s| s.to_str())
+            );
+            assert!(!t.description.is_empty(), "{}", t.name);
+            seen += 1;
+        }
+        assert!(seen >= 6, "{seen} traces");
+        // The wall-clock traces drop below every rung and come back.
+        for name in ["park_and_resume", "shed_and_resume"] {
+            let t = Trace::load(&dir.join(format!("{name}.json"))).expect(name);
+            assert_eq!(t.clock, Clock::Ms);
+            assert!(t.min_budget_bytes() < 500 * MIB);
+            assert_eq!(
+                t.steps.last().map(|s| s.budget_bytes),
+                Some(t.initial_bytes)
+            );
+        }
     }
 
     #[test]

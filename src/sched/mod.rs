@@ -64,6 +64,8 @@ mod error;
 pub mod model;
 pub mod one;
 pub mod plan;
+#[cfg(test)]
+mod props;
 pub mod sim;
 
 pub use error::SchedError;

@@ -22,6 +22,11 @@ pub struct RungCost {
     pub kv_bytes_per_token: u64,
     /// Compute buffer bytes of the rung's context while it is resident.
     pub compute_bytes: u64,
+    /// Bytes every running (admitted, unparked) tenant on this rung pays for itself, on top of
+    /// the shared weights: its own context's buffers when each tenant has a context of its
+    /// own over one mapping of the weights. 0 when tenants are sequences of one context.
+    #[serde(default)]
+    pub tenant_bytes: u64,
 }
 
 impl RungCost {
@@ -38,7 +43,15 @@ impl RungCost {
             weights_bytes,
             kv_bytes_per_token,
             compute_bytes,
+            tenant_bytes: 0,
         }
+    }
+
+    /// Sets the per-running-tenant cost (see [`RungCost::tenant_bytes`]).
+    #[must_use]
+    pub fn with_tenant_bytes(mut self, tenant_bytes: u64) -> RungCost {
+        self.tenant_bytes = tenant_bytes;
+        self
     }
 
     /// Weights plus compute buffers: what the rung costs while resident, whatever its KV.
@@ -274,7 +287,8 @@ impl Snapshot {
 /// - with shared weights: the weights and compute buffers of every rung that has at least
 ///   one admitted, unparked tenant, **once per rung**; otherwise once per such tenant;
 /// - plus every admitted tenant's KV (`context_tokens × kv_bytes_per_token` of its rung),
-///   parked or not — parked KV is held in host memory.
+///   parked or not — parked KV is held in host memory;
+/// - plus [`RungCost::tenant_bytes`] for every admitted, unparked tenant.
 ///
 /// Waiting tenants cost nothing. Out-of-range rungs (an invalid snapshot) count 0 rather than
 /// panic; [`Snapshot::validate`] reports them.
@@ -288,6 +302,7 @@ pub fn usage(snapshot: &Snapshot) -> u64 {
         };
         total = total.saturating_add(rung.kv_bytes(t.context_tokens));
         if !t.parked {
+            total = total.saturating_add(rung.tenant_bytes);
             if snapshot.shared_weights {
                 if let Some(flag) = resident.get_mut(t.rung) {
                     *flag = true;

@@ -96,7 +96,7 @@ fn need(rung: &RungCost, parked: bool, tokens: u64) -> u128 {
     let weights = if parked {
         0
     } else {
-        u128::from(rung.resident_bytes())
+        u128::from(rung.resident_bytes()) + u128::from(rung.tenant_bytes)
     };
     weights + u128::from(rung.kv_bytes_per_token) * u128::from(tokens)
 }

@@ -73,6 +73,57 @@ impl SwitchInfo {
     }
 }
 
+/// A lever other than a switch, pulled between two tokens: parking the rung's weights,
+/// resuming them, shedding the oldest context, or moving a parked cache to another rung's
+/// layout.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LeverInfo {
+    /// Generated-token index before which it happened.
+    pub at_token: usize,
+    /// "park", "resume", "shed" or "relayout".
+    pub lever: String,
+    /// The rung afterwards (for a park: the rung whose layout the parked cache is in, or will
+    /// be resumed in).
+    pub rung: String,
+    /// Tokens dropped (shed) or cells carried (park, resume, relayout).
+    pub tokens: usize,
+    /// Time the action took, ms (for a resume: mapping, import and the first decode).
+    pub cost_ms: f64,
+    /// For a resume: how long the answer was parked, ms (the stall a user saw).
+    pub parked_ms: f64,
+    /// Process RSS just before, bytes (0 if unreadable).
+    pub rss_before: u64,
+    /// Process RSS just after, bytes (0 if unreadable).
+    pub rss_after: u64,
+    /// Bytes of the parked cache held in host memory afterwards (0 when running).
+    pub parked_kv_bytes: u64,
+    /// Budget at the decision, bytes.
+    pub budget_bytes: u64,
+}
+
+/// What the session occupies right after a switch or a lever, measured beside what the policy
+/// assumed, so that "the budget was never exceeded" is checked against the OS, not the model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FootprintSample {
+    /// Generated-token index before which it was taken.
+    pub at_token: usize,
+    /// The rung in use (running or parked).
+    pub rung: String,
+    /// Whether the weights are parked.
+    pub parked: bool,
+    /// Tokens in the cache (plus the one about to be decoded).
+    pub context_tokens: usize,
+    /// Measured: resident pages of every mapped rung file + each live context's measured
+    /// buffers + the parked cache's bytes.
+    pub measured_bytes: u64,
+    /// What the policy assumed for the same state.
+    pub modelled_bytes: u64,
+    /// Process RSS (everything: weights, buffers, code, allocator slack).
+    pub rss_bytes: u64,
+    /// The budget in force.
+    pub budget_bytes: u64,
+}
+
 /// The end-of-answer summary.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Summary {
@@ -92,6 +143,15 @@ pub struct Summary {
     pub stop: StopReason,
     /// Whether the process would have been killed (always false for Molt).
     pub killed: bool,
+    /// Generated tokens lost to the kill (condition A): the whole answer so far.
+    #[serde(default)]
+    pub lost_tokens: usize,
+    /// Park, resume and shed actions.
+    #[serde(default)]
+    pub levers: Vec<LeverInfo>,
+    /// Wall time spent parked, waiting for memory, ms.
+    #[serde(default)]
+    pub stall_ms: f64,
 }
 
 /// A streamed event.
@@ -136,6 +196,10 @@ pub enum Event {
         /// Why.
         reason: String,
     },
+    /// A park, resume, shed or relayout happened before the next token.
+    Lever(LeverInfo),
+    /// Measured occupancy after a switch or a lever.
+    Footprint(FootprintSample),
     /// The answer ended.
     Done(Summary),
 }
@@ -161,6 +225,15 @@ pub struct Generation {
     pub stop: StopReason,
     /// Killed (condition A).
     pub killed: bool,
+    /// Generated tokens lost to the kill (the answer is gone; 0 unless killed).
+    #[serde(default)]
+    pub lost_tokens: usize,
+    /// Park, resume and shed actions.
+    #[serde(default)]
+    pub levers: Vec<LeverInfo>,
+    /// Wall time spent parked, waiting for memory, ms.
+    #[serde(default)]
+    pub stall_ms: f64,
 }
 
 impl Generation {
@@ -175,6 +248,9 @@ impl Generation {
             total_ms: self.total_ms,
             stop: self.stop,
             killed: self.killed,
+            lost_tokens: self.lost_tokens,
+            levers: self.levers.clone(),
+            stall_ms: self.stall_ms,
         }
     }
 

@@ -5,12 +5,16 @@
 //! Main types: [`Session`] (a ladder with loaded rungs and one conversation), [`Prompt`],
 //! [`GenerateOptions`], [`Event`] and [`Generation`] (the summary of one answer).
 
+mod condition;
 mod events;
+mod levers;
 pub mod migrate;
 pub mod routes;
 mod rung;
 
-pub use events::{Event, Generation, StopReason, Summary, SwitchInfo};
+pub use condition::Condition;
+pub use events::{Event, FootprintSample, Generation, LeverInfo, StopReason, Summary, SwitchInfo};
+pub use levers::chat_pinned_prefix;
 pub use routes::{RouteError, RouteKind, Routes, Variant};
 pub use rung::{LiveRung, ParkedRung};
 
@@ -70,6 +74,19 @@ pub enum SessionError {
         need_mib: u64,
         /// Context tokens assumed.
         tokens: u64,
+    },
+    /// Parked, and the budget source cannot change while the answer waits (a token-clock
+    /// trace: its clock is the answer's own progress, which stops while parked).
+    #[error(
+        "parked before token {at_token}: the budget ({budget_mib} MiB) is below every rung's footprint and {source_desc} only moves as tokens are generated, so it would never let the answer resume; give the trace an ms clock, or keep its lowest budget above the smallest rung"
+    )]
+    ParkedForever {
+        /// Token index.
+        at_token: usize,
+        /// Budget in MiB.
+        budget_mib: u64,
+        /// The budget source.
+        source_desc: String,
     },
     /// A migration failed; the session stays on the source rung.
     #[error("migration {from} -> {to} failed: {message}")]
@@ -146,6 +163,14 @@ pub struct SessionOptions {
     /// the two next-token distributions). Costs one extra source decode, outside the switch
     /// cost.
     pub measure_seam: bool,
+    /// Leading tokens shedding never drops. `None`: the chat template's system prompt for
+    /// chat prompts, nothing for raw text.
+    pub pinned_tokens: Option<usize>,
+    /// Before each decision, raise the current rung's cost to what the process's anonymous
+    /// memory shows it holding (compute buffers grow past what the load measured once a long
+    /// prompt has gone through them). Turn off when several sessions share one process: the
+    /// operating system's numbers cannot tell their allocations apart.
+    pub observe_footprint: bool,
 }
 
 impl Default for SessionOptions {
@@ -157,6 +182,8 @@ impl Default for SessionOptions {
             policy: Policy::default(),
             keep_source: false,
             measure_seam: false,
+            pinned_tokens: None,
+            observe_footprint: true,
         }
     }
 }
@@ -182,6 +209,17 @@ pub struct Session {
     budget: Option<Box<dyn BudgetSource + Send>>,
     last_budget: Option<u64>,
     cancel: Arc<AtomicBool>,
+    /// The weights released, the cache kept (lever 3); `current` is then the rung the policy
+    /// places the cache on.
+    parked: Option<levers::Parked>,
+    /// Leading tokens of `history` never shed.
+    pinned: usize,
+    /// Levers pulled during the answer being generated.
+    answer_levers: Vec<LeverInfo>,
+    /// Time parked during the answer being generated, ms.
+    stall_ms: f64,
+    /// `RssAnon` before the session loaded anything: what it holds itself is the growth above.
+    anon_base: u64,
 }
 
 /// KV bytes per token of a rung: K and V rows of every layer.
@@ -220,6 +258,8 @@ impl Session {
             .ok_or_else(|| SessionError::UnknownRung(start.to_string()))?;
         let n = ladder.rungs.len();
         let routes = Routes::new(&ladder, opts.projector_dirs.clone(), opts.variant);
+        crate::pressure::return_freed_buffers_to_os();
+        let anon_base = crate::pressure::process_anon_rss_bytes().unwrap_or(0);
         let mut s = Self {
             ladder,
             config,
@@ -235,6 +275,11 @@ impl Session {
             budget: None,
             last_budget: None,
             cancel: Arc::new(AtomicBool::new(false)),
+            parked: None,
+            pinned: 0,
+            answer_levers: Vec::new(),
+            stall_ms: 0.0,
+            anon_base,
         };
         s.ensure_loaded(current)?;
         Ok(s)
@@ -304,6 +349,9 @@ impl Session {
         self.conversation.clear();
         self.history.clear();
         self.pending = None;
+        self.pinned = 0;
+        // A parked cache is forgotten with the rest; the next answer maps the rung again.
+        self.parked = None;
         if let Some(r) = self.rungs[self.current].as_mut() {
             r.ctx.clear();
         }
@@ -411,15 +459,33 @@ impl Session {
             .collect()
     }
 
-    /// The measured footprint of the loaded rungs: resident weight pages (from the process's
-    /// own mappings) plus each context's measured overhead.
+    /// The measured footprint: resident pages of every mapped rung file (from the process's
+    /// own `smaps`) plus the growth of the process's anonymous memory since the session was
+    /// created — repacked weights, KV and compute buffers as far as they have been touched, a
+    /// parked cache. If `RssAnon` cannot be read: each loaded rung's load-time measurement
+    /// plus the parked cache's bytes. In a process that runs other work besides this session,
+    /// the anonymous part includes that work too.
     pub fn measured_footprint(&self) -> u64 {
-        self.rungs
+        let weights: u64 = self
+            .rungs
             .iter()
-            .enumerate()
-            .filter_map(|(i, r)| r.as_ref().map(|r| (i, r)))
-            .map(|(i, r)| r.weights_resident() + self.context_bytes[i].unwrap_or(0))
-            .sum()
+            .flatten()
+            .map(LiveRung::weights_resident)
+            .sum();
+        match crate::pressure::process_anon_rss_bytes() {
+            Ok(anon) => weights + anon.saturating_sub(self.anon_base),
+            Err(_) => {
+                weights
+                    + self
+                        .rungs
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, r)| r.is_some())
+                        .map(|(i, _)| self.context_bytes[i].unwrap_or(0))
+                        .sum::<u64>()
+                    + self.parked_kv_bytes()
+            }
+        }
     }
 
     /// Tokens for a prompt: raw text, or the whole conversation rendered with the chat
@@ -584,6 +650,9 @@ impl Session {
     ) -> Result<Generation, SessionError> {
         let t0 = Instant::now();
         self.cancel.store(false, Ordering::SeqCst);
+        self.unpark()?;
+        self.answer_levers.clear();
+        self.stall_ms = 0.0;
         let tokens = self.prompt_tokens(prompt)?;
         let n_ctx = self.config.n_ctx;
         let reserve = opts.max_tokens.clamp(1, 16);
@@ -658,6 +727,9 @@ impl Session {
         }
         self.history = tokens.clone();
         self.pending = None;
+        if keep == 0 {
+            self.pinned = self.pinned_prefix(&tokens, matches!(prompt, Prompt::User(_)));
+        }
         let mut sampler = Sampler::new(opts.sampling);
         let mut stream = Utf8Stream::new();
         let mut out_tokens: Vec<Token> = Vec::new();
@@ -687,6 +759,11 @@ impl Session {
                     Between::Switched(info) => {
                         sink(&Event::Switch((*info).clone()));
                         switches.push(*info);
+                    }
+                    Between::Decoded => {}
+                    Between::Cancelled => {
+                        stop = StopReason::Cancelled;
+                        break;
                     }
                     Between::Stay => {
                         let name = self.current_rung().to_string();
@@ -736,8 +813,10 @@ impl Session {
         if !tail.is_empty() {
             text.push_str(&tail);
         }
+        let lost_tokens = if killed { out_tokens.len() } else { 0 };
         if killed {
             // The process is gone: nothing of the conversation survives.
+            self.pinned = 0;
             self.conversation.clear();
             self.history.clear();
             self.pending = None;
@@ -759,13 +838,20 @@ impl Session {
             total_ms,
             stop,
             killed,
+            lost_tokens,
+            levers: std::mem::take(&mut self.answer_levers),
+            stall_ms: self.stall_ms,
         };
         sink(&Event::Done(generation.summary()));
         Ok(generation)
     }
 
     /// Between token `i − 1` (sampled as `tok`, not yet decoded) and token `i`: read the budget
-    /// and act on the one-tenant policy.
+    /// and act on the one-tenant policy — switch rung, park, shed, resume — until the session
+    /// can take its step. Parked, it waits on the wall clock (re-reading the budget every
+    /// [`PARK_POLL`]) and resumes when the policy says so: the answer is never terminated, except
+    /// under [`Strategy::Never`], which models the process that is.
+    #[allow(clippy::too_many_lines)]
     fn between_tokens(
         &mut self,
         i: usize,
@@ -780,9 +866,15 @@ impl Session {
             && to < self.rungs.len()
         {
             let info = self.switch_to(to, tok, i, None)?;
+            let b = self.last_budget.unwrap_or(0);
+            sink(&Event::Footprint(self.footprint_sample(i, b)));
             return Ok(Between::Switched(Box::new(info)));
         }
         let mut waited = false;
+        // Consecutive actions without a wait: each one changes the state, and the policy is
+        // monotone within one budget reading, so a handful settle it; the cap only guards
+        // against a policy/actuator disagreement spinning without sleeping.
+        let mut actions = 0usize;
         loop {
             let elapsed_ms = u64::try_from(t0.elapsed().as_millis()).unwrap_or(u64::MAX);
             let Some(b) = self.read_budget(Tick {
@@ -790,6 +882,12 @@ impl Session {
                 elapsed_ms,
             })?
             else {
+                if self.is_parked() {
+                    let to = self.current;
+                    let info = self.resume(to, tok, i, None)?;
+                    self.record_lever(info, i, 0, sink);
+                    return Ok(Between::Decoded);
+                }
                 return Ok(Between::Stay);
             };
             if self.last_budget != Some(b.bytes) {
@@ -800,11 +898,15 @@ impl Session {
                     source: self.budget_description(),
                 });
             }
+            self.observe_footprint();
             let costs = self.rung_costs();
+            let parked = self.is_parked();
+            let pinned = self.pinned.min(self.history.len()) as u64;
             let view = TenantView::new(0, TenantClass::Foreground)
                 .with_rung(self.current)
                 .with_home(self.home)
-                .with_context(self.history.len() as u64 + 1, 0);
+                .with_parked(parked)
+                .with_context(self.history.len() as u64 + 1, pinned);
             let decision = decide_one(&view, b.bytes, &costs, &self.opts.policy).map_err(|e| {
                 SessionError::Migration {
                     from: self.current_rung().to_string(),
@@ -812,44 +914,142 @@ impl Session {
                     message: e.to_string(),
                 }
             })?;
-            let target = match decision {
-                Decision::Stay | Decision::Admit { .. } => return Ok(Between::Stay),
-                Decision::Demote { to } | Decision::Promote { to } => Some(to),
-                Decision::Park { .. } | Decision::Shed { .. } | Decision::Resume { .. } => None,
-            };
             if self.opts.strategy == Strategy::Never {
                 let over = costs[self.current].resident_bytes()
                     + costs[self.current].kv_bytes(self.history.len() as u64 + 1)
                     > b.bytes;
                 return Ok(if over { Between::Killed } else { Between::Stay });
             }
-            if let Some(to) = target {
-                let info = self.switch_to(to, tok, i, Some(b))?;
-                return Ok(Between::Switched(Box::new(info)));
+            let acted = match decision {
+                Decision::Stay | Decision::Admit { .. } => {
+                    if !parked {
+                        return Ok(Between::Stay);
+                    }
+                    false
+                }
+                Decision::Demote { to } | Decision::Promote { to } => {
+                    if !parked {
+                        let info = self.switch_to(to, tok, i, Some(b))?;
+                        sink(&Event::Footprint(self.footprint_sample(i, b.bytes)));
+                        return Ok(Between::Switched(Box::new(info)));
+                    }
+                    if let Some(info) = self.move_parked(to, i, b)? {
+                        self.record_lever(info, i, b.bytes, sink);
+                    }
+                    true
+                }
+                Decision::Park { rung } => {
+                    let info = self.park(rung, i, b)?;
+                    self.record_lever(info, i, b.bytes, sink);
+                    true
+                }
+                Decision::Resume { rung } => {
+                    let info = self.resume(rung, tok, i, Some(b))?;
+                    self.record_lever(info, i, b.bytes, sink);
+                    return Ok(Between::Decoded);
+                }
+                Decision::Shed {
+                    tokens,
+                    rung,
+                    parked: stay_parked,
+                } => {
+                    let n = usize::try_from(tokens).unwrap_or(usize::MAX);
+                    if stay_parked {
+                        if !parked {
+                            let info = self.park(rung, i, b)?;
+                            self.record_lever(info, i, b.bytes, sink);
+                        } else if let Some(info) = self.move_parked(rung, i, b)? {
+                            self.record_lever(info, i, b.bytes, sink);
+                        }
+                        let info = self.shed_parked(n, i, b)?;
+                        let moved = info.tokens > 0;
+                        self.record_lever(info, i, b.bytes, sink);
+                        moved
+                    } else if parked {
+                        let info = self.shed_parked(n, i, b)?;
+                        self.record_lever(info, i, b.bytes, sink);
+                        let info = self.resume(rung, tok, i, Some(b))?;
+                        self.record_lever(info, i, b.bytes, sink);
+                        return Ok(Between::Decoded);
+                    } else {
+                        let info = self.shed_live(n, tok, i, b)?;
+                        self.record_lever(info, i, b.bytes, sink);
+                        if rung == self.current {
+                            return Ok(Between::Decoded);
+                        }
+                        // Shed and move: the shift is applied by decoding `tok` here; take that
+                        // token back out and carry the shed cache across with it.
+                        let live = self.live();
+                        let n_past = live.ctx.n_past();
+                        live.ctx.truncate(n_past - 1);
+                        let info = self.switch_to(rung, tok, i, Some(b))?;
+                        sink(&Event::Footprint(self.footprint_sample(i, b.bytes)));
+                        return Ok(Between::Switched(Box::new(info)));
+                    }
+                }
+            };
+            if acted && actions < 8 {
+                actions += 1;
+                continue;
             }
-            // Not even the smallest rung fits: wait for memory to come back (the system budget
-            // moves with time; a replayed trace was checked before the answer started).
+            actions = 0;
+            // Parked: wait for memory to come back.
+            if !self.budget.as_ref().is_some_and(|s| s.moves_with_time()) {
+                return Err(SessionError::ParkedForever {
+                    at_token: i,
+                    budget_mib: b.bytes >> 20,
+                    source_desc: self.budget_description(),
+                });
+            }
             if !waited {
                 sink(&Event::Stall {
                     reason: format!(
-                        "budget {} MiB is below every rung's footprint; waiting for memory",
-                        b.bytes >> 20
+                        "budget {} MiB is below every rung's footprint; parked on {}, waiting for memory",
+                        b.bytes >> 20,
+                        self.current_rung()
                     ),
                 });
                 waited = true;
             }
             if self.cancel.load(Ordering::SeqCst) {
-                return Ok(Between::Stay);
+                if let Some(p) = self.parked.as_ref() {
+                    self.stall_ms += p.since.elapsed().as_secs_f64() * 1e3;
+                }
+                return Ok(Between::Cancelled);
             }
-            std::thread::sleep(Duration::from_millis(50));
+            std::thread::sleep(PARK_POLL);
         }
+    }
+
+    fn record_lever(
+        &mut self,
+        info: LeverInfo,
+        at_token: usize,
+        budget_bytes: u64,
+        sink: &mut dyn FnMut(&Event),
+    ) {
+        sink(&Event::Lever(info.clone()));
+        self.answer_levers.push(info);
+        sink(&Event::Footprint(
+            self.footprint_sample(at_token, budget_bytes),
+        ));
     }
 }
 
+/// How often a parked answer re-reads its budget.
+pub const PARK_POLL: Duration = Duration::from_millis(50);
+
 enum Between {
+    /// Nothing happened: decode the pending token on the current rung.
     Stay,
+    /// Moved rung; the pending token has been decoded on the destination.
     Switched(Box<SwitchInfo>),
+    /// A lever (resume, shed) has decoded the pending token already.
+    Decoded,
+    /// Condition A/B's process is killed.
     Killed,
+    /// Cancelled while parked.
+    Cancelled,
 }
 
 /// Jensen–Shannon divergence (nats) between the softmax distributions of two logit rows.

@@ -10,7 +10,9 @@ use std::time::Instant;
 
 use crate::engine::{Context, ContextConfig, Model, ModelOptions};
 use crate::ladder::RungInfo;
-use crate::pressure::{process_anon_rss_bytes, resident_bytes_of_mapping};
+use crate::pressure::{
+    process_anon_rss_bytes, resident_bytes_of_mapping, return_freed_buffers_to_os,
+};
 
 use super::SessionError;
 
@@ -20,16 +22,19 @@ pub struct LiveRung {
     pub info: RungInfo,
     /// Its llama.cpp context (which holds the model).
     pub ctx: Context,
-    /// Anonymous memory the context added when it was created and first used (KV buffer and
-    /// compute buffers), measured as the change of `RssAnon`; 0 when it could not be read.
+    /// Anonymous memory the rung added when it was loaded and first used — weights llama.cpp
+    /// repacked into its own buffers, the KV buffer, compute and output buffers — measured as
+    /// the change of `RssAnon`; 0 when it could not be read. The mapped weights are not in
+    /// it (see [`LiveRung::weights_resident`]).
     pub context_bytes: u64,
     /// Time to map the weights and create the context, ms.
     pub load_ms: f64,
 }
 
 impl LiveRung {
-    /// Maps the rung's weights and creates its context; measures what the context costs by
-    /// running one warm-up token through it (then clearing it).
+    /// Maps the rung's weights and creates its context; measures what the rung costs in
+    /// anonymous memory (repacked weights and the context's buffers) by running one warm-up
+    /// token through it (then clearing it).
     ///
     /// # Errors
     /// [`SessionError::Engine`] when llama.cpp refuses the file or the context.
@@ -39,8 +44,9 @@ impl LiveRung {
             rung: info.name().to_string(),
             source,
         };
-        let model = Model::load(&info.path, info.name(), ModelOptions::default()).map_err(wrap)?;
+        return_freed_buffers_to_os();
         let before = process_anon_rss_bytes().unwrap_or(0);
+        let model = Model::load(&info.path, info.name(), ModelOptions::default()).map_err(wrap)?;
         let mut ctx = Context::new(model, config).map_err(wrap)?;
         // One token makes llama.cpp touch its compute buffers, so the measurement sees them.
         let warm = ctx.model().tokenize(" ", false).map_err(wrap)?;
@@ -49,10 +55,13 @@ impl LiveRung {
         }
         ctx.clear();
         let after = process_anon_rss_bytes().unwrap_or(0);
+        let reserved = ctx.reserved_bytes();
         Ok(Self {
             info: info.clone(),
             ctx,
-            context_bytes: after.saturating_sub(before),
+            // A warm-up token touches only part of the compute buffer; a full prompt batch can
+            // touch all of what llama.cpp reserved, so the policy counts the larger of the two.
+            context_bytes: after.saturating_sub(before).max(reserved),
             load_ms: t0.elapsed().as_secs_f64() * 1e3,
         })
     }

@@ -17,6 +17,8 @@
 //!   and the depth-remap candidate helpers.
 //! - [`fit`]: [`fit::fit_route`], fitting a projector from paired activations with λ and
 //!   depth remap chosen on held-out windows, reported as a serde [`fit::FitReport`].
+//! - [`shift`]: [`shift::shed_stream`], dropping the oldest unpinned cells of an exported
+//!   cache and re-rotating the later keys to their new positions (shedding a parked rung).
 //! - [`error`]: [`TransplantError`] and [`ProjectorError`].
 
 pub mod error;
@@ -26,5 +28,6 @@ pub mod project;
 pub mod projector;
 pub mod ridge;
 pub mod rope;
+pub mod shift;
 
 pub use error::{ProjectorError, TransplantError};

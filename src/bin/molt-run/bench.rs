@@ -14,6 +14,13 @@ pub struct Args {
     /// Transplant against re-prefill at several context lengths, every route, both rungs warm.
     #[arg(long)]
     pub cost_sweep: bool,
+    /// Per rung and context length: resident weight pages, KV, buffers and RSS, beside the
+    /// policy's estimate; then park and resume (results/footprint.json).
+    #[arg(long)]
+    pub footprint: bool,
+    /// Context lengths of the footprint bench.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![0usize, 256, 1024, 2000])]
+    pub footprint_lengths: Vec<usize>,
     /// Context lengths of the cost sweep.
     #[arg(long, value_delimiter = ',', default_values_t = vec![128usize, 256, 512, 1024])]
     pub lengths: Vec<usize>,
@@ -38,11 +45,14 @@ pub struct Args {
 }
 
 pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
-    if !a.speed && !a.cost_sweep {
-        bail!("nothing to run: pass --speed and/or --cost-sweep");
+    if !a.speed && !a.cost_sweep && !a.footprint {
+        bail!("nothing to run: pass --speed, --cost-sweep and/or --footprint");
     }
     if a.reps == 0 {
         bail!("--reps must be at least 1");
+    }
+    if a.footprint {
+        run_footprint(g, a)?;
     }
     if a.cost_sweep {
         run_cost_sweep(g, a)?;
@@ -148,6 +158,90 @@ fn run_speed(g: &GlobalArgs, a: &Args) -> Result<()> {
     }
     let path = a.out_dir.join("speed.json");
     let doc = serde_json::json!({ "run": info, "threads": threads, "prefill_tokens": a.prefill_tokens, "decode_tokens": a.decode_tokens, "reps": a.reps, "rungs": rows });
+    std::fs::write(&path, serde_json::to_string_pretty(&doc)?)?;
+    eprintln!("wrote {}", path.display());
+    Ok(())
+}
+
+fn run_footprint(g: &GlobalArgs, a: &Args) -> Result<()> {
+    let ladder = g.open_ladder()?;
+    let config = g.context_config()?;
+    let max_len = a.footprint_lengths.iter().copied().max().unwrap_or(0);
+    if max_len + 2 > config.n_ctx as usize {
+        bail!(
+            "--footprint-lengths up to {max_len} do not fit --n-ctx {}",
+            config.n_ctx
+        );
+    }
+    let text = molt::train::read_corpus(&a.corpus)?;
+    let tokens = {
+        let m = molt::engine::Model::load(
+            &ladder.rungs[0].path,
+            ladder.rungs[0].name(),
+            molt::engine::ModelOptions::default(),
+        )?;
+        let mut t = m.tokenize(&text, false)?;
+        while t.len() < max_len + 2 && !t.is_empty() {
+            let again = t.clone();
+            t.extend(again);
+        }
+        t
+    };
+    let info = RunInfo::now();
+    let rungs = molt::bench::footprint::run(
+        &ladder,
+        config,
+        &tokens,
+        &molt::bench::footprint::FootprintOptions {
+            lengths: a.footprint_lengths.clone(),
+        },
+        &mut |s| eprintln!("{s}"),
+    )?;
+    let mib = |b: u64| b as f64 / 1_048_576.0;
+    println!(
+        "{:<6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>8}",
+        "rung", "ctx", "mapped", "anon", "KV state", "measured", "RSS delta", "modelled", "mod/RSS"
+    );
+    for r in &rungs {
+        for p in &r.points {
+            println!(
+                "{:<6} {:>6} {:>8.1}M {:>8.1}M {:>8.1}M {:>8.1}M {:>9.1}M {:>9.1}M {:>8.3}",
+                r.rung,
+                p.context_tokens,
+                mib(p.weights_mapped_resident),
+                mib(p.anon_bytes),
+                mib(p.kv_state_bytes),
+                mib(p.measured_bytes),
+                mib(p.rss_delta_bytes),
+                mib(p.modelled_bytes),
+                p.modelled_over_rss_delta
+            );
+        }
+        let k = &r.park;
+        println!(
+            "{:<6} park at {} tokens: RSS {:.1}M -> {:.1}M (fell {:.1}M; weights resident {:.1}M), parked KV {:.1}M, park {:.0} ms, resume {:.0} ms, max |dlogit| {}",
+            r.rung,
+            k.context_tokens,
+            mib(k.rss_before),
+            mib(k.rss_parked),
+            mib(k.rss_fall),
+            mib(k.weights_resident_before),
+            mib(k.parked_kv_bytes),
+            k.park_ms,
+            k.resume_ms,
+            k.max_abs_logit_delta
+        );
+    }
+    std::fs::create_dir_all(&a.out_dir)?;
+    let path = a.out_dir.join("footprint.json");
+    let doc = serde_json::json!({
+        "run": info,
+        "n_ctx": config.n_ctx,
+        "n_batch": config.n_batch,
+        "threads": config.n_threads,
+        "cache_type": config.cache_type,
+        "rungs": rungs,
+    });
     std::fs::write(&path, serde_json::to_string_pretty(&doc)?)?;
     eprintln!("wrote {}", path.display());
     Ok(())

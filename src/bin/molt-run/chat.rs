@@ -802,7 +802,16 @@ impl Chat {
             Event::Stall { reason } => self.renderer.note(&format!(
                 "⏸ {reason} — /budget to give memory back, Ctrl-C to stop"
             )),
-            Event::Budget { .. } | Event::Done(_) => {}
+            Event::Lever(l) => self.renderer.note(&format!(
+                "⏸ {} on {} ({} tokens, {:.0} ms, RSS {} → {} MiB)",
+                l.lever,
+                l.rung,
+                l.tokens,
+                l.cost_ms,
+                l.rss_before >> 20,
+                l.rss_after >> 20
+            )),
+            Event::Budget { .. } | Event::Footprint(_) | Event::Done(_) => {}
         }
     }
 }

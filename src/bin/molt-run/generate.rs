@@ -45,6 +45,14 @@ pub struct Args {
     /// moves between rungs as the budget demands.
     #[arg(long)]
     pub trace: Option<PathBuf>,
+    /// Make the trace real: a child process allocates and touches what the trace says the
+    /// rest of the device takes, and the budget is read back from the operating system
+    /// (min(device − the child's RSS, cgroup/MemAvailable)).
+    #[arg(long, requires = "trace")]
+    pub real_hog: bool,
+    /// The device size for --real-hog, MiB (default: the trace's initial budget).
+    #[arg(long, requires = "real_hog")]
+    pub device_mib: Option<u64>,
     /// How to change rung under pressure: molt (KV transplant), reprefill, never.
     #[arg(long, value_enum, default_value_t = StrategyArg::Molt)]
     pub strategy: StrategyArg,
@@ -211,7 +219,13 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         // Each prompt is its own run: back on the home rung, the trace from its start.
         session.reset_home()?;
         if let Some(t) = &trace {
-            session.set_budget_source(Some(Box::new(TraceBudget::new(t.clone()))));
+            if a.real_hog {
+                let hog = crate::hog::spawn_budget(t.clone(), a.device_mib.map(|m| m << 20))?;
+                eprintln!("molt-run: {}", molt::pressure::BudgetSource::describe(&hog));
+                session.set_budget_source(Some(Box::new(hog)));
+            } else {
+                session.set_budget_source(Some(Box::new(TraceBudget::new(t.clone()))));
+            }
         }
         let opts = GenerateOptions {
             max_tokens: item.max_tokens.unwrap_or(a.max_tokens),
@@ -227,8 +241,22 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         // would tear the bar); without a bar it streams token by token.
         let mut held = String::new();
         let mut per_rung: Vec<(String, usize)> = Vec::new();
+        let mut footprints = Vec::new();
         let mut sink = |e: &Event| {
             let piece = match e {
+                Event::Footprint(f) => {
+                    footprints.push(f.clone());
+                    return;
+                }
+                Event::Lever(l) => format!(
+                    "\n⏸ {} on {} ({} tokens, {:.0} ms, RSS {} → {} MiB)\n",
+                    l.lever,
+                    l.rung,
+                    l.tokens,
+                    l.cost_ms,
+                    l.rss_before >> 20,
+                    l.rss_after >> 20
+                ),
                 Event::Token { text, rung, .. } => {
                     match per_rung.last_mut() {
                         Some((r, n)) if r == rung => *n += 1,
@@ -284,6 +312,11 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
                     "tokens_per_s": gen_.tokens_per_s(),
                     "stop": gen_.stop,
                     "budget": session.budget_description(),
+                    "killed": gen_.killed,
+                    "lost_tokens": gen_.lost_tokens,
+                    "levers": gen_.levers,
+                    "stall_ms": gen_.stall_ms,
+                    "footprints": footprints,
                 });
                 writeln!(out, "{row}")?;
                 out.flush()?;

@@ -9,6 +9,7 @@ mod chat;
 mod common;
 mod fetch;
 mod generate;
+mod hog;
 mod inspect;
 mod shipped;
 mod train;
@@ -43,6 +44,9 @@ enum Command {
     Bench(bench::Args),
     /// Fit the KV projectors of the ladder on the project's corpus.
     TrainProjectors(train::Args),
+    /// The memory hog child of `--real-hog` runs (allocates and touches memory on command).
+    #[command(hide = true)]
+    Hog(hog::Args),
 }
 
 fn main() {
@@ -54,6 +58,7 @@ fn main() {
         Command::Chat(a) => chat::run(&cli.global, &a),
         Command::Bench(a) => bench::run(&cli.global, &a),
         Command::TrainProjectors(a) => train::run(&cli.global, &a),
+        Command::Hog(a) => hog::run(&a),
     };
     if let Err(e) = result {
         if is_broken_pipe(&e) {
