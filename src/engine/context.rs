@@ -111,7 +111,11 @@ impl Context {
         let mut p = unsafe { llama_cpp_sys_2::llama_context_default_params() };
         p.n_ctx = config.n_ctx;
         p.n_batch = config.n_batch.min(config.n_ctx);
-        p.n_ubatch = p.n_batch;
+        // The compute buffer is reserved for the worst case of a micro-batch whose every token
+        // asks for logits (n_ubatch × n_vocab floats: 297 MiB at 512 on the Qwen ladder). Molt
+        // runs under a memory budget, so micro-batches stay at 128 tokens (74 MiB); prompts
+        // still go in n_batch chunks, which llama.cpp splits.
+        p.n_ubatch = p.n_batch.min(128);
         p.n_seq_max = 1;
         p.n_threads = threads;
         p.n_threads_batch = threads;
