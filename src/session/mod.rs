@@ -270,6 +270,14 @@ impl Session {
         &self.conversation
     }
 
+    /// Replaces the conversation the next [`Prompt::User`] is appended to. A stateless caller
+    /// (the HTTP service, which receives the whole conversation with every request) sets the
+    /// earlier turns here; the cache is kept, so [`Session::generate`] still reuses whatever
+    /// prefix the new rendering shares with what is cached.
+    pub fn set_conversation(&mut self, messages: Vec<ChatMessage>) {
+        self.conversation = messages;
+    }
+
     /// The tokens in the current cache.
     pub fn history(&self) -> &[Token] {
         &self.history

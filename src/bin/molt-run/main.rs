@@ -9,6 +9,7 @@ mod common;
 mod fetch;
 mod generate;
 mod inspect;
+mod serve;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -39,6 +40,8 @@ enum Command {
     Bench(bench::Args),
     /// Fit the KV projectors of the ladder on the project's corpus.
     TrainProjectors(train::Args),
+    /// Serve OpenAI-compatible chat completions; every streamed token names its rung.
+    Serve(serve::Args),
 }
 
 fn main() {
@@ -49,6 +52,7 @@ fn main() {
         Command::Generate(a) => generate::run(&cli.global, &a),
         Command::Bench(a) => bench::run(&cli.global, &a),
         Command::TrainProjectors(a) => train::run(&cli.global, &a),
+        Command::Serve(a) => serve::run(&cli.global, &a),
     };
     if let Err(e) = result {
         if is_broken_pipe(&e) {
