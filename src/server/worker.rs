@@ -6,8 +6,10 @@
 //! while holding two KV caches — more memory for no throughput, the opposite of what a
 //! service under memory pressure needs. Concurrent clients therefore wait in the queue
 //! (streaming clients are told their position), and the answer in flight streams at full
-//! speed. Between answers the session keeps its cache, so a conversation continued by its
-//! next request re-reads only the new turn.
+//! speed. Between answers the session keeps the cache it computed itself, so a conversation
+//! continued by its next request re-reads only the new turn; cells projected by a migration
+//! are not reused by later answers, and an idle session starts each answer on the largest rung
+//! the budget holds for it (see `choose_start`).
 //!
 //! Admission is deferred, never refused, while memory is short: before a job starts, the
 //! engine checks that the budget holds the smallest rung for the job's whole length (prompt +
@@ -231,7 +233,9 @@ pub struct EngineStatus {
 pub struct RungStatus {
     /// Name.
     pub name: String,
-    /// Weights + compute buffers, MiB.
+    /// Weights alone (the file's tensor bytes, all resident while the rung runs), MiB.
+    pub weights_mib: f64,
+    /// Weights + compute buffers (measured when the rung was loaded), MiB.
     pub resident_mib: f64,
     /// KV bytes per token.
     pub kv_bytes_per_token: u64,
@@ -364,6 +368,7 @@ pub fn publish(shared: &Shared, session: &mut Session, running: Option<String>, 
         .iter()
         .map(|c| RungStatus {
             name: c.name.clone(),
+            weights_mib: to_mib(c.weights_bytes),
             resident_mib: to_mib(c.resident_bytes()),
             kv_bytes_per_token: c.kv_bytes_per_token,
             full_context_mib: to_mib(c.resident_bytes() + c.kv_bytes(u64::from(n_ctx))),
@@ -397,6 +402,8 @@ pub fn measure_rungs(session: &mut Session) -> Result<(), crate::session::Sessio
 pub fn run(mut session: Session, shared: &Shared) {
     let cancel = session.cancel_handle();
     let _ = shared.session_cancel.set(Arc::clone(&cancel));
+    // Whether the cache holds cells projected by a transplant in an earlier answer.
+    let mut projected = false;
     while let Some(job) = shared.queue.pop() {
         if job.cancelled() {
             shared.counters.cancelled.fetch_add(1, Ordering::Relaxed);
@@ -408,7 +415,7 @@ pub fn run(mut session: Session, shared: &Shared) {
             continue;
         }
         publish(shared, &mut session, Some(job.id.clone()), false);
-        let last = answer(&mut session, shared, &job, &cancel);
+        let last = answer(&mut session, shared, &job, &cancel, &mut projected);
         // Publish before the client hears the end, so a status query made after `[DONE]`
         // sees the rung the answer ended on.
         publish(shared, &mut session, None, false);
@@ -481,11 +488,53 @@ fn admit(shared: &Shared, job: &Job) -> Result<(), Option<ApiError>> {
 }
 
 /// Answers one job; the last update for its client (`None` if the client has gone).
+/// Where an answer starts. The session reuses whatever prefix of the new prompt its cache
+/// holds, which is right for cells it computed itself but not for cells a transplant projected
+/// for an earlier answer: a new answer built on them — even on the three template tokens every
+/// chat prompt shares, the attention sink among them — has been seen (real ladder) to end at
+/// once or to answer a conversation that never happened. So after an answer that migrated by
+/// transplant, the cache is dropped. And an idle session is moved to the largest rung that
+/// holds this request whole before the prompt is read, rather than reading it on a rung that
+/// would migrate at the first token.
+fn choose_start(
+    session: &mut Session,
+    shared: &Shared,
+    job: &Job,
+    projected: &mut bool,
+) -> Result<(), crate::session::SessionError> {
+    let total = (job.prompt_tokens + job.opts.max_tokens) as u64;
+    let budget = shared
+        .budget
+        .read(Tick::default())
+        .map_or(super::budget::UNLIMITED_BYTES, |b| b.bytes);
+    let costs = session.rung_costs();
+    let best = (session.home_index()..costs.len())
+        .find(|&i| costs[i].resident_bytes() + costs[i].kv_bytes(total) <= budget)
+        .unwrap_or(costs.len() - 1);
+    let from = session.current_rung().to_string();
+    if best != session.current_index() || *projected {
+        session.reset();
+        session.move_idle(best)?;
+        shared.recorder.service(
+            &job.id,
+            "fresh_start",
+            serde_json::json!({
+                "from": from,
+                "rung": session.current_rung(),
+                "reason": if *projected { "cache held projected cells" } else { "budget picks another rung" },
+            }),
+        );
+        *projected = false;
+    }
+    Ok(())
+}
+
 fn answer(
     session: &mut Session,
     shared: &Shared,
     job: &Job,
     cancel: &Arc<AtomicBool>,
+    projected: &mut bool,
 ) -> Option<Update> {
     match admit(shared, job) {
         Ok(()) => {}
@@ -503,6 +552,12 @@ fn answer(
             shared.recorder.service(&job.id, "failed", e.json());
             return Some(Update::Failed(e));
         }
+    }
+    if let Err(e) = choose_start(session, shared, job, projected) {
+        let api = ApiError::from_session(&e);
+        shared.counters.failed.fetch_add(1, Ordering::Relaxed);
+        shared.recorder.service(&job.id, "failed", api.json());
+        return Some(Update::Failed(api));
     }
     let queue_ms = job.received.elapsed().as_secs_f64() * 1e3;
     shared.recorder.service(
@@ -526,6 +581,7 @@ fn answer(
     let r = session.generate(&Prompt::User(job.last_user.clone()), &job.opts, &mut sink);
     match r {
         Ok(g) => {
+            *projected = g.switches.iter().any(|s| s.method == "molt");
             shared
                 .counters
                 .tokens
@@ -543,6 +599,8 @@ fn answer(
             Some(Update::Finished(Box::new(g)))
         }
         Err(e) => {
+            // What the cache holds after a failure mid-answer is unknown: start clean.
+            *projected = true;
             let api = ApiError::from_session(&e);
             shared.counters.failed.fetch_add(1, Ordering::Relaxed);
             shared.recorder.service(&job.id, "failed", api.json());
