@@ -69,12 +69,10 @@ fn tiny_projectors() -> &'static PathBuf {
 /// The tests run one at a time: the resident-set test measures the whole process, and a
 /// rung's context cost is measured at load as the change in the process's anonymous memory,
 /// which another test's server loading at the same moment would distort.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
+async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().await
 }
 
 struct Running {
@@ -242,7 +240,7 @@ fn assert_openai_shape(events: &[Value]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn budget_cut_posted_mid_stream_switches_between_two_tokens() {
-    let _serial = serial();
+    let _serial = serial().await;
     let srv = start(|_| {}).await;
     let addr = srv.addr;
     let cut = small_only_budget(addr).await;
@@ -313,7 +311,7 @@ async fn budget_cut_posted_mid_stream_switches_between_two_tokens() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replayed_trace_switches_at_its_token_and_names_are_resolved() {
-    let _serial = serial();
+    let _serial = serial().await;
     let traces = tempfile::tempdir().unwrap();
     let dirs = vec![traces.path().to_path_buf()];
     let srv = start(|c| c.trace_dirs = dirs).await;
@@ -355,7 +353,7 @@ async fn replayed_trace_switches_at_its_token_and_names_are_resolved() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_4xx_json_errors() {
-    let _serial = serial();
+    let _serial = serial().await;
     let srv = start(|c| c.max_body_bytes = 64 << 10).await;
     let addr = srv.addr;
     let post = |body: Vec<u8>| async move {
@@ -456,7 +454,7 @@ async fn wait_for(addr: SocketAddr, what: &str, pred: impl Fn(&Value) -> bool) -
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_hangs_up_frees_the_engine() {
-    let _serial = serial();
+    let _serial = serial().await;
     let dir = tempfile::tempdir().unwrap();
     let record = dir.path().join("session.json");
     let rec = record.clone();
@@ -519,7 +517,7 @@ async fn a_client_that_hangs_up_frees_the_engine() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admission_waits_for_memory_and_a_full_queue_answers_503() {
-    let _serial = serial();
+    let _serial = serial().await;
     let srv = start(|c| {
         c.queue_capacity = 1;
         c.budget = BudgetRequest {
@@ -573,7 +571,7 @@ async fn admission_waits_for_memory_and_a_full_queue_answers_503() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_requests_do_not_grow_the_resident_set() {
-    let _serial = serial();
+    let _serial = serial().await;
     let srv = start(|_| {}).await;
     let addr = srv.addr;
     let rss = |s: Value| s["rss_mib"].as_f64().unwrap();
@@ -644,7 +642,7 @@ async fn streamed(addr: SocketAddr, body: &Value) -> (Value, Vec<Value>, Value) 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_start_fresh_on_the_rung_the_budget_holds() {
-    let _serial = serial();
+    let _serial = serial().await;
     let srv = start(|_| {}).await;
     let addr = srv.addr;
     // An answer that migrates by transplant (forced down to small, then promoted back to big
