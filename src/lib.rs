@@ -11,6 +11,7 @@
 //! - [`engine`]: one rung over llama.cpp: model, context, decode, logits, sampling;
 //! - [`kv`]: the KV mirror, llama.cpp's sequence state <-> per-layer K/V arrays;
 //! - [`session`]: the token loop that streams events and migrates between tokens;
+//! - [`server`]: the streaming HTTP service (OpenAI-compatible, every token names its rung);
 //! - [`transplant`]: RoPE sandwich, ridge, maps and projector files;
 //! - [`train`]: fitting a ladder's projectors from its own caches;
 //! - [`pressure`] and [`sched`]: budgets, footprints and the policy that keeps Molt inside them;
@@ -24,6 +25,7 @@ pub mod kv;
 pub mod ladder;
 pub mod pressure;
 pub mod sched;
+pub mod server;
 pub mod session;
 pub mod tiny;
 pub mod train;

@@ -89,6 +89,25 @@ impl Model {
     /// [`EngineError::LoadFailed`] when the file is missing, is not a complete GGUF, or
     /// llama.cpp refuses it (its reason is quoted).
     pub fn load(path: &Path, name: &str, opts: ModelOptions) -> Result<Arc<Self>, EngineError> {
+        Self::load_inner(path, name, opts, false)
+    }
+
+    /// Loads only a GGUF file's metadata and vocabulary, no weights: enough to tokenize and
+    /// render the chat template (the HTTP service measures prompts with it) for a few MiB,
+    /// without keeping any rung's weights mapped. Decoding with such a model is not possible.
+    ///
+    /// # Errors
+    /// As [`Model::load`].
+    pub fn load_vocab_only(path: &Path, name: &str) -> Result<Arc<Self>, EngineError> {
+        Self::load_inner(path, name, ModelOptions::default(), true)
+    }
+
+    fn load_inner(
+        path: &Path,
+        name: &str,
+        opts: ModelOptions,
+        vocab_only: bool,
+    ) -> Result<Arc<Self>, EngineError> {
         let fail = |detail: String| EngineError::LoadFailed {
             path: path.display().to_string(),
             detail,
@@ -107,6 +126,7 @@ impl Model {
         };
         params.n_gpu_layers = 0;
         params.use_extra_bufts = opts.repack;
+        params.vocab_only = vocab_only;
         // SAFETY: c_path is a valid NUL-terminated string; params is a valid struct by value.
         let raw = unsafe { llama_cpp_sys_2::llama_model_load_from_file(c_path.as_ptr(), params) };
         let ptr = NonNull::new(raw).ok_or_else(|| fail(recent_llama_errors()))?;

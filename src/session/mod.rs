@@ -315,6 +315,14 @@ impl Session {
         &self.conversation
     }
 
+    /// Replaces the conversation the next [`Prompt::User`] is appended to. A stateless caller
+    /// (the HTTP service, which receives the whole conversation with every request) sets the
+    /// earlier turns here; the cache is kept, so [`Session::generate`] still reuses whatever
+    /// prefix the new rendering shares with what is cached.
+    pub fn set_conversation(&mut self, messages: Vec<ChatMessage>) {
+        self.conversation = messages;
+    }
+
     /// The tokens in the current cache.
     pub fn history(&self) -> &[Token] {
         &self.history
@@ -375,6 +383,44 @@ impl Session {
             self.live().ctx.clear();
         }
         Ok(())
+    }
+
+    /// Moves an idle session — nothing cached, as after [`Session::reset`] — to rung `index`
+    /// (never above the rung it started on): loads it and frees the old one unless
+    /// `keep_source`. Nothing is projected because nothing is cached. The HTTP service uses
+    /// this to start each answer on the largest rung the budget allows, instead of reading the
+    /// prompt on a rung that must migrate right after.
+    ///
+    /// # Errors
+    /// [`SessionError::UnknownRung`] for an index out of range or above the home rung,
+    /// [`SessionError::Migration`] when the session is not idle, or a load failure.
+    pub fn move_idle(&mut self, index: usize) -> Result<(), SessionError> {
+        if index >= self.rungs.len() || index < self.home {
+            return Err(SessionError::UnknownRung(index.to_string()));
+        }
+        if index == self.current {
+            return Ok(());
+        }
+        if !self.history.is_empty() || self.pending.is_some() {
+            return Err(SessionError::Migration {
+                from: self.current_rung().to_string(),
+                to: self.ladder.rungs[index].name().to_string(),
+                message: "the session holds a cache; reset it before moving idle".into(),
+            });
+        }
+        self.ensure_loaded(index)?;
+        let old = self.current;
+        self.current = index;
+        self.live().ctx.clear();
+        if !self.opts.keep_source {
+            self.unload(old);
+        }
+        Ok(())
+    }
+
+    /// The rung this session started on and never goes above.
+    pub fn home_index(&self) -> usize {
+        self.home
     }
 
     /// Loads a rung if it is not loaded.

@@ -12,6 +12,7 @@ mod generate;
 mod hog;
 mod inspect;
 mod shipped;
+mod serve;
 mod train;
 
 use clap::{Parser, Subcommand};
@@ -47,6 +48,8 @@ enum Command {
     /// The memory hog child of `--real-hog` runs (allocates and touches memory on command).
     #[command(hide = true)]
     Hog(hog::Args),
+    /// Serve OpenAI-compatible chat completions; every streamed token names its rung.
+    Serve(serve::Args),
 }
 
 fn main() {
@@ -59,6 +62,7 @@ fn main() {
         Command::Bench(a) => bench::run(&cli.global, &a),
         Command::TrainProjectors(a) => train::run(&cli.global, &a),
         Command::Hog(a) => hog::run(&a),
+        Command::Serve(a) => serve::run(&cli.global, &a),
     };
     if let Err(e) = result {
         if is_broken_pipe(&e) {

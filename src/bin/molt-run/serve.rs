@@ -1,0 +1,166 @@
+//! `molt-run serve`: the OpenAI-compatible streaming service over the ladder (see
+//! `molt::server`). Flags are validated before any model loads.
+
+use crate::common::GlobalArgs;
+use crate::generate::StrategyArg;
+use anyhow::{Context as _, Result, bail};
+use molt::server::{BudgetRequest, Server, ServerConfig, default_trace_dirs};
+use molt::session::{SessionOptions, routes};
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Serve options.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Port to listen on (0: any free port; the address is printed at start).
+    #[arg(long, default_value_t = 8088)]
+    pub port: u16,
+    /// Address to bind. Loopback by default: the service has no authentication.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: IpAddr,
+    /// Rung to start on and never exceed (default: the largest).
+    #[arg(long)]
+    pub rung: Option<String>,
+    /// Directory of projector files (searched before $MOLT_HOME/projectors, ./projectors and
+    /// the per-user data directory).
+    #[arg(long)]
+    pub projectors: Option<PathBuf>,
+    /// How to change rung under pressure: molt (KV transplant), reprefill, never.
+    #[arg(long, value_enum, default_value_t = StrategyArg::Molt)]
+    pub strategy: StrategyArg,
+    /// Budget at start: `unlimited`, `system` (cgroup limits, MemAvailable, PSI), a number of
+    /// MiB, or `trace:NAME` / `trace:PATH.json`. Change it later with POST /v1/molt/budget.
+    #[arg(long, default_value = "unlimited")]
+    pub budget: String,
+    /// Directory of budget traces looked up by name (default: $MOLT_HOME/traces, ./traces).
+    #[arg(long)]
+    pub traces: Option<PathBuf>,
+    /// Requests that may wait for the engine; one more gets 503.
+    #[arg(long, default_value_t = 8)]
+    pub queue: usize,
+    /// Seconds a request may wait for memory before it fails with 503.
+    #[arg(long, default_value_t = 120)]
+    pub admission_timeout_s: u64,
+    /// max_tokens for requests that set none.
+    #[arg(long, default_value_t = 256)]
+    pub max_tokens: usize,
+    /// Record the raw event stream (timestamps, tokens with rungs, migration costs) to this
+    /// JSON file.
+    #[arg(long)]
+    pub record: Option<PathBuf>,
+    /// Measure the handoff divergence at each switch (one extra decode on the source rung).
+    #[arg(long)]
+    pub measure_seam: bool,
+}
+
+fn budget_request(spec: &str) -> Result<BudgetRequest> {
+    let mut r = BudgetRequest::default();
+    match spec {
+        "unlimited" => r.unlimited = Some(true),
+        "system" => r.system = Some(true),
+        s if s.starts_with("trace:") => {
+            let t = &s["trace:".len()..];
+            if t.is_empty() {
+                bail!("--budget trace: needs a trace name or path");
+            }
+            r.trace = Some(serde_json::Value::String(t.to_string()));
+        }
+        s => {
+            let m: f64 = s.parse().with_context(|| {
+                format!(
+                    "--budget {s:?}: expected unlimited, system, a number of MiB, or trace:NAME"
+                )
+            })?;
+            if !(m.is_finite() && m >= 1.0) {
+                bail!("--budget must be at least 1 MiB");
+            }
+            r.mib = Some(m);
+        }
+    }
+    Ok(r)
+}
+
+pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
+    let context = g.context_config()?;
+    if a.queue == 0 {
+        bail!("--queue must be at least 1");
+    }
+    if a.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    let budget = budget_request(&a.budget)?;
+    let mut trace_dirs = default_trace_dirs();
+    if let Some(d) = &a.traces {
+        if !d.is_dir() {
+            bail!("--traces {}: not a directory", d.display());
+        }
+        trace_dirs.insert(0, d.clone());
+    }
+    let ladder = g.open_ladder()?;
+    if let Some(r) = &a.rung
+        && !ladder.rungs.iter().any(|x| x.name() == r)
+    {
+        bail!("--rung {r:?}: the ladder has no such rung");
+    }
+    let config = ServerConfig {
+        addr: SocketAddr::new(a.host, a.port),
+        context,
+        session: SessionOptions {
+            strategy: a.strategy.into(),
+            projector_dirs: routes::search_dirs(a.projectors.as_deref()),
+            measure_seam: a.measure_seam,
+            ..SessionOptions::default()
+        },
+        start_rung: a.rung.clone(),
+        queue_capacity: a.queue,
+        admission_timeout: Duration::from_secs(a.admission_timeout_s),
+        default_max_tokens: a.max_tokens,
+        budget,
+        trace_dirs,
+        record: a.record.clone(),
+        ..ServerConfig::default()
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async move {
+        eprintln!("molt serve: loading {} …", ladder.name());
+        let server = Server::start(ladder, config).await?;
+        let st = server.engine_status();
+        for r in &st.rungs {
+            eprintln!(
+                "  rung {:<8} resident {:>7.1} MiB, {:>6} B KV/token, {:>7.1} MiB with a full context",
+                r.name, r.resident_mib, r.kv_bytes_per_token, r.full_context_mib
+            );
+        }
+        let missing: Vec<_> = st.routes.iter().filter(|r| !r.ready).collect();
+        if missing.is_empty() {
+            eprintln!("  every migration route has a projector");
+        } else {
+            for r in &missing {
+                eprintln!(
+                    "  warning: no projector {} -> {}: a switch on that route will fail ({})",
+                    r.from,
+                    r.to,
+                    r.problem.as_deref().unwrap_or("?")
+                );
+            }
+        }
+        eprintln!(
+            "  budget: {}",
+            server.budget().report().description
+        );
+        // The one line a script waits for.
+        println!("molt serve: listening on http://{}", server.local_addr());
+        server
+            .serve(async {
+                let _ = tokio::signal::ctrl_c().await;
+                eprintln!("molt serve: shutting down");
+            })
+            .await?;
+        Ok::<(), anyhow::Error>(())
+    })
+}

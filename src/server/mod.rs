@@ -1,0 +1,278 @@
+//! The streaming HTTP service: OpenAI-compatible chat completions over a Molt ladder, where
+//! every streamed token names the rung that produced it and a migration between two tokens
+//! arrives as an event of its own.
+//!
+//! Main types: [`Server`] (bind, then [`Server::serve`]) configured by [`ServerConfig`];
+//! [`ServerBudget`], the budget a client re-points through `POST /v1/molt/budget` while
+//! answers stream; the wire types in [`openai`]; [`client`], a minimal HTTP/SSE client for
+//! tests and the load benchmark.
+//!
+//! Inside: [`routes`](self) validates and measures each request and queues it; one engine
+//! thread ([`worker`](self)) owns the [`Session`] and answers the queue in order, deferring
+//! admission while memory is short; each streamed answer is a [`DoneState`] machine that
+//! turns engine updates into SSE chunks and cancels the answer if the client hangs up; an
+//! optional record file keeps the raw event stream.
+//!
+//! Concurrency on purpose: one answer decodes at a time per ladder (see the worker's docs for
+//! why); others wait in a bounded queue that answers 503 when full.
+
+mod budget;
+pub mod client;
+mod error;
+pub mod openai;
+mod record;
+mod routes;
+mod stream;
+mod worker;
+
+pub use budget::{BudgetReport, BudgetRequest, ServerBudget, UNLIMITED_BYTES};
+pub use error::{ApiError, ServerError};
+pub use record::Recorder;
+pub use stream::DoneState;
+pub use worker::{EngineStatus, RouteStatus, RungStatus};
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use crate::engine::{ContextConfig, Model};
+use crate::ladder::Ladder;
+use crate::session::{Session, SessionOptions};
+
+use routes::{AppState, Settings};
+use worker::{Counters, Queue, Shared};
+
+/// How to run the service.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Where to listen (`127.0.0.1:0` picks a free port).
+    pub addr: SocketAddr,
+    /// Context settings shared by every rung.
+    pub context: ContextConfig,
+    /// Session settings (strategy, projector directories, policy).
+    pub session: SessionOptions,
+    /// Rung to start on and never exceed (default: the largest).
+    pub start_rung: Option<String>,
+    /// Requests that may wait for the engine; one more is refused with 503.
+    pub queue_capacity: usize,
+    /// How long a request may wait for memory before it fails with 503.
+    pub admission_timeout: Duration,
+    /// `max_tokens` for requests that set none.
+    pub default_max_tokens: usize,
+    /// Largest request body, bytes.
+    pub max_body_bytes: usize,
+    /// The budget at start (the body `POST /v1/molt/budget` takes).
+    pub budget: BudgetRequest,
+    /// Where trace names are looked up.
+    pub trace_dirs: Vec<PathBuf>,
+    /// Record the raw event stream to this JSON file.
+    pub record: Option<PathBuf>,
+    /// SSE keep-alive interval.
+    pub keep_alive: Duration,
+    /// Load every rung once at start (one at a time) so the policy and admission work from
+    /// measured context costs instead of the session's estimate for unloaded rungs.
+    pub measure_rungs: bool,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            addr: SocketAddr::from(([127, 0, 0, 1], 8088)),
+            context: ContextConfig::default(),
+            session: SessionOptions::default(),
+            start_rung: None,
+            queue_capacity: 8,
+            admission_timeout: Duration::from_secs(120),
+            default_max_tokens: 256,
+            max_body_bytes: 4 << 20,
+            budget: BudgetRequest {
+                unlimited: Some(true),
+                ..BudgetRequest::default()
+            },
+            trace_dirs: default_trace_dirs(),
+            record: None,
+            keep_alive: Duration::from_secs(2),
+            measure_rungs: true,
+        }
+    }
+}
+
+/// `$MOLT_HOME/traces`, then `./traces`.
+#[must_use]
+pub fn default_trace_dirs() -> Vec<PathBuf> {
+    let mut v = Vec::new();
+    if let Some(h) = std::env::var_os("MOLT_HOME").filter(|v| !v.is_empty()) {
+        v.push(PathBuf::from(h).join("traces"));
+    }
+    v.push(PathBuf::from("traces"));
+    v
+}
+
+/// A bound service with its engine loaded, ready to serve.
+pub struct Server {
+    listener: tokio::net::TcpListener,
+    addr: SocketAddr,
+    state: AppState,
+    max_body_bytes: usize,
+    engine: std::thread::JoinHandle<()>,
+}
+
+impl Server {
+    /// Loads the ladder's starting rung on a new engine thread, checks every migration route
+    /// for a projector, sets the initial budget and binds the socket.
+    ///
+    /// # Errors
+    /// [`ServerError::Engine`] when a rung fails to load, [`ServerError::Tokenizer`],
+    /// [`ServerError::Budget`] for an invalid initial budget, [`ServerError::Record`] when the
+    /// record file cannot be created, [`ServerError::Bind`].
+    pub async fn start(ladder: Ladder, config: ServerConfig) -> Result<Self, ServerError> {
+        let started = Instant::now();
+        let smallest = ladder.rungs.last().ok_or(ServerError::EngineGone)?;
+        let tokenizer = Model::load_vocab_only(&smallest.path, smallest.name())
+            .map_err(ServerError::Tokenizer)?;
+        let recorder = match &config.record {
+            Some(p) => Recorder::create(
+                p,
+                &serde_json::json!({
+                    "ladder": ladder.name(),
+                    "rungs": ladder.rungs.iter().map(|r| r.name()).collect::<Vec<_>>(),
+                    "n_ctx": config.context.n_ctx,
+                    "strategy": config.session.strategy,
+                }),
+            )?,
+            None => Recorder::off(),
+        };
+        let shared = Arc::new(Shared {
+            queue: Queue::new(config.queue_capacity),
+            budget: ServerBudget::unlimited(),
+            recorder,
+            counters: Counters::default(),
+            engine: Mutex::new(EngineStatus::default()),
+            session_cancel: OnceLock::new(),
+            admission_timeout: config.admission_timeout,
+        });
+        let settings = Arc::new(Settings {
+            model: ladder.name().to_string(),
+            rungs: ladder.rungs.iter().map(|r| r.name().to_string()).collect(),
+            n_ctx: config.context.n_ctx,
+            default_max_tokens: config.default_max_tokens.max(1),
+            keep_alive: config.keep_alive,
+            trace_dirs: config.trace_dirs.clone(),
+            started,
+        });
+        let start = config
+            .start_rung
+            .clone()
+            .unwrap_or_else(|| settings.rungs[0].clone());
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+        let engine = {
+            let shared = Arc::clone(&shared);
+            let context = config.context;
+            let opts = config.session.clone();
+            let measure = config.measure_rungs;
+            std::thread::Builder::new()
+                .name("molt-engine".into())
+                .spawn(move || {
+                    let mut session = match Session::with_options(ladder, context, &start, opts) {
+                        Ok(s) => s,
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e));
+                            return;
+                        }
+                    };
+                    if measure && let Err(e) = worker::measure_rungs(&mut session) {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                    session.set_budget_source(Some(Box::new(shared.budget.clone())));
+                    worker::publish(&shared, &mut session, None, true);
+                    let _ = ready_tx.send(Ok(()));
+                    worker::run(session, &shared);
+                })
+                .map_err(|_| ServerError::EngineGone)?
+        };
+        ready_rx.await.map_err(|_| ServerError::EngineGone)??;
+        shared
+            .budget
+            .apply(&config.budget, &config.trace_dirs, &shared.trace_refs())
+            .map_err(ServerError::Budget)?;
+        shared.recorder.service(
+            "",
+            "started",
+            serde_json::json!({"engine": &*shared.engine(), "budget": shared.budget.report()}),
+        );
+        let listener = tokio::net::TcpListener::bind(config.addr)
+            .await
+            .map_err(|source| ServerError::Bind {
+                addr: config.addr,
+                source,
+            })?;
+        let addr = listener.local_addr().map_err(ServerError::Serve)?;
+        Ok(Self {
+            listener,
+            addr,
+            state: AppState {
+                shared,
+                tokenizer,
+                settings,
+            },
+            max_body_bytes: config.max_body_bytes,
+            engine,
+        })
+    }
+
+    /// The address the service listens on.
+    #[must_use]
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The budget (the same one `POST /v1/molt/budget` changes).
+    #[must_use]
+    pub fn budget(&self) -> ServerBudget {
+        self.state.shared.budget.clone()
+    }
+
+    /// The engine's state: current rung, loaded rungs, rung costs, route availability.
+    #[must_use]
+    pub fn engine_status(&self) -> EngineStatus {
+        self.state.shared.engine().clone()
+    }
+
+    /// Serves until `shutdown` completes; then refuses new work, stops the answer in flight
+    /// (its client gets the summary so far), tells queued clients the server is going away,
+    /// and waits for the engine thread.
+    ///
+    /// # Errors
+    /// [`ServerError::Serve`] when the listener fails.
+    pub async fn serve(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), ServerError> {
+        let shared = Arc::clone(&self.state.shared);
+        let app = routes::router(self.state, self.max_body_bytes);
+        let stop = {
+            let shared = Arc::clone(&shared);
+            async move {
+                shutdown.await;
+                shared.queue.close();
+                if let Some(c) = shared.session_cancel.get() {
+                    c.store(true, std::sync::atomic::Ordering::SeqCst);
+                }
+            }
+        };
+        let served = axum::serve(self.listener, app)
+            .with_graceful_shutdown(stop)
+            .await
+            .map_err(ServerError::Serve);
+        shared.queue.close();
+        let engine = self.engine;
+        let _ = tokio::task::spawn_blocking(move || engine.join()).await;
+        shared
+            .recorder
+            .service("", "stopped", serde_json::Value::Null);
+        served
+    }
+}

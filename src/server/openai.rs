@@ -1,0 +1,700 @@
+//! The OpenAI chat-completions wire format, as far as Molt speaks it, plus Molt's extension.
+//!
+//! Requests ([`ChatRequest`]) reject unknown fields: a misspelt `max_token` must not silently
+//! mean "the default". Fields OpenAI defines but Molt cannot honour (`n > 1`, `stop`,
+//! `logprobs`, penalties ≠ 0) are refused with a message naming them rather than ignored.
+//!
+//! Responses: [`ChatCompletion`] (non-streaming) and [`ChatChunk`] (one per SSE event). Every
+//! chunk may carry a `molt` object ([`MoltEvent`]): a token chunk names the rung that produced
+//! it; switches, budget changes, queueing and the final summary arrive as chunks of their own
+//! whose only choice has an empty delta — so a client written for OpenAI's own streams (which
+//! end with an empty-delta chunk too) reads them without special cases.
+
+use serde::{Deserialize, Serialize};
+
+use crate::engine::ChatMessage;
+use crate::session::{StopReason, Summary, SwitchInfo};
+
+/// `POST /v1/chat/completions` body.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChatRequest {
+    /// Echoed back; any value is accepted (the server serves one ladder).
+    #[serde(default)]
+    pub model: Option<String>,
+    /// The conversation; the last message must be the user's.
+    pub messages: Vec<MessageIn>,
+    /// Stream chunks as server-sent events.
+    #[serde(default)]
+    pub stream: Option<bool>,
+    /// Streaming options.
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    /// Maximum generated tokens (legacy name).
+    #[serde(default)]
+    pub max_tokens: Option<u64>,
+    /// Maximum generated tokens.
+    #[serde(default)]
+    pub max_completion_tokens: Option<u64>,
+    /// Sampling temperature, 0..=2 (default 0: greedy, reproducible).
+    #[serde(default)]
+    pub temperature: Option<f32>,
+    /// Nucleus mass, (0, 1].
+    #[serde(default)]
+    pub top_p: Option<f32>,
+    /// Sampling seed.
+    #[serde(default)]
+    pub seed: Option<i64>,
+    /// Number of choices; only 1 is supported.
+    #[serde(default)]
+    pub n: Option<u32>,
+    /// Stop sequences: not supported (refused unless null or empty).
+    #[serde(default)]
+    pub stop: Option<serde_json::Value>,
+    /// Must be 0 or absent.
+    #[serde(default)]
+    pub presence_penalty: Option<f32>,
+    /// Must be 0 or absent.
+    #[serde(default)]
+    pub frequency_penalty: Option<f32>,
+    /// Must be false or absent.
+    #[serde(default)]
+    pub logprobs: Option<bool>,
+    /// An end-user id; recorded, otherwise unused.
+    #[serde(default)]
+    pub user: Option<String>,
+    /// Molt's own request options.
+    #[serde(default)]
+    pub molt: Option<MoltRequest>,
+}
+
+/// `stream_options`.
+#[derive(Debug, Clone, Copy, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StreamOptions {
+    /// Send a last chunk with `usage` and no choices, as OpenAI does.
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// The `molt` object of a request.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MoltRequest {
+    /// Switch to a named rung before generated token `at`, whatever the budget says (demos,
+    /// tests and benchmarks that need a switch at a known point).
+    #[serde(default)]
+    pub force_switch: Option<ForceSwitch>,
+}
+
+/// A forced switch.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ForceSwitch {
+    /// Generated-token index before which to switch.
+    pub at: usize,
+    /// Destination rung name.
+    pub to: String,
+}
+
+/// One message of a request.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MessageIn {
+    /// `system`, `developer` (treated as system), `user` or `assistant`.
+    pub role: String,
+    /// Text, or an array of `{"type": "text", "text": ...}` parts.
+    pub content: Content,
+    /// A participant name; accepted and unused.
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+/// A message's content.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    /// Plain text.
+    Text(String),
+    /// Content parts; only text parts are supported.
+    Parts(Vec<ContentPart>),
+}
+
+/// One content part.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ContentPart {
+    /// Must be `text`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The text.
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+impl Content {
+    /// The text, or why the content is not plain text.
+    ///
+    /// # Errors
+    /// A message naming the unsupported part type.
+    pub fn text(&self) -> Result<String, String> {
+        match self {
+            Content::Text(t) => Ok(t.clone()),
+            Content::Parts(parts) => {
+                let mut out = String::new();
+                for p in parts {
+                    match (p.kind.as_str(), &p.text) {
+                        ("text", Some(t)) => out.push_str(t),
+                        ("text", None) => return Err("a text part has no \"text\"".into()),
+                        (k, _) => {
+                            return Err(format!(
+                                "content parts of type {k:?} are not supported (text only)"
+                            ));
+                        }
+                    }
+                }
+                Ok(out)
+            }
+        }
+    }
+}
+
+/// A request checked and turned into what the engine needs.
+#[derive(Debug, Clone)]
+pub struct ValidRequest {
+    /// Earlier turns (everything before the last user message).
+    pub history: Vec<ChatMessage>,
+    /// The last user message.
+    pub last_user: String,
+    /// Stream as SSE.
+    pub stream: bool,
+    /// Send a usage chunk at the end of a stream.
+    pub include_usage: bool,
+    /// Maximum generated tokens, if the client set one.
+    pub max_tokens: Option<usize>,
+    /// Temperature (0 = greedy).
+    pub temperature: f32,
+    /// Nucleus mass.
+    pub top_p: f32,
+    /// Seed.
+    pub seed: u64,
+    /// Forced switch `(at, rung name)`.
+    pub force_switch: Option<(usize, String)>,
+}
+
+impl ChatRequest {
+    /// Checks the request; the error is a message for a 400 and the offending parameter.
+    ///
+    /// # Errors
+    /// `(message, param)` for the first problem found.
+    pub fn validate(self) -> Result<ValidRequest, (String, &'static str)> {
+        if self.n.is_some_and(|n| n != 1) {
+            return Err(("only n = 1 is supported".into(), "n"));
+        }
+        match &self.stop {
+            None | Some(serde_json::Value::Null) => {}
+            Some(serde_json::Value::Array(a)) if a.is_empty() => {}
+            Some(_) => {
+                return Err((
+                    "stop sequences are not supported by this server".into(),
+                    "stop",
+                ));
+            }
+        }
+        if self.logprobs == Some(true) {
+            return Err((
+                "logprobs are not supported by this server".into(),
+                "logprobs",
+            ));
+        }
+        for (v, name) in [
+            (self.presence_penalty, "presence_penalty"),
+            (self.frequency_penalty, "frequency_penalty"),
+        ] {
+            if v.is_some_and(|x| x != 0.0) {
+                return Err((format!("{name} is not supported (only 0)"), name));
+            }
+        }
+        let temperature = self.temperature.unwrap_or(0.0);
+        if !(0.0..=2.0).contains(&temperature) {
+            return Err(("temperature must be in 0..=2".into(), "temperature"));
+        }
+        let top_p = self.top_p.unwrap_or(1.0);
+        if !(top_p > 0.0 && top_p <= 1.0) {
+            return Err(("top_p must be in (0, 1]".into(), "top_p"));
+        }
+        let max_tokens = match (self.max_completion_tokens, self.max_tokens) {
+            (Some(a), _) | (None, Some(a)) => {
+                if a == 0 {
+                    return Err(("max_tokens must be at least 1".into(), "max_tokens"));
+                }
+                Some(usize::try_from(a).unwrap_or(usize::MAX))
+            }
+            (None, None) => None,
+        };
+        if self.messages.is_empty() {
+            return Err(("messages must not be empty".into(), "messages"));
+        }
+        let mut history = Vec::with_capacity(self.messages.len());
+        for (i, m) in self.messages.iter().enumerate() {
+            let role = match m.role.as_str() {
+                "system" | "developer" => "system",
+                "user" => "user",
+                "assistant" => "assistant",
+                other => {
+                    return Err((
+                        format!(
+                            "messages[{i}].role {other:?} is not supported (system, developer, user, assistant)"
+                        ),
+                        "messages",
+                    ));
+                }
+            };
+            let text = m
+                .content
+                .text()
+                .map_err(|e| (format!("messages[{i}].content: {e}"), "messages"))?;
+            if text.contains('\0') {
+                return Err((
+                    format!("messages[{i}].content contains a NUL character"),
+                    "messages",
+                ));
+            }
+            history.push(ChatMessage::new(role, &text));
+        }
+        let last = history.pop().filter(|m| m.role == "user").ok_or((
+            "the last message must have role \"user\"".to_string(),
+            "messages",
+        ))?;
+        let force_switch = self.molt.and_then(|m| m.force_switch).map(|f| (f.at, f.to));
+        Ok(ValidRequest {
+            history,
+            last_user: last.content,
+            stream: self.stream.unwrap_or(false),
+            include_usage: self.stream_options.is_some_and(|o| o.include_usage),
+            max_tokens,
+            temperature,
+            top_p,
+            seed: self.seed.map_or(0, i64::unsigned_abs),
+            force_switch,
+        })
+    }
+}
+
+/// Token counts, as OpenAI reports them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+    /// Their sum.
+    pub total_tokens: usize,
+}
+
+impl Usage {
+    /// From a prompt and completion count.
+    #[must_use]
+    pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
+        Self {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+        }
+    }
+}
+
+/// OpenAI's `finish_reason` for a stop reason.
+#[must_use]
+pub fn finish_reason(stop: StopReason) -> &'static str {
+    match stop {
+        StopReason::Eos | StopReason::Cancelled => "stop",
+        StopReason::Length | StopReason::ContextFull => "length",
+        // Never for Molt; a client of condition A sees its answer cut off.
+        StopReason::Killed => "killed",
+    }
+}
+
+/// A switch as it travels on the wire.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SwitchWire {
+    /// Source rung.
+    pub from: String,
+    /// Destination rung.
+    pub to: String,
+    /// `molt` (KV transplant) or `reprefill`.
+    pub method: String,
+    /// Generated-token index before which it happened.
+    pub at_token: usize,
+    /// Decision to the destination's first logits, ms (weight loading excluded).
+    pub cost_ms: f64,
+    /// Loading the destination's weights, ms.
+    pub load_ms: f64,
+    /// Breakdown, ms.
+    pub export_ms: f64,
+    /// Breakdown, ms.
+    pub project_ms: f64,
+    /// Breakdown, ms.
+    pub import_ms: f64,
+    /// Breakdown, ms.
+    pub first_decode_ms: f64,
+    /// Cache cells carried across.
+    pub cells: usize,
+    /// FLOPs the switch spent.
+    pub flops: f64,
+    /// FLOPs a re-prefill would have spent.
+    pub flops_reprefill: f64,
+    /// `flops_reprefill − flops`.
+    pub flops_avoided: f64,
+    /// `1 − flops / flops_reprefill`.
+    pub flops_avoided_fraction: f64,
+    /// Memory pressure at the decision, 0..1.
+    pub pressure: f64,
+    /// Budget at the decision, MiB (absent for a forced switch).
+    pub budget_mib: Option<f64>,
+    /// Handoff divergence (JSD, nats), when measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handoff_jsd: Option<f64>,
+}
+
+/// Bytes as MiB for the wire (`None` for the "unlimited" sentinel and for 0).
+#[must_use]
+pub fn mib(bytes: u64) -> Option<f64> {
+    #[allow(clippy::cast_precision_loss)]
+    (bytes > 0 && bytes < super::budget::UNLIMITED_BYTES).then(|| bytes as f64 / f64::from(1 << 20))
+}
+
+impl From<&SwitchInfo> for SwitchWire {
+    fn from(s: &SwitchInfo) -> Self {
+        Self {
+            from: s.from.clone(),
+            to: s.to.clone(),
+            method: s.method.clone(),
+            at_token: s.at_token,
+            cost_ms: s.cost_ms,
+            load_ms: s.load_ms,
+            export_ms: s.export_ms,
+            project_ms: s.project_ms,
+            import_ms: s.import_ms,
+            first_decode_ms: s.first_decode_ms,
+            cells: s.cells,
+            flops: s.flops,
+            flops_reprefill: s.flops_reprefill,
+            flops_avoided: (s.flops_reprefill - s.flops).max(0.0),
+            flops_avoided_fraction: s.flops_avoided(),
+            pressure: s.pressure,
+            budget_mib: mib(s.budget_bytes),
+            handoff_jsd: s.handoff_jsd,
+        }
+    }
+}
+
+/// The end-of-answer summary on the wire.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SummaryWire {
+    /// Generated tokens.
+    pub tokens: usize,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Rungs in order of use.
+    pub rungs_used: Vec<String>,
+    /// Number of migrations.
+    pub migrations: usize,
+    /// Sum of their costs, ms.
+    pub migration_cost_ms: f64,
+    /// Each migration.
+    pub switches: Vec<SwitchWire>,
+    /// Time to first token measured by the engine (from the start of the answer), ms.
+    pub ttft_ms: f64,
+    /// Whole answer, ms (engine).
+    pub total_ms: f64,
+    /// Time spent queued before the engine took the request, ms.
+    pub queue_ms: f64,
+    /// Why it ended.
+    pub stop: StopReason,
+    /// Whether the answer was lost (always false for Molt).
+    pub killed: bool,
+    /// Latencies measured where the stream is written (request received → first token
+    /// chunk, and the largest gap between two token chunks), ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream: Option<StreamTiming>,
+}
+
+/// Latencies measured at the HTTP stream.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct StreamTiming {
+    /// Request received → first token chunk handed to the connection, ms.
+    pub ttft_ms: f64,
+    /// Largest gap between two token chunks, ms.
+    pub max_gap_ms: f64,
+}
+
+impl SummaryWire {
+    /// From the session's summary.
+    #[must_use]
+    pub fn new(s: &Summary, queue_ms: f64) -> Self {
+        let switches: Vec<SwitchWire> = s.switches.iter().map(SwitchWire::from).collect();
+        Self {
+            tokens: s.tokens,
+            prompt_tokens: s.prompt_tokens,
+            rungs_used: s.rungs_used.clone(),
+            migrations: switches.len(),
+            migration_cost_ms: switches.iter().map(|w| w.cost_ms).sum(),
+            switches,
+            ttft_ms: s.ttft_ms,
+            total_ms: s.total_ms,
+            queue_ms,
+            stop: s.stop,
+            killed: s.killed,
+            stream: None,
+        }
+    }
+}
+
+/// Molt's extension object on a chunk.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum MoltEvent {
+    /// The request waits behind others for the engine.
+    Queued {
+        /// 1 = next.
+        position: usize,
+    },
+    /// The engine has the request but memory is short: admission is deferred until the
+    /// budget holds the smallest rung for this request.
+    Deferred {
+        /// Why.
+        reason: String,
+        /// Budget now, MiB.
+        budget_mib: Option<f64>,
+        /// What the smallest rung needs for this request, MiB.
+        need_mib: Option<f64>,
+    },
+    /// The prompt has been read; generation starts.
+    Start {
+        /// Rung that read the prompt.
+        rung: String,
+        /// Prompt tokens.
+        prompt_tokens: usize,
+        /// Of which were already cached.
+        reused_tokens: usize,
+        /// Time spent queued, ms.
+        queue_ms: f64,
+    },
+    /// A token chunk: the rung that produced it.
+    Token {
+        /// The rung.
+        rung: String,
+        /// Index in the answer.
+        index: usize,
+        /// Time since the previous token, ms (engine).
+        latency_ms: f64,
+    },
+    /// The budget changed.
+    Budget {
+        /// New budget, MiB (`None`: unlimited).
+        budget_mib: Option<f64>,
+        /// Pressure, 0..1.
+        pressure: f64,
+        /// Where it came from.
+        source: String,
+    },
+    /// The answer moved to another rung between two tokens.
+    Switch(SwitchWire),
+    /// Generation waits: no rung fits the budget.
+    Stall {
+        /// Why.
+        reason: String,
+    },
+    /// A pressure lever other than a switch (park, resume, shed) acted on the answer.
+    Lever(crate::session::LeverInfo),
+    /// The end-of-answer summary.
+    Summary(SummaryWire),
+}
+
+/// One streamed chunk.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ChatChunk {
+    /// Request id, the same in every chunk.
+    pub id: String,
+    /// Always `chat.completion.chunk`.
+    pub object: String,
+    /// Unix seconds.
+    pub created: u64,
+    /// The served ladder.
+    pub model: String,
+    /// Zero or one choice.
+    pub choices: Vec<ChunkChoice>,
+    /// Token counts (the usage chunk only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+    /// Molt's extension.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub molt: Option<MoltEvent>,
+}
+
+/// A chunk's choice.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ChunkChoice {
+    /// Always 0.
+    pub index: u32,
+    /// What this chunk adds.
+    pub delta: Delta,
+    /// Always null (logprobs are not supported).
+    pub logprobs: Option<()>,
+    /// Set on the last content chunk.
+    pub finish_reason: Option<String>,
+}
+
+/// What a chunk adds to the message.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Delta {
+    /// `assistant`, on the first chunk.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
+    /// Text.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+/// A non-streamed answer.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ChatCompletion {
+    /// Request id.
+    pub id: String,
+    /// Always `chat.completion`.
+    pub object: String,
+    /// Unix seconds.
+    pub created: u64,
+    /// The served ladder.
+    pub model: String,
+    /// One choice.
+    pub choices: Vec<Choice>,
+    /// Token counts.
+    pub usage: Usage,
+    /// Molt's summary of the answer (rungs, migrations and their costs).
+    pub molt: SummaryWire,
+}
+
+/// A non-streamed choice.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Choice {
+    /// Always 0.
+    pub index: u32,
+    /// The answer.
+    pub message: MessageOut,
+    /// Always null.
+    pub logprobs: Option<()>,
+    /// `stop` or `length`.
+    pub finish_reason: String,
+}
+
+/// The answer message.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct MessageOut {
+    /// Always `assistant`.
+    pub role: String,
+    /// The text.
+    pub content: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> Result<ChatRequest, serde_json::Error> {
+        serde_json::from_str(s)
+    }
+
+    #[test]
+    fn unknown_fields_are_refused_at_every_level() {
+        let e = parse(r#"{"messages": [], "max_token": 3}"#).unwrap_err();
+        assert!(e.to_string().contains("max_token"), "{e}");
+        let e =
+            parse(r#"{"messages": [{"role": "user", "content": "x", "colour": 1}]}"#).unwrap_err();
+        assert!(e.to_string().contains("colour") || e.is_data(), "{e}");
+        let e = parse(r#"{"messages": [], "molt": {"forced": 1}}"#).unwrap_err();
+        assert!(e.to_string().contains("forced"), "{e}");
+    }
+
+    #[test]
+    fn validation_splits_history_from_the_last_user_turn() {
+        let r = parse(
+            r#"{"model": "m", "messages": [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                "max_tokens": 7, "stream": true, "stream_options": {"include_usage": true}}"#,
+        )
+        .unwrap()
+        .validate()
+        .unwrap();
+        assert_eq!(r.history, vec![ChatMessage::new("system", "be brief")]);
+        assert_eq!(r.last_user, "hi");
+        assert_eq!(r.max_tokens, Some(7));
+        assert!(r.stream && r.include_usage);
+    }
+
+    #[test]
+    fn unsupported_parameters_are_named() {
+        for (body, param) in [
+            (
+                r#"{"messages": [{"role": "user", "content": "x"}], "n": 2}"#,
+                "n",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "x"}], "stop": ["a"]}"#,
+                "stop",
+            ),
+            (
+                r#"{"messages": [{"role": "assistant", "content": "x"}]}"#,
+                "messages",
+            ),
+            (r#"{"messages": []}"#, "messages"),
+            (
+                r#"{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}"#,
+                "max_tokens",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "x"}], "temperature": 3}"#,
+                "temperature",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": [{"type": "image_url", "text": "u"}]}]}"#,
+                "messages",
+            ),
+        ] {
+            let (_, p) = parse(body).unwrap().validate().unwrap_err();
+            assert_eq!(p, param, "{body}");
+        }
+    }
+
+    #[test]
+    fn chunk_serialises_like_openai() {
+        let c = ChatChunk {
+            id: "x".into(),
+            object: "chat.completion.chunk".into(),
+            created: 1,
+            model: "m".into(),
+            choices: vec![ChunkChoice {
+                index: 0,
+                delta: Delta {
+                    role: None,
+                    content: Some("hi".into()),
+                },
+                logprobs: None,
+                finish_reason: None,
+            }],
+            usage: None,
+            molt: Some(MoltEvent::Token {
+                rung: "tier0".into(),
+                index: 0,
+                latency_ms: 1.0,
+            }),
+        };
+        let v = serde_json::to_value(&c).unwrap();
+        assert_eq!(v["choices"][0]["finish_reason"], serde_json::Value::Null);
+        assert_eq!(v["choices"][0]["delta"]["content"], "hi");
+        assert_eq!(v["molt"]["rung"], "tier0");
+        assert_eq!(v["molt"]["event"], "token");
+        assert!(v.get("usage").is_none());
+    }
+}

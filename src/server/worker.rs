@@ -1,0 +1,631 @@
+//! The engine side of the service: a bounded FIFO [`Queue`] of [`Job`]s and one engine thread
+//! per ladder that owns the [`Session`] and answers jobs one at a time.
+//!
+//! One thread, one session, because that is what the hardware does anyway: the rungs' decode
+//! already uses every core, so two answers decoding at once would each run at half speed
+//! while holding two KV caches — more memory for no throughput, the opposite of what a
+//! service under memory pressure needs. Concurrent clients therefore wait in the queue
+//! (streaming clients are told their position), and the answer in flight streams at full
+//! speed. Between answers the session keeps the cache it computed itself, so a conversation
+//! continued by its next request re-reads only the new turn; cells projected by a migration
+//! are not reused by later answers, and an idle session starts each answer on the largest rung
+//! the budget holds for it (see `choose_start`).
+//!
+//! Admission is deferred, never refused, while memory is short: before a job starts, the
+//! engine checks that the budget holds the smallest rung for the job's whole length (prompt +
+//! `max_tokens`), and if not, it waits — telling the client why — until memory comes back,
+//! the client leaves, or the admission timeout passes. A replayed trace is the exception:
+//! its value at the start of an answer never changes by waiting, so the job fails at once.
+//! The only refusal is a full queue (`503 queue_full`), decided when the request arrives.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use axum::http::StatusCode;
+use serde::Serialize;
+use tokio::sync::mpsc;
+
+use super::budget::ServerBudget;
+use super::error::ApiError;
+use super::openai::mib;
+use super::record::Recorder;
+use crate::engine::{ChatMessage, SamplingParams};
+use crate::pressure::{Tick, TraceRefs, process_rss_bytes};
+use crate::sched::RungCost;
+use crate::session::{Event, GenerateOptions, Generation, Prompt, Session, StopReason};
+
+/// What the engine tells the HTTP side about one job.
+#[derive(Debug)]
+pub enum Update {
+    /// Memory is short: admission deferred.
+    Deferred {
+        /// Why.
+        reason: String,
+        /// Budget now, bytes.
+        budget_bytes: u64,
+        /// What the job needs, bytes.
+        need_bytes: u64,
+    },
+    /// The engine took the job.
+    Admitted {
+        /// Time spent queued (and deferred), ms.
+        queue_ms: f64,
+    },
+    /// A session event, verbatim.
+    Session(Event),
+    /// The answer is complete (after its `Done` event).
+    Finished(Box<Generation>),
+    /// The job failed.
+    Failed(ApiError),
+}
+
+/// One request for the engine.
+pub struct Job {
+    /// Request id (`chatcmpl-…`).
+    pub id: String,
+    /// Earlier turns.
+    pub history: Vec<ChatMessage>,
+    /// The user turn to answer.
+    pub last_user: String,
+    /// Prompt tokens, as measured when the request arrived.
+    pub prompt_tokens: usize,
+    /// Generation options (forced switch resolved to a rung index).
+    pub opts: GenerateOptions,
+    /// Set when the client has gone.
+    pub cancel: Arc<AtomicBool>,
+    /// Where updates go.
+    pub tx: mpsc::UnboundedSender<Update>,
+    /// When the request arrived.
+    pub received: Instant,
+}
+
+impl Job {
+    fn send(&self, u: Update) -> bool {
+        self.tx.send(u).is_ok()
+    }
+
+    fn cancelled(&self) -> bool {
+        self.cancel.load(Ordering::SeqCst) || self.tx.is_closed()
+    }
+}
+
+/// A bounded FIFO of jobs waiting for the engine (the job being answered is not in it).
+pub struct Queue {
+    inner: Mutex<QueueInner>,
+    cv: Condvar,
+    capacity: usize,
+}
+
+struct QueueInner {
+    jobs: VecDeque<Job>,
+    closed: bool,
+}
+
+impl Queue {
+    /// A queue holding at most `capacity` waiting jobs.
+    #[must_use]
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            inner: Mutex::new(QueueInner {
+                jobs: VecDeque::new(),
+                closed: false,
+            }),
+            cv: Condvar::new(),
+            capacity,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, QueueInner> {
+        self.inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Appends a job; its 1-based position, or the job back when the queue is full or closed.
+    ///
+    /// # Errors
+    /// The job, when it was not queued.
+    pub fn push(&self, job: Job) -> Result<usize, Box<Job>> {
+        let mut g = self.lock();
+        // Jobs whose clients left are dropped here, so they do not hold places.
+        g.jobs.retain(|j| !j.cancelled());
+        if g.closed || g.jobs.len() >= self.capacity {
+            return Err(Box::new(job));
+        }
+        g.jobs.push_back(job);
+        let n = g.jobs.len();
+        drop(g);
+        self.cv.notify_one();
+        Ok(n)
+    }
+
+    /// Takes the next job, waiting for one; `None` once closed and empty.
+    pub fn pop(&self) -> Option<Job> {
+        let mut g = self.lock();
+        loop {
+            if let Some(j) = g.jobs.pop_front() {
+                return Some(j);
+            }
+            if g.closed {
+                return None;
+            }
+            g = self
+                .cv
+                .wait(g)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+    }
+
+    /// Waiting jobs.
+    pub fn waiting(&self) -> usize {
+        self.lock().jobs.len()
+    }
+
+    /// Capacity.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Stops accepting jobs; those waiting are told the server is going away.
+    pub fn close(&self) {
+        let mut g = self.lock();
+        g.closed = true;
+        for j in g.jobs.drain(..) {
+            j.send(Update::Failed(ApiError::with(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_shutting_down",
+                "the server is shutting down",
+            )));
+        }
+        drop(g);
+        self.cv.notify_all();
+    }
+}
+
+/// Counters since the server started.
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Requests received on the chat endpoint.
+    pub received: AtomicU64,
+    /// Answers completed.
+    pub completed: AtomicU64,
+    /// Answers stopped because the client left (or skipped while queued).
+    pub cancelled: AtomicU64,
+    /// Answers that failed in the engine.
+    pub failed: AtomicU64,
+    /// Refused with 4xx before queueing.
+    pub rejected_invalid: AtomicU64,
+    /// Refused with 503, queue full.
+    pub rejected_queue_full: AtomicU64,
+    /// Admissions deferred for memory.
+    pub deferred: AtomicU64,
+    /// Migrations between rungs.
+    pub switches: AtomicU64,
+    /// Tokens generated.
+    pub tokens: AtomicU64,
+}
+
+/// What the engine publishes about itself.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct EngineStatus {
+    /// The rung the session is on.
+    pub current_rung: String,
+    /// Rungs loaded now.
+    pub loaded: Vec<String>,
+    /// The request being answered.
+    pub running: Option<String>,
+    /// The policy's cost of each rung.
+    pub rungs: Vec<RungStatus>,
+    /// Which migration routes have a usable projector.
+    pub routes: Vec<RouteStatus>,
+    /// Measured footprint of the loaded rungs (resident weights + contexts), MiB.
+    pub measured_footprint_mib: f64,
+    /// Context window.
+    pub n_ctx: u32,
+    #[serde(skip)]
+    pub(crate) costs: Vec<RungCost>,
+}
+
+/// One rung's cost.
+#[derive(Debug, Clone, Serialize)]
+pub struct RungStatus {
+    /// Name.
+    pub name: String,
+    /// Weights alone (the file's tensor bytes, all resident while the rung runs), MiB.
+    pub weights_mib: f64,
+    /// Weights + compute buffers (measured when the rung was loaded), MiB.
+    pub resident_mib: f64,
+    /// KV bytes per token.
+    pub kv_bytes_per_token: u64,
+    /// With a full context window, MiB.
+    pub full_context_mib: f64,
+}
+
+/// One route's availability.
+#[derive(Debug, Clone, Serialize)]
+pub struct RouteStatus {
+    /// Source rung.
+    pub from: String,
+    /// Destination rung.
+    pub to: String,
+    /// A projector is loaded for it.
+    pub ready: bool,
+    /// Why not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub problem: Option<String>,
+}
+
+/// Everything the HTTP handlers and the engine thread share.
+pub struct Shared {
+    /// Waiting jobs.
+    pub queue: Queue,
+    /// The budget.
+    pub budget: ServerBudget,
+    /// The record file.
+    pub recorder: Recorder,
+    /// Counters.
+    pub counters: Counters,
+    /// Published by the engine after every job.
+    pub engine: Mutex<EngineStatus>,
+    /// The session's own cancel flag, so a client leaving mid-answer (or mid-stall, when no
+    /// event flows) stops it at the next check.
+    pub session_cancel: OnceLock<Arc<AtomicBool>>,
+    /// How long a job may wait for memory.
+    pub admission_timeout: Duration,
+}
+
+impl Shared {
+    /// The engine status.
+    pub fn engine(&self) -> MutexGuard<'_, EngineStatus> {
+        self.engine
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// What the smallest rung needs to answer a job of `tokens` total length, bytes (the
+    /// session's own admission test).
+    pub fn need_bytes(&self, tokens: usize) -> Option<u64> {
+        let e = self.engine();
+        e.costs
+            .last()
+            .map(|c| c.resident_bytes() + c.kv_bytes(tokens as u64))
+    }
+
+    /// Footprints with a full context, by rung name: the references a trace's `frac … of`
+    /// events resolve against.
+    pub fn trace_refs(&self) -> TraceRefs {
+        let e = self.engine();
+        e.costs
+            .iter()
+            .map(|c| {
+                (
+                    c.name.clone(),
+                    c.resident_bytes() + c.kv_bytes(u64::from(e.n_ctx)),
+                )
+            })
+            .collect()
+    }
+
+    /// Tells the engine that the client of `id` has gone.
+    pub fn cancel(&self, id: &str, flag: &AtomicBool) {
+        flag.store(true, Ordering::SeqCst);
+        if self.engine().running.as_deref() == Some(id)
+            && let Some(c) = self.session_cancel.get()
+        {
+            c.store(true, Ordering::SeqCst);
+        }
+    }
+}
+
+fn to_mib(bytes: u64) -> f64 {
+    #[allow(clippy::cast_precision_loss)]
+    let m = bytes as f64 / f64::from(1 << 20);
+    (m * 10.0).round() / 10.0
+}
+
+/// Publishes the session's state for `GET /v1/molt/status` and the HTTP side's checks.
+pub fn publish(shared: &Shared, session: &mut Session, running: Option<String>, routes: bool) {
+    let costs = session.rung_costs();
+    let n_ctx = session.config().n_ctx;
+    let names: Vec<String> = session
+        .ladder()
+        .rungs
+        .iter()
+        .map(|r| r.name().to_string())
+        .collect();
+    let loaded = session
+        .loaded()
+        .iter()
+        .zip(&names)
+        .filter(|(l, _)| **l)
+        .map(|(_, n)| n.clone())
+        .collect();
+    let route_status = routes.then(|| {
+        let mut v = Vec::new();
+        for (i, a) in names.iter().enumerate() {
+            for (j, b) in names.iter().enumerate() {
+                if i != j {
+                    let r = session.routes_mut().get(i, j);
+                    v.push(RouteStatus {
+                        from: a.clone(),
+                        to: b.clone(),
+                        ready: r.is_ok(),
+                        problem: r.err().map(|e| e.to_string()),
+                    });
+                }
+            }
+        }
+        v
+    });
+    let footprint = to_mib(session.measured_footprint());
+    let mut e = shared.engine();
+    e.current_rung = session.current_rung().to_string();
+    e.loaded = loaded;
+    e.running = running;
+    e.rungs = costs
+        .iter()
+        .map(|c| RungStatus {
+            name: c.name.clone(),
+            weights_mib: to_mib(c.weights_bytes),
+            resident_mib: to_mib(c.resident_bytes()),
+            kv_bytes_per_token: c.kv_bytes_per_token,
+            full_context_mib: to_mib(c.resident_bytes() + c.kv_bytes(u64::from(n_ctx))),
+        })
+        .collect();
+    if let Some(r) = route_status {
+        e.routes = r;
+    }
+    e.measured_footprint_mib = footprint;
+    e.n_ctx = n_ctx;
+    e.costs = costs;
+}
+
+/// Loads and frees every rung but the current one, one at a time, so that each rung's context
+/// cost is measured (the session keeps the measurement after unloading).
+///
+/// # Errors
+/// A rung that fails to load.
+pub fn measure_rungs(session: &mut Session) -> Result<(), crate::session::SessionError> {
+    let current = session.current_index();
+    for i in 0..session.ladder().rungs.len() {
+        if i != current && !session.loaded()[i] {
+            session.ensure_loaded(i)?;
+            session.unload(i);
+        }
+    }
+    Ok(())
+}
+
+/// The engine thread's loop: answers jobs until the queue is closed.
+pub fn run(mut session: Session, shared: &Shared) {
+    let cancel = session.cancel_handle();
+    let _ = shared.session_cancel.set(Arc::clone(&cancel));
+    // Whether the cache holds cells projected by a transplant in an earlier answer.
+    let mut projected = false;
+    while let Some(job) = shared.queue.pop() {
+        if job.cancelled() {
+            shared.counters.cancelled.fetch_add(1, Ordering::Relaxed);
+            shared.recorder.service(
+                &job.id,
+                "skipped",
+                serde_json::json!({"reason": "client gone while queued"}),
+            );
+            continue;
+        }
+        publish(shared, &mut session, Some(job.id.clone()), false);
+        let last = answer(&mut session, shared, &job, &cancel, &mut projected);
+        // Publish before the client hears the end, so a status query made after `[DONE]`
+        // sees the rung the answer ended on.
+        publish(shared, &mut session, None, false);
+        if let Some(u) = last {
+            job.send(u);
+        }
+    }
+}
+
+/// Waits until the budget holds the smallest rung for the job. `Err` when the job must not
+/// run (client gone: `None`; otherwise the error to report).
+fn admit(shared: &Shared, job: &Job) -> Result<(), Option<ApiError>> {
+    let total = job.prompt_tokens + job.opts.max_tokens;
+    let Some(need) = shared.need_bytes(total) else {
+        return Ok(());
+    };
+    let started = Instant::now();
+    let mut told: Option<u64> = None;
+    loop {
+        if job.cancelled() {
+            return Err(None);
+        }
+        let b = shared
+            .budget
+            .read(Tick::default())
+            .map_err(|e| Some(ApiError::internal(format!("reading the budget: {e}"))))?;
+        if b.bytes >= need {
+            return Ok(());
+        }
+        let reason = format!(
+            "the budget ({:.0} MiB) cannot hold the smallest rung for this request ({:.0} MiB for {total} tokens)",
+            to_mib(b.bytes),
+            to_mib(need)
+        );
+        if shared.budget.is_trace() {
+            return Err(Some(ApiError::with(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "insufficient_memory",
+                format!("{reason}; the replayed trace starts there, so waiting cannot help"),
+            )));
+        }
+        if started.elapsed() >= shared.admission_timeout {
+            return Err(Some(ApiError::with(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "insufficient_memory",
+                format!(
+                    "{reason}, and memory did not come back within {} s",
+                    shared.admission_timeout.as_secs()
+                ),
+            )));
+        }
+        if told != Some(b.bytes) {
+            if told.is_none() {
+                shared.counters.deferred.fetch_add(1, Ordering::Relaxed);
+            }
+            told = Some(b.bytes);
+            shared.recorder.service(
+                &job.id,
+                "deferred",
+                serde_json::json!({"budget_mib": mib(b.bytes), "need_mib": mib(need)}),
+            );
+            job.send(Update::Deferred {
+                reason: format!("{reason}; waiting for memory"),
+                budget_bytes: b.bytes,
+                need_bytes: need,
+            });
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Answers one job; the last update for its client (`None` if the client has gone).
+/// Where an answer starts. The session reuses whatever prefix of the new prompt its cache
+/// holds, which is right for cells it computed itself but not for cells a transplant projected
+/// for an earlier answer: a new answer built on them — even on the three template tokens every
+/// chat prompt shares, the attention sink among them — has been seen (real ladder) to end at
+/// once or to answer a conversation that never happened. So after an answer that migrated by
+/// transplant, the cache is dropped. And an idle session is moved to the largest rung that
+/// holds this request whole before the prompt is read, rather than reading it on a rung that
+/// would migrate at the first token.
+fn choose_start(
+    session: &mut Session,
+    shared: &Shared,
+    job: &Job,
+    projected: &mut bool,
+) -> Result<(), crate::session::SessionError> {
+    let total = (job.prompt_tokens + job.opts.max_tokens) as u64;
+    let budget = shared
+        .budget
+        .read(Tick::default())
+        .map_or(super::budget::UNLIMITED_BYTES, |b| b.bytes);
+    let costs = session.rung_costs();
+    let best = (session.home_index()..costs.len())
+        .find(|&i| costs[i].resident_bytes() + costs[i].kv_bytes(total) <= budget)
+        .unwrap_or(costs.len() - 1);
+    let from = session.current_rung().to_string();
+    if best != session.current_index() || *projected {
+        session.reset();
+        session.move_idle(best)?;
+        shared.recorder.service(
+            &job.id,
+            "fresh_start",
+            serde_json::json!({
+                "from": from,
+                "rung": session.current_rung(),
+                "reason": if *projected { "cache held projected cells" } else { "budget picks another rung" },
+            }),
+        );
+        *projected = false;
+    }
+    Ok(())
+}
+
+fn answer(
+    session: &mut Session,
+    shared: &Shared,
+    job: &Job,
+    cancel: &Arc<AtomicBool>,
+    projected: &mut bool,
+) -> Option<Update> {
+    match admit(shared, job) {
+        Ok(()) => {}
+        Err(None) => {
+            shared.counters.cancelled.fetch_add(1, Ordering::Relaxed);
+            shared.recorder.service(
+                &job.id,
+                "skipped",
+                serde_json::json!({"reason": "client gone while deferred"}),
+            );
+            return None;
+        }
+        Err(Some(e)) => {
+            shared.counters.failed.fetch_add(1, Ordering::Relaxed);
+            shared.recorder.service(&job.id, "failed", e.json());
+            return Some(Update::Failed(e));
+        }
+    }
+    if let Err(e) = choose_start(session, shared, job, projected) {
+        let api = ApiError::from_session(&e);
+        shared.counters.failed.fetch_add(1, Ordering::Relaxed);
+        shared.recorder.service(&job.id, "failed", api.json());
+        return Some(Update::Failed(api));
+    }
+    let queue_ms = job.received.elapsed().as_secs_f64() * 1e3;
+    shared.recorder.service(
+        &job.id,
+        "admitted",
+        serde_json::json!({"queue_ms": queue_ms}),
+    );
+    job.send(Update::Admitted { queue_ms });
+    session.set_conversation(job.history.clone());
+    let mut sink = |e: &Event| {
+        shared.recorder.session(&job.id, e);
+        if let Event::Switch(_) = e {
+            shared.counters.switches.fetch_add(1, Ordering::Relaxed);
+        }
+        // A client that left stops the answer at the next token: the session checks this
+        // flag before every token (and while stalled).
+        if !job.send(Update::Session(e.clone())) || job.cancel.load(Ordering::SeqCst) {
+            cancel.store(true, Ordering::SeqCst);
+        }
+    };
+    let r = session.generate(&Prompt::User(job.last_user.clone()), &job.opts, &mut sink);
+    match r {
+        Ok(g) => {
+            *projected = g.switches.iter().any(|s| s.method == "molt");
+            shared
+                .counters
+                .tokens
+                .fetch_add(g.tokens.len() as u64, Ordering::Relaxed);
+            if g.stop == StopReason::Cancelled {
+                shared.counters.cancelled.fetch_add(1, Ordering::Relaxed);
+                shared.recorder.service(
+                    &job.id,
+                    "disconnected",
+                    serde_json::json!({"tokens": g.tokens.len()}),
+                );
+            } else {
+                shared.counters.completed.fetch_add(1, Ordering::Relaxed);
+            }
+            Some(Update::Finished(Box::new(g)))
+        }
+        Err(e) => {
+            // What the cache holds after a failure mid-answer is unknown: start clean.
+            *projected = true;
+            let api = ApiError::from_session(&e);
+            shared.counters.failed.fetch_add(1, Ordering::Relaxed);
+            shared.recorder.service(&job.id, "failed", api.json());
+            Some(Update::Failed(api))
+        }
+    }
+}
+
+/// Sampling from a request's temperature, nucleus and seed (0 = greedy).
+#[must_use]
+pub fn sampling(temperature: f32, top_p: f32, seed: u64) -> SamplingParams {
+    if temperature > 0.0 {
+        SamplingParams {
+            temperature,
+            top_p,
+            top_k: 0,
+            seed,
+        }
+    } else {
+        SamplingParams::greedy()
+    }
+}
+
+/// Resident set of this process, bytes (0 if unreadable).
+#[must_use]
+pub fn rss_bytes() -> u64 {
+    process_rss_bytes().unwrap_or(0)
+}
