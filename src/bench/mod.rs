@@ -3,12 +3,15 @@
 //! benchmarks compare ratios measured side by side in one run, with repetitions).
 //!
 //! - [`cost_sweep`]: transplant against re-prefill per route and context length.
+//! - [`qos`]: three tenants with real engines sharing one moving budget, the scheduler's
+//!   levers applied before anyone takes a step.
 //! - [`footprint`]: what each rung occupies per context length, measured by the OS beside the
 //!   policy's model, and what parking gives back.
 //! - [`speed`]: prefill/decode tok/s per rung, Molt's engine beside plain llama.cpp.
 
 pub mod cost_sweep;
 pub mod footprint;
+pub mod qos;
 pub mod speed;
 
 /// Facts about the machine and build, stored beside every result.

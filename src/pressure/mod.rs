@@ -30,7 +30,7 @@ pub use error::{HogError, PressureError, TraceError, TraceProblem};
 pub use footprint::{
     Footprint, PageCacheResidency, file_resident_in_page_cache, mincore_resident_bytes,
     process_anon_rss_bytes, process_pss_bytes, process_rss_bytes, resident_bytes_of_mapping,
-    return_freed_buffers_to_os, rss_bytes_in,
+    return_freed_buffers_to_os, rss_bytes_in, trim_heap,
 };
 pub use hog::{HogChild, HogMemory, HogReport, HogSchedule, HogStep, run_hog, run_hog_with};
 pub use trace::{Clock, Trace, TraceRefs, TraceStep, Unit};

@@ -223,6 +223,7 @@ impl Session {
         for slot in &mut self.rungs {
             *slot = None;
         }
+        crate::pressure::trim_heap();
         self.parked = Some(Parked {
             rung: parked,
             layout: from,
@@ -334,6 +335,8 @@ impl Session {
                 .to_bytes()
                 .map_err(|e| fail(format!("shed: parked state: {e}")))?;
             p.rung.n_past -= n;
+            drop(snap);
+            crate::pressure::trim_heap();
         }
         self.history.drain(pinned..pinned + n);
         let mut info = self.lever(at_token, "shed", n, t0);

@@ -912,6 +912,7 @@ impl Session {
             && to < self.rungs.len()
         {
             let info = self.switch_to(to, tok, i, None)?;
+            crate::pressure::trim_heap();
             let b = self.last_budget.unwrap_or(0);
             sink(&Event::Footprint(self.footprint_sample(i, b)));
             return Ok(Between::Switched(Box::new(info)));
@@ -976,6 +977,7 @@ impl Session {
                 Decision::Demote { to } | Decision::Promote { to } => {
                     if !parked {
                         let info = self.switch_to(to, tok, i, Some(b))?;
+                        crate::pressure::trim_heap();
                         sink(&Event::Footprint(self.footprint_sample(i, b.bytes)));
                         return Ok(Between::Switched(Box::new(info)));
                     }
@@ -1029,6 +1031,7 @@ impl Session {
                         let n_past = live.ctx.n_past();
                         live.ctx.truncate(n_past - 1);
                         let info = self.switch_to(rung, tok, i, Some(b))?;
+                        crate::pressure::trim_heap();
                         sink(&Event::Footprint(self.footprint_sample(i, b.bytes)));
                         return Ok(Between::Switched(Box::new(info)));
                     }

@@ -100,6 +100,7 @@ impl LiveRung {
         let config = self.ctx.config();
         let info = self.info.clone();
         drop(self);
+        crate::pressure::trim_heap();
         Ok(ParkedRung {
             info,
             config,

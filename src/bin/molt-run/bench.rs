@@ -18,6 +18,26 @@ pub struct Args {
     /// policy's estimate; then park and resume (results/footprint.json).
     #[arg(long)]
     pub footprint: bool,
+    /// Three tenants (a chat, two batch jobs) with real engines sharing one moving budget
+    /// (results/qos.json).
+    #[arg(long)]
+    pub qos: bool,
+    /// The budget trace of the QoS bench (its token clock counts rounds).
+    #[arg(long, default_value = "traces/qos_squeeze.json")]
+    pub qos_trace: PathBuf,
+    /// Context window of each QoS tenant.
+    #[arg(long, default_value_t = 512)]
+    pub qos_n_ctx: u32,
+    /// Batch size of each QoS tenant's context (bounds its compute buffers).
+    #[arg(long, default_value_t = 64)]
+    pub qos_n_batch: u32,
+    /// Make the QoS trace real: a child process allocates what the trace says others take,
+    /// and the budget is read back from the operating system.
+    #[arg(long)]
+    pub real_hog: bool,
+    /// The device size for --real-hog, MiB (default: the trace's initial budget).
+    #[arg(long, requires = "real_hog")]
+    pub device_mib: Option<u64>,
     /// Context lengths of the footprint bench.
     #[arg(long, value_delimiter = ',', default_values_t = vec![0usize, 256, 1024, 2000])]
     pub footprint_lengths: Vec<usize>,
@@ -45,11 +65,17 @@ pub struct Args {
 }
 
 pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
-    if !a.speed && !a.cost_sweep && !a.footprint {
-        bail!("nothing to run: pass --speed, --cost-sweep and/or --footprint");
+    if !a.speed && !a.cost_sweep && !a.footprint && !a.qos {
+        bail!("nothing to run: pass --speed, --cost-sweep, --footprint and/or --qos");
+    }
+    if a.real_hog && !a.qos {
+        bail!("--real-hog applies to --qos");
     }
     if a.reps == 0 {
         bail!("--reps must be at least 1");
+    }
+    if a.qos {
+        run_qos(g, a)?;
     }
     if a.footprint {
         run_footprint(g, a)?;
@@ -241,6 +267,78 @@ fn run_footprint(g: &GlobalArgs, a: &Args) -> Result<()> {
         "threads": config.n_threads,
         "cache_type": config.cache_type,
         "rungs": rungs,
+    });
+    std::fs::write(&path, serde_json::to_string_pretty(&doc)?)?;
+    eprintln!("wrote {}", path.display());
+    Ok(())
+}
+
+fn run_qos(g: &GlobalArgs, a: &Args) -> Result<()> {
+    use molt::pressure::{BudgetSource, Trace, TraceBudget};
+    let trace = Trace::load(&a.qos_trace)?;
+    let base = g.context_config()?;
+    if !(64..=8192).contains(&a.qos_n_ctx) || a.qos_n_batch == 0 {
+        bail!("--qos-n-ctx must be in 64..=8192 and --qos-n-batch at least 1");
+    }
+    let ladder = g.open_ladder()?;
+    let config = molt::engine::ContextConfig {
+        n_ctx: a.qos_n_ctx,
+        n_batch: a.qos_n_batch.min(a.qos_n_ctx),
+        ..base
+    };
+    let opts = molt::bench::qos::QosOptions::standard(
+        config,
+        molt::session::routes::search_dirs(a.projectors.as_deref()),
+    );
+    let mut budget: Box<dyn BudgetSource> = if a.real_hog {
+        Box::new(crate::hog::spawn_budget(
+            trace,
+            a.device_mib.map(|m| m << 20),
+        )?)
+    } else {
+        Box::new(TraceBudget::new(trace))
+    };
+    eprintln!("qos: budget from {}", budget.describe());
+    let info = RunInfo::now();
+    let report = molt::bench::qos::run(&ladder, &opts, budget.as_mut(), &mut |s| eprintln!("{s}"))?;
+    println!(
+        "{:<8} {:<10} {:>6} {:>7} {:>9}  {:<30} rungs",
+        "tenant", "class", "tokens", "stalls", "deferred", "levers"
+    );
+    for t in &report.tenants {
+        let levers: Vec<String> = t.levers.iter().map(|(k, v)| format!("{k}x{v}")).collect();
+        println!(
+            "{:<8} {:<10} {:>6} {:>7} {:>9}  {:<30} {}",
+            t.name,
+            format!("{:?}", t.class).to_lowercase(),
+            t.tokens,
+            t.stall_rounds,
+            t.deferred_rounds,
+            levers.join(" "),
+            t.rungs.join(" -> ")
+        );
+    }
+    println!(
+        "rounds {}, max overshoot after enforcement: modelled {:.1} MiB, measured {:.1} MiB; infeasible rounds {}; killed {}; {:.0} s",
+        report.rounds.len(),
+        report.max_overshoot_modelled as f64 / 1_048_576.0,
+        report.max_overshoot_measured as f64 / 1_048_576.0,
+        report.infeasible_rounds,
+        report.killed,
+        report.wall_s
+    );
+    std::fs::create_dir_all(&a.out_dir)?;
+    let path = a.out_dir.join("qos.json");
+    let doc = serde_json::json!({
+        "run": info,
+        "trace": a.qos_trace.file_name().map(|n| n.to_string_lossy().to_string()),
+        "real_hog": a.real_hog,
+        "n_ctx": config.n_ctx,
+        "n_batch": config.n_batch,
+        "threads": config.n_threads,
+        "policy": opts.policy,
+        "tenant_specs": opts.tenants,
+        "report": report,
     });
     std::fs::write(&path, serde_json::to_string_pretty(&doc)?)?;
     eprintln!("wrote {}", path.display());
