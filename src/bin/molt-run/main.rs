@@ -6,7 +6,9 @@
 
 mod bench;
 mod common;
+mod conditions;
 mod fetch;
+mod figures;
 mod generate;
 mod inspect;
 mod train;
@@ -39,6 +41,8 @@ enum Command {
     Bench(bench::Args),
     /// Fit the KV projectors of the ladder on the project's corpus.
     TrainProjectors(train::Args),
+    /// Draw the figures and write the results page from the benchmark's JSON.
+    Figures(figures::Args),
 }
 
 fn main() {
@@ -49,6 +53,7 @@ fn main() {
         Command::Generate(a) => generate::run(&cli.global, &a),
         Command::Bench(a) => bench::run(&cli.global, &a),
         Command::TrainProjectors(a) => train::run(&cli.global, &a),
+        Command::Figures(a) => figures::run(&a),
     };
     if let Err(e) = result {
         if is_broken_pipe(&e) {
