@@ -2,17 +2,79 @@
 //! `results/`; nothing is timed inside tests (the machines are shared and noisy, so the
 //! benchmarks compare ratios measured side by side in one run, with repetitions).
 //!
+//! - [`conditions`]: arms A–D and the ablations of D under one pressure trace, every event
+//!   logged, every metric of the design computed ([`metrics`] holds the measures).
 //! - [`cost_sweep`]: transplant against re-prefill per route and context length.
 //! - [`qos`]: three tenants with real engines sharing one moving budget, the scheduler's
 //!   levers applied before anyone takes a step.
 //! - [`footprint`]: what each rung occupies per context length, measured by the OS beside the
 //!   policy's model, and what parking gives back.
 //! - [`speed`]: prefill/decode tok/s per rung, Molt's engine beside plain llama.cpp.
+//! - [`figures`] and [`page`]: PNG figures and the results page, generated from the JSON.
 
+pub mod conditions;
 pub mod cost_sweep;
 pub mod footprint;
 pub mod qos;
+pub mod figures;
+pub mod metrics;
+pub mod page;
 pub mod speed;
+
+use std::path::PathBuf;
+
+/// Errors of the benchmark programs.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    /// A session failed.
+    #[error(transparent)]
+    Session(#[from] crate::session::SessionError),
+    /// llama.cpp failed on a rung the benchmark drives directly (judge, native reference).
+    #[error("rung {rung}: {source}")]
+    Engine {
+        /// Rung name.
+        rung: String,
+        /// The engine error.
+        source: crate::engine::EngineError,
+    },
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// A results file does not parse.
+    #[error("{path}: {message}")]
+    Json {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// A prompt file entry is malformed.
+    #[error("{path}:{line}: {message}")]
+    Prompts {
+        /// The file.
+        path: PathBuf,
+        /// 1-based line (0: the file as a whole).
+        line: usize,
+        /// What is wrong.
+        message: String,
+    },
+    /// Options that cannot work together, or a missing projector.
+    #[error("{0}")]
+    Config(String),
+    /// A figure could not be drawn.
+    #[error("figure {figure}: {message}")]
+    Figure {
+        /// Which figure.
+        figure: String,
+        /// The drawing backend's error.
+        message: String,
+    },
+}
 
 /// Facts about the machine and build, stored beside every result.
 #[derive(Debug, Clone, serde::Serialize)]

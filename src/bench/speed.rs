@@ -12,7 +12,7 @@ use std::num::NonZeroU32;
 use std::time::Instant;
 
 /// One measurement series (median and spread over repetitions).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
 pub struct Rate {
     /// Median tokens per second.
     pub median: f64,

@@ -1,6 +1,7 @@
 //! A llama.cpp context over one [`Model`], holding one sequence (id 0) whose KV cache Molt
 //! exports and imports through the state-seq API.
 
+use super::tap::{self, AttentionCapture, Tap};
 use super::{EngineError, Model, Token, recent_llama_errors};
 use std::sync::Arc;
 
@@ -46,6 +47,10 @@ pub struct ContextConfig {
     pub n_threads: u32,
     /// KV cache element type.
     pub cache_type: CacheType,
+    /// Install an attention tap (see [`Context::arm_attention_tap`]); off by default, used by
+    /// the benchmark's attention-flatness metric.
+    #[serde(default)]
+    pub attention_tap: bool,
 }
 
 impl Default for ContextConfig {
@@ -57,6 +62,7 @@ impl Default for ContextConfig {
             n_batch: 512,
             n_threads: threads,
             cache_type: CacheType::F16,
+            attention_tap: false,
         }
     }
 }
@@ -71,6 +77,9 @@ pub struct Context {
     n_past: usize,
     /// Bytes llama.cpp reported reserving for this context (KV, compute and output buffers).
     reserved_bytes: u64,
+    /// The attention tap llama.cpp calls back into, when installed. Declared after `ptr`; the
+    /// llama context (the only holder of its address) is freed in `Drop` before it.
+    tap: Option<Tap>,
 }
 
 // SAFETY: a llama_context is used from one thread at a time (all mutation takes &mut self);
@@ -123,6 +132,14 @@ impl Context {
         p.type_k = config.cache_type.ggml();
         p.type_v = config.cache_type.ggml();
         p.no_perf = true;
+        let tap = config.attention_tap.then(tap::new_tap);
+        if let Some(t) = &tap {
+            // The callback only ever takes a shared reference to the RefCell (interior
+            // mutability), so handing out a pointer derived from `&` is sound; the box keeps
+            // the address fixed for the context's lifetime.
+            p.cb_eval = Some(tap::callback);
+            p.cb_eval_user_data = std::ptr::from_ref(&**t).cast_mut().cast();
+        }
         let _ = recent_llama_errors();
         let _ = super::logs::take_buffer_sizes();
         // SAFETY: the model pointer is alive (we hold an Arc); params by value.
@@ -146,7 +163,20 @@ impl Context {
             n_vocab,
             n_past: 0,
             reserved_bytes,
+            tap,
         })
+    }
+
+    /// Arms the attention tap: the next [`Context::decode`] records, per layer and head, the
+    /// entropy of the last token's attention weights (read with [`Context::take_attention`]).
+    /// Returns `false` when the context was created without `attention_tap`.
+    pub fn arm_attention_tap(&mut self) -> bool {
+        self.tap.as_ref().map(tap::arm).is_some()
+    }
+
+    /// What the armed tap recorded in the decode that followed arming, once.
+    pub fn take_attention(&mut self) -> Option<AttentionCapture> {
+        self.tap.as_ref().and_then(tap::take)
     }
 
     /// The model this context runs.
@@ -291,6 +321,14 @@ impl Context {
     }
 
     fn decode_inner(&mut self, tokens: &[Token], all: bool) -> Result<Vec<Vec<f32>>, EngineError> {
+        let result = self.decode_chunks(tokens, all);
+        if let Some(t) = &self.tap {
+            tap::finish(t);
+        }
+        result
+    }
+
+    fn decode_chunks(&mut self, tokens: &[Token], all: bool) -> Result<Vec<Vec<f32>>, EngineError> {
         let needed = self.n_past + tokens.len();
         if needed > self.config.n_ctx as usize {
             return Err(EngineError::ContextOverflow {

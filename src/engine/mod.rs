@@ -18,6 +18,7 @@ mod logs;
 mod model;
 mod quantize;
 mod sampling;
+pub mod tap;
 mod text;
 
 pub use context::{CacheType, Context, ContextConfig};
@@ -25,6 +26,7 @@ pub use logs::recent_llama_errors;
 pub use model::{ChatMessage, Model, ModelOptions};
 pub use quantize::{QuantType, quantize};
 pub use sampling::{Sampler, SamplingParams, log_softmax, softmax};
+pub use tap::AttentionCapture;
 pub use text::Utf8Stream;
 
 use std::sync::OnceLock;

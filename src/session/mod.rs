@@ -197,6 +197,8 @@ pub struct Session {
     rungs: Vec<Option<LiveRung>>,
     /// Measured context overheads, per rung, once a rung has been loaded.
     context_bytes: Vec<Option<u64>>,
+    /// Set by [`Session::pin_context_bytes`]: loads no longer overwrite `context_bytes`.
+    pinned_costs: bool,
     current: usize,
     /// The largest rung this session may use (where it started).
     home: usize,
@@ -267,6 +269,7 @@ impl Session {
             routes,
             rungs: (0..n).map(|_| None).collect(),
             context_bytes: vec![None; n],
+            pinned_costs: false,
             current,
             home: current,
             history: Vec::new(),
@@ -433,7 +436,7 @@ impl Session {
         }
         if self.rungs[index].is_none() {
             let live = LiveRung::load(&self.ladder.rungs[index], self.config)?;
-            if live.context_bytes > 0 {
+            if live.context_bytes > 0 && !self.pinned_costs {
                 self.context_bytes[index] = Some(live.context_bytes);
             }
             self.rungs[index] = Some(live);
@@ -485,6 +488,18 @@ impl Session {
                 RungCost::new(r.name(), r.facts.total_tensor_bytes.max(1), kv, ctx)
             })
             .collect()
+    }
+
+    /// Fixes the context overhead the policy assumes for each rung (as [`RungCost`]'s
+    /// `compute_bytes`) instead of measuring it when the rung loads. For benchmarks that replay
+    /// one trace in many sessions of one process: the load-time measurement (growth of
+    /// `RssAnon`) depends on what the allocator already holds from earlier sessions, so without
+    /// pinning the same trace could mean different decisions in different sessions.
+    pub fn pin_context_bytes(&mut self, bytes: &[u64]) {
+        for (slot, &b) in self.context_bytes.iter_mut().zip(bytes) {
+            *slot = Some(b);
+        }
+        self.pinned_costs = true;
     }
 
     /// The footprint the policy assigns rung `index` with `tokens` of context.

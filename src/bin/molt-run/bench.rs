@@ -62,11 +62,34 @@ pub struct Args {
     /// Output directory.
     #[arg(long, default_value = "results")]
     pub out_dir: PathBuf,
+    /// The conditions benchmark: `all`, or arm ids separated by commas (A, B, C, D,
+    /// D-no-sandwich, D-no-remap, D-truncate, D-no-diagonal, D-dense, D-per-head).
+    #[arg(long, value_name = "ARMS")]
+    pub conditions: Option<String>,
+    /// Prompts of the conditions benchmark (JSONL: id, kind, prompt).
+    #[arg(long, default_value = "benches/prompts.jsonl")]
+    pub prompts_file: PathBuf,
+    /// Use only the first N prompts.
+    #[arg(long)]
+    pub prompts: Option<usize>,
+    /// Tokens per answer in the conditions benchmark.
+    #[arg(long, default_value_t = 64)]
+    pub max_tokens: usize,
+    /// Generated-token indices where the trace steps down one rung (default: a quarter and
+    /// five eighths into the answer).
+    #[arg(long, value_delimiter = ',')]
+    pub steps: Vec<usize>,
+    /// Replay this trace instead of the one built from the rungs' footprints.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Skip the seam-measurement pass (handoff JSD, attention flatness).
+    #[arg(long)]
+    pub no_quality: bool,
 }
 
 pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
-    if !a.speed && !a.cost_sweep && !a.footprint && !a.qos {
-        bail!("nothing to run: pass --speed, --cost-sweep, --footprint and/or --qos");
+    if !a.speed && !a.cost_sweep && !a.footprint && !a.qos && a.conditions.is_none() {
+        bail!("nothing to run: pass --conditions all, --cost-sweep, --speed, --footprint and/or --qos");
     }
     if a.real_hog && !a.qos {
         bail!("--real-hog applies to --qos");
@@ -79,6 +102,9 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     }
     if a.footprint {
         run_footprint(g, a)?;
+    }
+    if let Some(spec) = &a.conditions {
+        crate::conditions::run(g, a, spec)?;
     }
     if a.cost_sweep {
         run_cost_sweep(g, a)?;

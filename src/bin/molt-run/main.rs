@@ -7,7 +7,9 @@
 mod bench;
 mod chat;
 mod common;
+mod conditions;
 mod fetch;
+mod figures;
 mod generate;
 mod hog;
 mod inspect;
@@ -50,6 +52,8 @@ enum Command {
     Hog(hog::Args),
     /// Serve OpenAI-compatible chat completions; every streamed token names its rung.
     Serve(serve::Args),
+    /// Draw the figures and write the results page from the benchmark's JSON.
+    Figures(figures::Args),
 }
 
 fn main() {
@@ -63,6 +67,7 @@ fn main() {
         Command::TrainProjectors(a) => train::run(&cli.global, &a),
         Command::Hog(a) => hog::run(&a),
         Command::Serve(a) => serve::run(&cli.global, &a),
+        Command::Figures(a) => figures::run(&a),
     };
     if let Err(e) = result {
         if is_broken_pipe(&e) {

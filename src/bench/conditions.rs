@@ -1,0 +1,1752 @@
+//! The conditions benchmark: the same prompts under the same memory-pressure trace, once per
+//! arm — A always-large, B always-small, C restart-on-pressure, D Molt, and ablations of D
+//! that each remove one mechanism — with every event logged and every metric of the design
+//! computed from what the runs did.
+//!
+//! # How a run is organised, and why
+//!
+//! 1. **Timing passes** (`reps` of them, arms interleaved within each prompt so drift hits all
+//!    arms alike): plain sessions, nothing measured inside the token loop but a `/proc` read
+//!    per token (resident footprint). These give TTFT, total time, max stall, switch cost,
+//!    footprint and overshoot, as median and spread over repetitions.
+//! 2. **A quality pass** for the arms that switch, up to one token past the last step of the
+//!    trace: every rung preloaded with an attention tap armed, the source kept, the seam
+//!    measured. It perturbs timings (preloading, the extra source decode), which is why it is a
+//!    separate pass and none of its times are reported. It gives handoff JSD and attention
+//!    flatness per switch; the native reference entropy comes from the destination rung
+//!    decoding the same tokens on a cache it built itself.
+//! 3. **The judge**: the largest rung scores the continuation after the first switch of the
+//!    first timing repetition (greedy decoding makes every repetition produce the same
+//!    tokens — checked, and reported if not), beside the repeated-4-gram fraction.
+//!
+//! Main items: [`ArmSpec`] / [`all_arms`] / [`select_arms`], [`PromptSpec`] /
+//! [`load_prompts`], [`spike_trace`], [`run`] → [`ConditionsReport`] + [`RunLog`]s, and
+//! [`write_outputs`].
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+use super::BenchError;
+use super::metrics::{Judge, JudgeScore, NativeAttention, Noise, pooled_perplexity, repetition};
+use super::speed::Rate;
+use crate::engine::{AttentionCapture, ChatMessage, ContextConfig, SamplingParams, Token};
+use crate::ladder::Ladder;
+use crate::pressure::{Trace, TraceBudget, TraceStep, process_rss_bytes};
+use crate::sched::{Policy, RungCost};
+use crate::session::routes::{RouteKind, Routes, binding, route_kind};
+use crate::session::{
+    Event, GenerateOptions, Generation, Prompt, Session, SessionOptions, StopReason, Strategy,
+    SwitchInfo, Variant,
+};
+use crate::transplant::projector::Projector;
+
+/// n of the repeated-n-gram measure.
+pub const REPETITION_N: usize = 4;
+
+/// One prompt of the benchmark.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PromptSpec {
+    /// Short identifier.
+    pub id: String,
+    /// `code` or `general`.
+    pub kind: String,
+    /// The user turn.
+    pub prompt: String,
+}
+
+/// Reads a JSONL prompt file: one `{"id", "kind", "prompt"}` object per line; blank lines and
+/// lines starting with `//` are skipped.
+///
+/// # Errors
+/// [`BenchError::Io`] when the file cannot be read, [`BenchError::Prompts`] naming the line of
+/// a malformed entry or a duplicate id.
+pub fn load_prompts(path: &Path) -> Result<Vec<PromptSpec>, BenchError> {
+    let text = std::fs::read_to_string(path).map_err(|source| BenchError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let mut out: Vec<PromptSpec> = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with("//") {
+            continue;
+        }
+        let bad = |message: String| BenchError::Prompts {
+            path: path.to_path_buf(),
+            line: i + 1,
+            message,
+        };
+        let p: PromptSpec = serde_json::from_str(line).map_err(|e| bad(e.to_string()))?;
+        if p.prompt.trim().is_empty() {
+            return Err(bad("empty prompt".into()));
+        }
+        if out.iter().any(|q| q.id == p.id) {
+            return Err(bad(format!("duplicate id {:?}", p.id)));
+        }
+        out.push(p);
+    }
+    if out.is_empty() {
+        return Err(BenchError::Prompts {
+            path: path.to_path_buf(),
+            line: 0,
+            message: "no prompts".into(),
+        });
+    }
+    Ok(out)
+}
+
+/// Where an arm starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StartRung {
+    /// The largest rung (index 0).
+    Largest,
+    /// The smallest rung.
+    Smallest,
+}
+
+/// One experimental arm.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ArmSpec {
+    /// Short id (`A`, `D-no-sandwich`, …).
+    pub id: String,
+    /// What the arm is, in a few words.
+    pub label: String,
+    /// What an ablation takes away from D (empty for A–D).
+    pub removes: String,
+    /// Where it starts.
+    pub start: StartRung,
+    /// How it changes rung.
+    pub strategy: Strategy,
+    /// Projector family on precision routes (same geometry, other quantization).
+    pub precision: Variant,
+    /// Projector family on size routes (other depth / head size).
+    pub size: Variant,
+    /// False for a slot whose mechanism is not built yet (listed, never run).
+    pub built: bool,
+}
+
+impl ArmSpec {
+    fn new(id: &str, label: &str, start: StartRung, strategy: Strategy) -> Self {
+        Self {
+            id: id.into(),
+            label: label.into(),
+            removes: String::new(),
+            start,
+            strategy,
+            precision: Variant::Auto,
+            size: Variant::Auto,
+            built: true,
+        }
+    }
+
+    fn ablation(id: &str, removes: &str, precision: Variant, size: Variant) -> Self {
+        Self {
+            removes: removes.into(),
+            precision,
+            size,
+            ..Self::new(
+                id,
+                &format!("Molt {removes}"),
+                StartRung::Largest,
+                Strategy::Molt,
+            )
+        }
+    }
+
+    /// Whether the arm changes rung under pressure.
+    #[must_use]
+    pub fn switches(&self) -> bool {
+        self.strategy != Strategy::Never
+    }
+
+    /// The projector family this arm uses on a route of `kind`.
+    #[must_use]
+    pub fn variant(&self, kind: RouteKind) -> Variant {
+        match kind {
+            RouteKind::Precision => self.precision,
+            RouteKind::Size => self.size,
+        }
+    }
+}
+
+/// Every arm, in table order. An ablation changes D on exactly one mechanism; on a route kind
+/// where that mechanism does not exist it keeps D's map (there is no depth remap on the
+/// precision route, no diagonal scale on the size route).
+#[must_use]
+pub fn all_arms() -> Vec<ArmSpec> {
+    use Variant::{Auto, Dense, Identity, NoRemap, NoSandwich, PerHead, Truncate};
+    let mut topk = ArmSpec::ablation("D-no-topk", "without top-k recompute", Auto, Auto);
+    topk.built = false;
+    topk.label = "top-k layer recompute on/off (not built yet)".into();
+    vec![
+        ArmSpec::new(
+            "A",
+            "always-large: hold the big rung",
+            StartRung::Largest,
+            Strategy::Never,
+        ),
+        ArmSpec::new(
+            "B",
+            "always-small: run the small rung",
+            StartRung::Smallest,
+            Strategy::Never,
+        ),
+        ArmSpec::new(
+            "C",
+            "restart-on-pressure: switch and re-prefill",
+            StartRung::Largest,
+            Strategy::Reprefill,
+        ),
+        ArmSpec::new(
+            "D",
+            "Molt: switch between two tokens, project the cache",
+            StartRung::Largest,
+            Strategy::Molt,
+        ),
+        ArmSpec::ablation(
+            "D-no-sandwich",
+            "without the RoPE sandwich (maps fitted on rotated keys)",
+            NoSandwich,
+            NoSandwich,
+        ),
+        ArmSpec::ablation(
+            "D-no-remap",
+            "without the depth remap (proportional layers)",
+            Auto,
+            NoRemap,
+        ),
+        ArmSpec::ablation(
+            "D-truncate",
+            "with a naive truncated map instead of the learned one",
+            Auto,
+            Truncate,
+        ),
+        ArmSpec::ablation(
+            "D-no-diagonal",
+            "without the diagonal scale (precision route copies the cache)",
+            Identity,
+            Auto,
+        ),
+        ArmSpec::ablation(
+            "D-dense",
+            "with dense maps on every route (no diagonal)",
+            Dense,
+            Dense,
+        ),
+        ArmSpec::ablation(
+            "D-per-head",
+            "with per-head instead of dense maps",
+            Auto,
+            PerHead,
+        ),
+        topk,
+    ]
+}
+
+/// `all`, or a comma-separated list of arm ids (case-insensitive). Unbuilt slots are listed
+/// but never run.
+///
+/// # Errors
+/// [`BenchError::Config`] naming an unknown id and the known ones.
+pub fn select_arms(spec: &str) -> Result<Vec<ArmSpec>, BenchError> {
+    let all = all_arms();
+    if spec.trim().eq_ignore_ascii_case("all") {
+        return Ok(all);
+    }
+    let mut out = Vec::new();
+    for id in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let arm = all
+            .iter()
+            .find(|a| a.id.eq_ignore_ascii_case(id))
+            .ok_or_else(|| {
+                BenchError::Config(format!(
+                    "unknown condition {id:?}; known: all, {}",
+                    all.iter()
+                        .map(|a| a.id.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ))
+            })?;
+        if !out.contains(arm) {
+            out.push(arm.clone());
+        }
+    }
+    if out.is_empty() {
+        return Err(BenchError::Config("no conditions selected".into()));
+    }
+    Ok(out)
+}
+
+/// The benchmark's pressure trace, built against the rungs' modelled footprints so that it
+/// means the same thing whatever they measure: it starts with room for the largest rung, and
+/// at `steps[k - 1]` drops to halfway between what rung `k` needs with the longest context
+/// and what rung `k - 1`'s weights and buffers need with no context at all — so rung `k - 1`
+/// can never fit again and rung `k` always does, with the widest margin on both sides.
+///
+/// # Errors
+/// [`BenchError::Config`] when `steps` does not have one step per rung below the largest,
+/// is not increasing, or two adjacent rungs are too close for such a budget to exist.
+pub fn spike_trace(
+    costs: &[RungCost],
+    ctx_tokens: u64,
+    steps: &[usize],
+) -> Result<Trace, BenchError> {
+    if costs.len() < 2 || steps.len() != costs.len() - 1 {
+        return Err(BenchError::Config(format!(
+            "the trace needs one step per rung below the largest: {} rungs, {} steps given",
+            costs.len(),
+            steps.len()
+        )));
+    }
+    if steps.windows(2).any(|w| w[0] >= w[1]) || steps[0] == 0 {
+        return Err(BenchError::Config(format!(
+            "trace steps must be positive and increasing: {steps:?}"
+        )));
+    }
+    let need = |r: &RungCost| r.resident_bytes() + r.kv_bytes(ctx_tokens);
+    let mut out = Vec::new();
+    for (k, &at) in steps.iter().enumerate() {
+        let (upper, lower) = (&costs[k], &costs[k + 1]);
+        let (hi, lo) = (upper.resident_bytes(), need(lower));
+        if lo >= hi {
+            return Err(BenchError::Config(format!(
+                "{} with {ctx_tokens} tokens needs {} MiB, no less than {}'s weights and buffers \
+                 ({} MiB): no budget separates them",
+                lower.name,
+                lo >> 20,
+                upper.name,
+                hi >> 20
+            )));
+        }
+        out.push(TraceStep {
+            at: at as u64,
+            budget_bytes: lo + (hi - lo) / 2,
+        });
+    }
+    let initial = need(&costs[0]) + need(&costs[0]) / 4;
+    Ok(Trace {
+        name: "spike_mid_answer_bench".into(),
+        description: format!(
+            "Starts with 25% room above the largest rung; at each step the budget falls halfway \
+             between the next rung's need ({ctx_tokens} tokens of context) and the current \
+             rung's weights and buffers alone, so the answer walks down the ladder one rung per \
+             step: {}.",
+            costs
+                .iter()
+                .map(|c| c.name.as_str())
+                .collect::<Vec<_>>()
+                .join(" -> ")
+        ),
+        clock: crate::pressure::Clock::Token,
+        initial_bytes: initial,
+        steps: out,
+    })
+}
+
+/// The default trace steps for an answer of `max_tokens` on a ladder of `n_rungs`: the first
+/// a quarter into the answer, the rest spread evenly up to five eighths of it (16 and 40 for
+/// 64 tokens and three rungs), so every rung produces a stretch of the answer.
+#[must_use]
+pub fn default_steps(max_tokens: usize, n_rungs: usize) -> Vec<usize> {
+    let k = n_rungs.saturating_sub(1);
+    let first = (max_tokens / 4).max(1);
+    let last = (max_tokens * 5 / 8).max(first + k);
+    (0..k)
+        .map(|i| {
+            if k == 1 {
+                first
+            } else {
+                first + (last - first) * i / (k - 1)
+            }
+        })
+        .collect()
+}
+
+/// Which pass a run belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Pass {
+    /// Clean timing repetition.
+    Timing,
+    /// Seam measurement (taps, preloaded rungs, kept source); its timings are not reported.
+    Quality,
+}
+
+/// One generated token as the hero figure draws it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenRow {
+    /// Index in the answer.
+    pub index: usize,
+    /// Time since the previous token (since the prompt was submitted, for the first), ms.
+    pub latency_ms: f64,
+    /// Weight-loading time included in this latency (the first token after a switch that had
+    /// to map the destination), ms.
+    pub load_ms: f64,
+    /// Rung that produced it.
+    pub rung: String,
+    /// Budget in force, bytes.
+    pub budget_bytes: u64,
+    /// Budget pressure, 0..1.
+    pub pressure: f64,
+    /// Resident footprint after the token (process RSS above the run's starting RSS), bytes.
+    pub footprint_bytes: u64,
+}
+
+/// Everything one run emitted: its events and the per-token rows. Written one per line to
+/// `conditions_events.jsonl`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RunLog {
+    /// Arm id.
+    pub arm: String,
+    /// Prompt id.
+    pub prompt: String,
+    /// Pass.
+    pub pass: Pass,
+    /// Repetition (1-based; 0 for the quality pass).
+    pub rep: usize,
+    /// Every event the session emitted, in order.
+    pub events: Vec<Event>,
+    /// One row per generated token.
+    pub rows: Vec<TokenRow>,
+}
+
+/// The measured outcome of one timing run.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TimedRun {
+    /// Repetition (1-based).
+    pub rep: usize,
+    /// The answer was lost (condition A when the budget falls below its rung).
+    pub killed: bool,
+    /// Why it ended.
+    pub stop: StopReason,
+    /// Tokens streamed before the end (or the kill).
+    pub tokens_streamed: usize,
+    /// Tokens of answers that survived (0 when killed).
+    pub tokens_delivered: usize,
+    /// Prompt length.
+    pub prompt_tokens: usize,
+    /// Rungs in order of use.
+    pub rungs_used: Vec<String>,
+    /// Time to first token, ms.
+    pub ttft_ms: f64,
+    /// Whole answer (until the kill, if killed), ms.
+    pub total_ms: f64,
+    /// Largest inter-token latency (tokens after the first), ms.
+    pub max_stall_ms: f64,
+    /// The same with the destination's weight-loading time taken out, ms.
+    pub max_stall_excl_load_ms: f64,
+    /// Summed switch cost (decision to first logits, loading excluded), ms.
+    pub switch_cost_ms: f64,
+    /// Summed destination loading time, ms.
+    pub load_ms: f64,
+    /// Every switch.
+    pub switches: Vec<SwitchInfo>,
+    /// Largest footprint sampled after a token, bytes.
+    pub peak_footprint_bytes: u64,
+    /// Largest `footprint − budget` sampled after a token (after enforcement), bytes.
+    pub max_overshoot_bytes: Option<i64>,
+    /// Largest `footprint − budget` at the moment the budget fell (before enforcement), bytes.
+    pub drop_overshoot_bytes: Option<i64>,
+    /// Generated token ids (empty in later repetitions that repeated the first exactly).
+    pub token_ids: Vec<Token>,
+    /// The answer text (empty in later repetitions that repeated the first exactly).
+    pub text: String,
+    /// Prompt token ids (kept in memory for the judge; not written).
+    #[serde(skip)]
+    pub prompt_ids: Vec<Token>,
+}
+
+/// One switch as the quality pass saw it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SeamRecord {
+    /// Generated-token index of the switch.
+    pub at_token: usize,
+    /// Source rung.
+    pub from: String,
+    /// Destination rung.
+    pub to: String,
+    /// Route kind.
+    pub kind: RouteKind,
+    /// JSD (nats) of the destination's first distribution against the source's own.
+    pub handoff_jsd: Option<f64>,
+    /// Mean attention entropy (nats) of the destination's first decode after the switch.
+    pub entropy_migrated: Option<f64>,
+    /// The same on a cache the destination built itself from the same tokens.
+    pub entropy_native: Option<f64>,
+    /// `entropy_migrated / entropy_native` (> 1: flatter than native attention).
+    pub flatness: Option<f64>,
+}
+
+/// The quality pass of one arm on one prompt.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct QualityRun {
+    /// One per switch.
+    pub seams: Vec<SeamRecord>,
+    /// The quality pass generated the same tokens as the first timing repetition (over the
+    /// tokens both produced).
+    pub tokens_match_timing: bool,
+}
+
+/// The judge's view of one continuation.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ContinuationQuality {
+    /// First judged generated-token index (the first switch, or the trace's first step for an
+    /// arm that does not switch).
+    pub judged_from: usize,
+    /// Summed NLL and count.
+    pub judge: JudgeScore,
+    /// Judge perplexity.
+    pub judge_ppl: f64,
+    /// Repeated-4-gram fraction of the judged continuation.
+    pub repetition_after: Option<f64>,
+    /// Repeated-4-gram fraction of the whole answer.
+    pub repetition_all: Option<f64>,
+}
+
+/// One arm on one prompt.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Cell {
+    /// Arm id.
+    pub arm: String,
+    /// Prompt id.
+    pub prompt: String,
+    /// Timing repetitions.
+    pub timed: Vec<TimedRun>,
+    /// Every repetition produced the same tokens.
+    pub tokens_identical_across_reps: bool,
+    /// The quality pass (arms that switch).
+    pub quality: Option<QualityRun>,
+    /// The judge (answers that survived past the first step).
+    pub continuation: Option<ContinuationQuality>,
+}
+
+/// One arm, every prompt and repetition folded into the table's columns.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ArmSummary {
+    /// Arm id.
+    pub arm: String,
+    /// Label.
+    pub label: String,
+    /// What the ablation removes.
+    pub removes: String,
+    /// False for an unbuilt slot (every other field empty).
+    pub built: bool,
+    /// Prompts run.
+    pub prompts: usize,
+    /// Answers lost (first repetition).
+    pub killed: usize,
+    /// Mean tokens streamed per answer.
+    pub tokens_streamed: f64,
+    /// Mean tokens delivered per answer (killed answers deliver 0).
+    pub tokens_delivered: f64,
+    /// Per-repetition means over prompts, ms.
+    pub ttft_ms: Option<Rate>,
+    /// Total time.
+    pub total_ms: Option<Rate>,
+    /// Max stall (mean over prompts of each answer's largest inter-token latency).
+    pub max_stall_ms: Option<Rate>,
+    /// Max stall with loading excluded.
+    pub max_stall_excl_load_ms: Option<Rate>,
+    /// Worst stall of any answer, any repetition, ms.
+    pub worst_stall_ms: Option<f64>,
+    /// Switch cost per answer (summed over its switches).
+    pub switch_cost_ms: Option<Rate>,
+    /// Loading per answer.
+    pub load_ms: Option<Rate>,
+    /// Mean switches per answer.
+    pub switches_per_answer: f64,
+    /// Switches of a Molt arm that did not transplant (e.g. a re-prefill fallback for a missing
+    /// projector), over every run; a non-zero count makes the arm's seam numbers suspect.
+    #[serde(default)]
+    pub fallback_switches: usize,
+    /// Mean fraction of re-prefill FLOPs avoided per switch.
+    pub flops_avoided: Option<f64>,
+    /// Mean handoff JSD on precision-route switches.
+    pub handoff_jsd_precision: Option<f64>,
+    /// Mean handoff JSD on size-route switches.
+    pub handoff_jsd_size: Option<f64>,
+    /// Mean attention flatness on precision-route switches.
+    pub flatness_precision: Option<f64>,
+    /// Mean attention flatness on size-route switches.
+    pub flatness_size: Option<f64>,
+    /// Judge perplexity pooled over prompts.
+    pub judge_ppl: Option<f64>,
+    /// Mean repeated-4-gram fraction of the judged continuations.
+    pub repetition: Option<f64>,
+    /// Largest footprint of any run, bytes.
+    pub peak_footprint_bytes: Option<u64>,
+    /// Largest after-enforcement overshoot of any surviving run, bytes.
+    pub max_overshoot_bytes: Option<i64>,
+    /// Largest overshoot at a budget drop, before enforcement, bytes.
+    pub drop_overshoot_bytes: Option<i64>,
+}
+
+/// A timing difference and whether it is inside the repetitions' noise.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TimingComparison {
+    /// Metric name.
+    pub metric: String,
+    /// First arm.
+    pub a: String,
+    /// Second arm.
+    pub b: String,
+    /// Medians.
+    pub a_median: f64,
+    /// Medians.
+    pub b_median: f64,
+    /// Ratio and overlap.
+    pub noise: Noise,
+}
+
+/// A per-prompt paired comparison of a quality metric (higher is worse for all of them).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PairedComparison {
+    /// Metric name.
+    pub metric: String,
+    /// The arm compared.
+    pub a: String,
+    /// The reference arm.
+    pub b: String,
+    /// Mean of `a` over the paired prompts.
+    pub a_mean: f64,
+    /// Mean of `b` over the paired prompts.
+    pub b_mean: f64,
+    /// Prompts where `a` is worse (higher) by more than 1 %.
+    pub a_worse: usize,
+    /// Prompts where `a` is better (lower) by more than 1 %.
+    pub a_better: usize,
+    /// Prompts within 1 %.
+    pub ties: usize,
+}
+
+/// The run's settings, as recorded beside its results.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Settings {
+    /// Tokens per answer.
+    pub max_tokens: usize,
+    /// Timing repetitions.
+    pub reps: usize,
+    /// Whether the quality pass ran.
+    pub quality_pass: bool,
+    /// Generated-token indices of the trace's steps.
+    pub steps: Vec<usize>,
+    /// Context window.
+    pub n_ctx: u32,
+    /// Threads.
+    pub threads: u32,
+    /// KV cache type.
+    pub cache_type: String,
+    /// Judge rung.
+    pub judge: String,
+    /// Context length the trace was sized for.
+    pub trace_ctx_tokens: u64,
+}
+
+/// Everything the conditions benchmark measured (without the event logs).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ConditionsReport {
+    /// Machine and build.
+    pub run: serde_json::Value,
+    /// Ladder name.
+    pub ladder: String,
+    /// Rung names, largest first.
+    pub rungs: Vec<String>,
+    /// Settings.
+    pub settings: Settings,
+    /// The trace every arm replayed.
+    pub trace: Trace,
+    /// The rung costs the policy used when the trace was built.
+    pub rung_costs: Vec<RungCost>,
+    /// Arms, in table order.
+    pub arms: Vec<ArmSpec>,
+    /// Prompts.
+    pub prompts: Vec<PromptSpec>,
+    /// One per arm and prompt.
+    pub cells: Vec<Cell>,
+    /// One per arm.
+    pub summary: Vec<ArmSummary>,
+    /// Timing differences against their noise.
+    pub timing: Vec<TimingComparison>,
+    /// Quality differences, prompt by prompt.
+    pub paired: Vec<PairedComparison>,
+    /// The run drawn as the token series: `(arm, prompt, rep)`.
+    pub representative: Option<(String, String, usize)>,
+    /// Wall time of the whole benchmark, s.
+    pub elapsed_s: f64,
+}
+
+/// Options of [`run`].
+#[derive(Debug, Clone)]
+pub struct ConditionsOptions {
+    /// Arms (unbuilt slots are reported, not run).
+    pub arms: Vec<ArmSpec>,
+    /// Prompts.
+    pub prompts: Vec<PromptSpec>,
+    /// Tokens per answer.
+    pub max_tokens: usize,
+    /// Timing repetitions (≥ 1).
+    pub reps: usize,
+    /// Run the quality pass (handoff JSD, attention flatness).
+    pub quality: bool,
+    /// Trace steps (generated-token indices), one per rung below the largest.
+    pub steps: Vec<usize>,
+    /// A trace file to replay instead of [`spike_trace`]; its `frac` events may refer to the
+    /// rungs by name (`"of": "tier1"`), meaning that rung's modelled footprint with the longest
+    /// context of the run.
+    pub trace: Option<PathBuf>,
+    /// Where projector files are searched.
+    pub projector_dirs: Vec<PathBuf>,
+    /// Render prompts with the rung's chat template (otherwise tokenize them as raw text, for
+    /// models without a template).
+    pub chat: bool,
+}
+
+/// Projectors of every downward route, per (precision, size) variant pair.
+type RouteSet = Vec<(usize, usize, Arc<Projector>)>;
+
+fn route_kind_of(ladder: &Ladder, s: usize, d: usize) -> RouteKind {
+    route_kind(&binding(&ladder.rungs[s]), &binding(&ladder.rungs[d]))
+}
+
+fn projectors_for(
+    ladder: &Ladder,
+    arm: &ArmSpec,
+    dirs: &[PathBuf],
+    cache: &mut HashMap<Variant, Routes>,
+) -> Result<RouteSet, BenchError> {
+    let n = ladder.rungs.len();
+    let mut out = Vec::new();
+    for s in 0..n {
+        for d in s + 1..n {
+            let v = arm.variant(route_kind_of(ladder, s, d));
+            let routes = cache
+                .entry(v)
+                .or_insert_with(|| Routes::new(ladder, dirs.to_vec(), v));
+            match routes.get(s, d) {
+                Ok(p) => out.push((s, d, p)),
+                // Adjacent rungs are what the trace walks; a gap may stay unfitted.
+                Err(e) if d == s + 1 => {
+                    return Err(BenchError::Config(format!("arm {}: {e}", arm.id)));
+                }
+                Err(_) => {}
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn rss() -> u64 {
+    process_rss_bytes().unwrap_or(0)
+}
+
+/// Hands freed heap memory back to the OS, so that an RSS reading taken next counts only what
+/// is live (glibc otherwise keeps earlier sessions' buffers, and a new session reusing them
+/// would look free).
+fn trim_heap() {
+    // SAFETY: malloc_trim only releases free memory at the top of glibc's arenas; it has no
+    // preconditions and touches no live allocation.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+/// What each rung costs as a running process sees it: every rung loaded alone, the longest
+/// prompt decoded, and the growth of the process's resident memory taken as weights plus
+/// context (compute buffers, KV buffer, logits). The session's own load-time estimate
+/// decodes one token, which leaves most of the compute buffers untouched and undercounts
+/// them by hundreds of MiB on the real ladder; a budget built on it would be exceeded before
+/// any pressure. Returns the costs and the longest prompt's length.
+fn measure_costs(
+    ladder: &Ladder,
+    config: ContextConfig,
+    prompts: &[PromptSpec],
+    chat: bool,
+) -> Result<(Vec<RungCost>, usize), BenchError> {
+    let mut probe = Session::with_options(
+        ladder.clone(),
+        config,
+        ladder.rungs[0].name(),
+        SessionOptions {
+            projector_dirs: Vec::new(),
+            ..SessionOptions::default()
+        },
+    )?;
+    let modelled = probe.rung_costs();
+    let wrap = |source| BenchError::Engine {
+        rung: ladder.rungs[0].name().to_string(),
+        source,
+    };
+    let mut longest: Vec<Token> = Vec::new();
+    let live = probe.ensure_loaded(0)?;
+    for p in prompts {
+        let toks = if chat {
+            let text = live
+                .model()
+                .apply_chat_template(&[ChatMessage::new("user", &p.prompt)], true)
+                .map_err(wrap)?;
+            live.model().tokenize(&text, true).map_err(wrap)?
+        } else {
+            live.model().tokenize(&p.prompt, false).map_err(wrap)?
+        };
+        if toks.len() > longest.len() {
+            longest = toks;
+        }
+    }
+    drop(probe);
+    let mut costs = Vec::new();
+    for (i, info) in ladder.rungs.iter().enumerate() {
+        trim_heap();
+        let before = rss();
+        let mut live = crate::session::LiveRung::load(info, config)?;
+        live.ctx
+            .decode(&longest)
+            .map_err(|source| BenchError::Engine {
+                rung: info.name().to_string(),
+                source,
+            })?;
+        let grown = rss().saturating_sub(before);
+        drop(live);
+        let m = &modelled[i];
+        let context = grown.saturating_sub(m.weights_bytes).max(m.compute_bytes);
+        costs.push(RungCost::new(
+            &m.name,
+            m.weights_bytes,
+            m.kv_bytes_per_token,
+            context,
+        ));
+    }
+    trim_heap();
+    Ok((costs, longest.len()))
+}
+
+fn to_i64(x: u64) -> i64 {
+    i64::try_from(x).unwrap_or(i64::MAX)
+}
+
+/// What one generation produced, before it is folded into a [`TimedRun`] or [`QualityRun`].
+struct Outcome {
+    generation: Generation,
+    log: RunLog,
+    prompt_ids: Vec<Token>,
+    captures: Vec<Option<AttentionCapture>>,
+    drop_overshoot: Option<i64>,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn generate_once(
+    ladder: &Ladder,
+    config: ContextConfig,
+    arm: &ArmSpec,
+    prompt: &PromptSpec,
+    trace: &Trace,
+    routes: &RouteSet,
+    costs: &[RungCost],
+    pass: Pass,
+    rep: usize,
+    max_tokens: usize,
+    chat: bool,
+) -> Result<Outcome, BenchError> {
+    let quality = pass == Pass::Quality;
+    let n = ladder.rungs.len();
+    let start = match arm.start {
+        StartRung::Largest => 0,
+        StartRung::Smallest => n - 1,
+    };
+    let cfg = ContextConfig {
+        attention_tap: quality,
+        ..config
+    };
+    trim_heap();
+    let baseline = rss();
+    let opts = SessionOptions {
+        strategy: arm.strategy,
+        variant: Variant::Auto,
+        // Only the projectors installed below: never a silent fallback to other files.
+        projector_dirs: Vec::new(),
+        policy: Policy::default(),
+        keep_source: quality,
+        measure_seam: quality,
+        ..SessionOptions::default()
+    };
+    let mut session = Session::with_options(ladder.clone(), cfg, ladder.rungs[start].name(), opts)?;
+    // Every session decides against the costs the trace was built from.
+    session.pin_context_bytes(&costs.iter().map(|c| c.compute_bytes).collect::<Vec<_>>());
+    for (s, d, p) in routes {
+        session.routes_mut().insert(*s, *d, Projector::clone(p));
+    }
+    if quality {
+        for i in (0..n).filter(|&i| i != start) {
+            session.ensure_loaded(i)?.ctx.arm_attention_tap();
+        }
+    }
+    session.set_budget_source(Some(Box::new(TraceBudget::new(trace.clone()))));
+    let mut events = Vec::new();
+    let mut rows = Vec::new();
+    let mut budget = (trace.initial_bytes, 0.0);
+    let mut pending_load = 0.0;
+    let mut drop_overshoot: Option<i64> = None;
+    let generation = {
+        let mut sink = |e: &Event| {
+            match e {
+                Event::Budget {
+                    bytes, pressure, ..
+                } => {
+                    budget = (*bytes, *pressure);
+                    let over = to_i64(rss().saturating_sub(baseline)) - to_i64(*bytes);
+                    drop_overshoot = Some(drop_overshoot.map_or(over, |d| d.max(over)));
+                }
+                Event::Switch(info) => pending_load += info.load_ms,
+                Event::Token {
+                    index,
+                    rung,
+                    latency_ms,
+                    ..
+                } => {
+                    rows.push(TokenRow {
+                        index: *index,
+                        latency_ms: *latency_ms,
+                        load_ms: pending_load,
+                        rung: rung.clone(),
+                        budget_bytes: budget.0,
+                        pressure: budget.1,
+                        footprint_bytes: rss().saturating_sub(baseline),
+                    });
+                    pending_load = 0.0;
+                }
+                _ => {}
+            }
+            events.push(e.clone());
+        };
+        let p = if chat {
+            Prompt::User(prompt.prompt.clone())
+        } else {
+            Prompt::Text(prompt.prompt.clone())
+        };
+        session.generate(
+            &p,
+            &GenerateOptions {
+                max_tokens,
+                sampling: SamplingParams::greedy(),
+                force_switch: None,
+            },
+            &mut sink,
+        )?
+    };
+    let prompt_ids = if generation.killed {
+        Vec::new()
+    } else {
+        session.history()[..generation.prompt_tokens.min(session.history().len())].to_vec()
+    };
+    let captures = (0..n)
+        .map(|i| session.rung_mut(i).and_then(|r| r.ctx.take_attention()))
+        .collect();
+    Ok(Outcome {
+        generation,
+        log: RunLog {
+            arm: arm.id.clone(),
+            prompt: prompt.id.clone(),
+            pass,
+            rep,
+            events,
+            rows,
+        },
+        prompt_ids,
+        captures,
+        drop_overshoot,
+    })
+}
+
+fn timed_run(o: &Outcome, rep: usize) -> TimedRun {
+    let g = &o.generation;
+    let rows = &o.log.rows;
+    let stalls = rows.iter().filter(|r| r.index > 0);
+    let max_stall = stalls.clone().map(|r| r.latency_ms).fold(0.0, f64::max);
+    let max_stall_excl = stalls.map(|r| r.latency_ms - r.load_ms).fold(0.0, f64::max);
+    let max_overshoot = rows
+        .iter()
+        .map(|r| to_i64(r.footprint_bytes) - to_i64(r.budget_bytes))
+        .max();
+    TimedRun {
+        rep,
+        killed: g.killed,
+        stop: g.stop,
+        tokens_streamed: g.tokens.len(),
+        tokens_delivered: if g.killed { 0 } else { g.tokens.len() },
+        prompt_tokens: g.prompt_tokens,
+        rungs_used: g.rungs_used.clone(),
+        ttft_ms: g.ttft_ms,
+        total_ms: g.total_ms,
+        max_stall_ms: max_stall,
+        max_stall_excl_load_ms: max_stall_excl,
+        switch_cost_ms: g.switches.iter().map(|s| s.cost_ms).sum(),
+        load_ms: g.switches.iter().map(|s| s.load_ms).sum(),
+        switches: g.switches.clone(),
+        peak_footprint_bytes: rows.iter().map(|r| r.footprint_bytes).max().unwrap_or(0),
+        max_overshoot_bytes: if g.killed { None } else { max_overshoot },
+        drop_overshoot_bytes: o.drop_overshoot,
+        token_ids: g.tokens.clone(),
+        text: g.text.clone(),
+        prompt_ids: o.prompt_ids.clone(),
+    }
+}
+
+/// Runs the benchmark. `progress` receives one line per run.
+///
+/// # Errors
+/// [`BenchError::Config`] for inconsistent options or missing projectors (before any answer
+/// is generated); session, engine and judge errors otherwise.
+#[allow(clippy::too_many_lines)]
+pub fn run(
+    ladder: &Ladder,
+    config: ContextConfig,
+    opts: &ConditionsOptions,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(ConditionsReport, Vec<RunLog>), BenchError> {
+    let t0 = Instant::now();
+    let info = serde_json::to_value(super::RunInfo::now()).unwrap_or_default();
+    if opts.reps == 0 {
+        return Err(BenchError::Config(
+            "at least one repetition is needed".into(),
+        ));
+    }
+    if opts.prompts.is_empty() {
+        return Err(BenchError::Config("no prompts".into()));
+    }
+    if opts.steps.last().is_some_and(|&s| s >= opts.max_tokens) {
+        return Err(BenchError::Config(format!(
+            "the trace's last step ({}) must fall inside the answer (max tokens {})",
+            opts.steps.last().copied().unwrap_or(0),
+            opts.max_tokens
+        )));
+    }
+    let runnable: Vec<&ArmSpec> = opts.arms.iter().filter(|a| a.built).collect();
+    // Projectors first: a missing file must fail before minutes of generation.
+    let mut cache = HashMap::new();
+    let mut projectors: HashMap<String, RouteSet> = HashMap::new();
+    for arm in runnable.iter().filter(|a| a.strategy == Strategy::Molt) {
+        projectors.insert(
+            arm.id.clone(),
+            projectors_for(ladder, arm, &opts.projector_dirs, &mut cache)?,
+        );
+    }
+    drop(cache);
+
+    progress("measuring rung footprints with the longest prompt");
+    let (costs, max_prompt) = measure_costs(ladder, config, &opts.prompts, opts.chat)?;
+    progress(&format!(
+        "footprints the trace and every session use: {}",
+        costs
+            .iter()
+            .map(|c| format!("{} {} MiB", c.name, c.resident_bytes() >> 20))
+            .collect::<Vec<_>>()
+            .join(", ")
+    ));
+    let ctx_tokens = (max_prompt + opts.max_tokens) as u64;
+    if ctx_tokens + 16 > u64::from(config.n_ctx) {
+        return Err(BenchError::Config(format!(
+            "the longest prompt ({max_prompt} tokens) plus {} answer tokens does not fit n_ctx {}",
+            opts.max_tokens, config.n_ctx
+        )));
+    }
+    let trace = match &opts.trace {
+        Some(path) => {
+            let refs = costs
+                .iter()
+                .map(|c| (c.name.clone(), c.resident_bytes() + c.kv_bytes(ctx_tokens)))
+                .collect();
+            Trace::load_with(path, &refs).map_err(|e| BenchError::Config(format!("trace: {e}")))?
+        }
+        None => spike_trace(&costs, ctx_tokens, &opts.steps)?,
+    };
+
+    let mut logs = Vec::new();
+    let mut cells: Vec<Cell> = Vec::new();
+    let total_runs = opts.reps * opts.prompts.len() * runnable.len();
+    let mut done = 0usize;
+    for rep in 1..=opts.reps {
+        for prompt in &opts.prompts {
+            for arm in &runnable {
+                let routes = projectors.get(&arm.id).cloned().unwrap_or_default();
+                let o = generate_once(
+                    ladder,
+                    config,
+                    arm,
+                    prompt,
+                    &trace,
+                    &routes,
+                    &costs,
+                    Pass::Timing,
+                    rep,
+                    opts.max_tokens,
+                    opts.chat,
+                )?;
+                let t = timed_run(&o, rep);
+                done += 1;
+                if arm.strategy == Strategy::Molt
+                    && let Some(s) = t.switches.iter().find(|s| s.method != "molt")
+                {
+                    progress(&format!(
+                        "WARNING: arm {} switched {}→{} by {:?}, not by transplant",
+                        arm.id, s.from, s.to, s.method
+                    ));
+                }
+                let eta = t0.elapsed().as_secs_f64() / done as f64 * (total_runs - done) as f64;
+                progress(&format!(
+                    "[{done}/{total_runs}, ~{:.0} min of timing left] rep {rep} {} {:<13} {:>3} tok{} ttft {:>6.0} ms  total {:>6.0} ms  max stall {:>6.0} ms  switch {:>6.1} ms  {}",
+                    eta / 60.0,
+                    prompt.id,
+                    arm.id,
+                    t.tokens_streamed,
+                    if t.killed { " KILLED" } else { "" },
+                    t.ttft_ms,
+                    t.total_ms,
+                    t.max_stall_ms,
+                    t.switch_cost_ms,
+                    t.rungs_used.join("→"),
+                ));
+                logs.push(o.log);
+                match cells
+                    .iter_mut()
+                    .find(|c| c.arm == arm.id && c.prompt == prompt.id)
+                {
+                    Some(c) => c.timed.push(t),
+                    None => cells.push(Cell {
+                        arm: arm.id.clone(),
+                        prompt: prompt.id.clone(),
+                        timed: vec![t],
+                        tokens_identical_across_reps: true,
+                        quality: None,
+                        continuation: None,
+                    }),
+                }
+            }
+        }
+    }
+    for c in &mut cells {
+        let first = c.timed[0].token_ids.clone();
+        c.tokens_identical_across_reps = c.timed.iter().all(|t| t.token_ids == first);
+        // Later repetitions' text is written only where it differs from the first.
+        if c.tokens_identical_across_reps {
+            for t in c.timed.iter_mut().skip(1) {
+                t.token_ids.clear();
+                t.text.clear();
+            }
+        }
+    }
+
+    if opts.quality {
+        let max_tokens = opts
+            .steps
+            .last()
+            .map_or(opts.max_tokens, |&s| (s + 2).min(opts.max_tokens));
+        let mut native = NativeAttention::new(ladder.rungs.len(), config);
+        let index_of = |name: &str| ladder.rungs.iter().position(|r| r.name() == name);
+        for prompt in &opts.prompts {
+            for arm in runnable.iter().filter(|a| a.switches()) {
+                let routes = projectors.get(&arm.id).cloned().unwrap_or_default();
+                let o = generate_once(
+                    ladder,
+                    config,
+                    arm,
+                    prompt,
+                    &trace,
+                    &routes,
+                    &costs,
+                    Pass::Quality,
+                    0,
+                    max_tokens,
+                    opts.chat,
+                )?;
+                let g = &o.generation;
+                let mut seams = Vec::new();
+                for sw in &g.switches {
+                    let (Some(s), Some(d)) = (index_of(&sw.from), index_of(&sw.to)) else {
+                        continue;
+                    };
+                    let migrated = o.captures[d]
+                        .as_ref()
+                        .map(AttentionCapture::mean_entropy)
+                        .filter(|e| e.is_finite());
+                    let mut seq = o.prompt_ids.clone();
+                    seq.extend_from_slice(&g.tokens[..sw.at_token.min(g.tokens.len())]);
+                    let native_e = native.entropy(d, &ladder.rungs[d], &seq).ok();
+                    seams.push(SeamRecord {
+                        at_token: sw.at_token,
+                        from: sw.from.clone(),
+                        to: sw.to.clone(),
+                        kind: route_kind_of(ladder, s, d),
+                        handoff_jsd: sw.handoff_jsd,
+                        entropy_migrated: migrated,
+                        entropy_native: native_e,
+                        flatness: migrated.zip(native_e).map(|(m, n)| m / n),
+                    });
+                }
+                let cell = cells
+                    .iter_mut()
+                    .find(|c| c.arm == arm.id && c.prompt == prompt.id)
+                    .expect("every arm and prompt has a timed cell");
+                let timed = &cell.timed[0].token_ids;
+                let k = timed.len().min(g.tokens.len());
+                let tokens_match_timing = timed[..k] == g.tokens[..k];
+                progress(&format!(
+                    "quality {} {:<13} {}{}",
+                    prompt.id,
+                    arm.id,
+                    seams
+                        .iter()
+                        .map(|s| format!(
+                            "{}→{} JSD {} flatness {}  ",
+                            s.from,
+                            s.to,
+                            s.handoff_jsd.map_or("-".into(), |v| format!("{v:.4}")),
+                            s.flatness.map_or("-".into(), |v| format!("{v:.3}"))
+                        ))
+                        .collect::<String>(),
+                    if tokens_match_timing {
+                        ""
+                    } else {
+                        "(tokens differ from timing rep 1)"
+                    }
+                ));
+                cell.quality = Some(QualityRun {
+                    seams,
+                    tokens_match_timing,
+                });
+                logs.push(o.log);
+            }
+        }
+        native.clear();
+    }
+
+    progress(&format!(
+        "judging continuations with {}",
+        ladder.rungs[0].name()
+    ));
+    {
+        let mut judge = Judge::new(&ladder.rungs[0], config)?;
+        let first_step = opts.steps.first().copied().unwrap_or(0);
+        for prompt in &opts.prompts {
+            for cell in cells.iter_mut().filter(|c| c.prompt == prompt.id) {
+                let t = &cell.timed[0];
+                if t.killed || t.prompt_ids.is_empty() {
+                    continue;
+                }
+                let j0 = t.switches.first().map_or(first_step, |s| s.at_token);
+                if j0 >= t.token_ids.len() {
+                    continue;
+                }
+                let mut full = t.prompt_ids.clone();
+                full.extend_from_slice(&t.token_ids);
+                let score = judge.score(&full, t.prompt_ids.len() + j0)?;
+                cell.continuation = Some(ContinuationQuality {
+                    judged_from: j0,
+                    judge: score,
+                    judge_ppl: score.perplexity(),
+                    repetition_after: repetition(&t.token_ids[j0..], REPETITION_N),
+                    repetition_all: repetition(&t.token_ids, REPETITION_N),
+                });
+            }
+        }
+    }
+
+    let summary = summarize(ladder, &opts.arms, &cells, opts.reps);
+    let timing = timing_comparisons(&summary);
+    let paired = paired_comparisons(&opts.arms, &cells);
+    let representative = representative(&cells);
+    let report = ConditionsReport {
+        run: info,
+        ladder: ladder.name().to_string(),
+        rungs: ladder.names(),
+        settings: Settings {
+            max_tokens: opts.max_tokens,
+            reps: opts.reps,
+            quality_pass: opts.quality,
+            steps: opts.steps.clone(),
+            n_ctx: config.n_ctx,
+            threads: config.n_threads,
+            cache_type: format!("{:?}", config.cache_type).to_lowercase(),
+            judge: ladder.rungs[0].name().to_string(),
+            trace_ctx_tokens: ctx_tokens,
+        },
+        trace,
+        rung_costs: costs,
+        arms: opts.arms.clone(),
+        prompts: opts.prompts.clone(),
+        cells,
+        summary,
+        timing,
+        paired,
+        representative,
+        elapsed_s: t0.elapsed().as_secs_f64(),
+    };
+    Ok((report, logs))
+}
+
+fn mean(v: impl IntoIterator<Item = f64>) -> Option<f64> {
+    let (s, n) = v
+        .into_iter()
+        .fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
+    #[allow(clippy::cast_precision_loss)]
+    (n > 0).then(|| s / n as f64)
+}
+
+/// Per repetition, the mean over prompts of `f` (runs where `f` is `None` skipped).
+fn rate_over_reps(
+    cells: &[&Cell],
+    reps: usize,
+    f: impl Fn(&TimedRun) -> Option<f64>,
+) -> Option<Rate> {
+    let samples: Vec<f64> = (1..=reps)
+        .filter_map(|rep| {
+            mean(
+                cells
+                    .iter()
+                    .flat_map(|c| c.timed.iter().filter(|t| t.rep == rep))
+                    .filter_map(&f),
+            )
+        })
+        .collect();
+    (!samples.is_empty()).then(|| Rate::from(samples))
+}
+
+fn summarize(ladder: &Ladder, arms: &[ArmSpec], cells: &[Cell], reps: usize) -> Vec<ArmSummary> {
+    arms.iter()
+        .map(|arm| {
+            let mine: Vec<&Cell> = cells.iter().filter(|c| c.arm == arm.id).collect();
+            let firsts: Vec<&TimedRun> = mine.iter().map(|c| &c.timed[0]).collect();
+            let all_runs = || mine.iter().flat_map(|c| c.timed.iter());
+            let seams = |kind: RouteKind| {
+                mine.iter()
+                    .filter_map(|c| c.quality.as_ref())
+                    .flat_map(|q| q.seams.iter())
+                    .filter(move |s| s.kind == kind)
+            };
+            let conts: Vec<&ContinuationQuality> = mine
+                .iter()
+                .filter_map(|c| c.continuation.as_ref())
+                .collect();
+            let scores: Vec<JudgeScore> = conts.iter().map(|c| c.judge).collect();
+            let switched = |t: &TimedRun| !t.switches.is_empty();
+            #[allow(clippy::cast_precision_loss)]
+            let n_first = firsts.len().max(1) as f64;
+            let _ = ladder;
+            ArmSummary {
+                arm: arm.id.clone(),
+                label: arm.label.clone(),
+                removes: arm.removes.clone(),
+                built: arm.built,
+                prompts: mine.len(),
+                killed: firsts.iter().filter(|t| t.killed).count(),
+                #[allow(clippy::cast_precision_loss)]
+                tokens_streamed: firsts.iter().map(|t| t.tokens_streamed as f64).sum::<f64>()
+                    / n_first,
+                #[allow(clippy::cast_precision_loss)]
+                tokens_delivered: firsts
+                    .iter()
+                    .map(|t| t.tokens_delivered as f64)
+                    .sum::<f64>()
+                    / n_first,
+                ttft_ms: rate_over_reps(&mine, reps, |t| Some(t.ttft_ms)),
+                total_ms: rate_over_reps(&mine, reps, |t| Some(t.total_ms)),
+                max_stall_ms: rate_over_reps(&mine, reps, |t| Some(t.max_stall_ms)),
+                max_stall_excl_load_ms: rate_over_reps(&mine, reps, |t| {
+                    Some(t.max_stall_excl_load_ms)
+                }),
+                worst_stall_ms: all_runs().map(|t| t.max_stall_ms).reduce(f64::max),
+                switch_cost_ms: rate_over_reps(&mine, reps, |t| {
+                    switched(t).then_some(t.switch_cost_ms)
+                }),
+                load_ms: rate_over_reps(&mine, reps, |t| switched(t).then_some(t.load_ms)),
+                #[allow(clippy::cast_precision_loss)]
+                switches_per_answer: firsts.iter().map(|t| t.switches.len() as f64).sum::<f64>()
+                    / n_first,
+                fallback_switches: if arm.strategy == Strategy::Molt {
+                    all_runs()
+                        .flat_map(|t| t.switches.iter())
+                        .filter(|s| s.method != "molt")
+                        .count()
+                } else {
+                    0
+                },
+                flops_avoided: mean(
+                    firsts
+                        .iter()
+                        .flat_map(|t| t.switches.iter())
+                        .map(SwitchInfo::flops_avoided),
+                ),
+                handoff_jsd_precision: mean(
+                    seams(RouteKind::Precision).filter_map(|s| s.handoff_jsd),
+                ),
+                handoff_jsd_size: mean(seams(RouteKind::Size).filter_map(|s| s.handoff_jsd)),
+                flatness_precision: mean(seams(RouteKind::Precision).filter_map(|s| s.flatness)),
+                flatness_size: mean(seams(RouteKind::Size).filter_map(|s| s.flatness)),
+                judge_ppl: pooled_perplexity(&scores),
+                repetition: mean(conts.iter().filter_map(|c| c.repetition_after)),
+                peak_footprint_bytes: all_runs().map(|t| t.peak_footprint_bytes).max(),
+                max_overshoot_bytes: all_runs().filter_map(|t| t.max_overshoot_bytes).max(),
+                drop_overshoot_bytes: all_runs().filter_map(|t| t.drop_overshoot_bytes).max(),
+            }
+        })
+        .collect()
+}
+
+fn timing_comparisons(summary: &[ArmSummary]) -> Vec<TimingComparison> {
+    let get = |id: &str| summary.iter().find(|s| s.arm == id && s.built);
+    let mut out = Vec::new();
+    let mut push = |metric: &str, a: &ArmSummary, b: &ArmSummary| {
+        let pick = |s: &ArmSummary| match metric {
+            "switch_cost_ms" => s.switch_cost_ms.clone(),
+            "max_stall_ms" => s.max_stall_ms.clone(),
+            "max_stall_excl_load_ms" => s.max_stall_excl_load_ms.clone(),
+            "total_ms" => s.total_ms.clone(),
+            "ttft_ms" => s.ttft_ms.clone(),
+            _ => None,
+        };
+        if let (Some(x), Some(y)) = (pick(a), pick(b)) {
+            out.push(TimingComparison {
+                metric: metric.into(),
+                a: a.arm.clone(),
+                b: b.arm.clone(),
+                a_median: x.median,
+                b_median: y.median,
+                noise: Noise::between(&x, &y),
+            });
+        }
+    };
+    let Some(d) = get("D") else {
+        return out;
+    };
+    if let Some(c) = get("C") {
+        for m in [
+            "switch_cost_ms",
+            "max_stall_ms",
+            "max_stall_excl_load_ms",
+            "total_ms",
+        ] {
+            push(m, c, d);
+        }
+    }
+    if let Some(b) = get("B") {
+        push("total_ms", b, d);
+    }
+    for s in summary
+        .iter()
+        .filter(|s| s.built && s.arm.starts_with("D-"))
+    {
+        for m in ["switch_cost_ms", "total_ms"] {
+            push(m, s, d);
+        }
+    }
+    out
+}
+
+fn per_prompt(cells: &[Cell], arm: &str, metric: &str) -> HashMap<String, f64> {
+    cells
+        .iter()
+        .filter(|c| c.arm == arm)
+        .filter_map(|c| {
+            let seam = |kind: RouteKind, f: fn(&SeamRecord) -> Option<f64>| {
+                c.quality
+                    .as_ref()
+                    .and_then(|q| q.seams.iter().find(|s| s.kind == kind))
+                    .and_then(f)
+            };
+            let v = match metric {
+                "judge_ppl" => c.continuation.as_ref().map(|q| q.judge_ppl),
+                "repetition" => c.continuation.as_ref().and_then(|q| q.repetition_after),
+                "handoff_jsd_precision" => seam(RouteKind::Precision, |s| s.handoff_jsd),
+                "handoff_jsd_size" => seam(RouteKind::Size, |s| s.handoff_jsd),
+                "flatness_precision" => seam(RouteKind::Precision, |s| s.flatness),
+                "flatness_size" => seam(RouteKind::Size, |s| s.flatness),
+                _ => None,
+            };
+            v.filter(|x| x.is_finite()).map(|v| (c.prompt.clone(), v))
+        })
+        .collect()
+}
+
+/// The quality metrics compared prompt by prompt.
+pub const PAIRED_METRICS: [&str; 6] = [
+    "judge_ppl",
+    "repetition",
+    "handoff_jsd_precision",
+    "handoff_jsd_size",
+    "flatness_precision",
+    "flatness_size",
+];
+
+fn paired_comparisons(arms: &[ArmSpec], cells: &[Cell]) -> Vec<PairedComparison> {
+    let mut out = Vec::new();
+    let others = arms
+        .iter()
+        .filter(|a| a.built && a.id != "D" && a.id != "A");
+    for arm in others {
+        for metric in PAIRED_METRICS {
+            let a = per_prompt(cells, &arm.id, metric);
+            let b = per_prompt(cells, "D", metric);
+            let pairs: Vec<(f64, f64)> = a
+                .iter()
+                .filter_map(|(p, &x)| b.get(p).map(|&y| (x, y)))
+                .collect();
+            if pairs.is_empty() {
+                continue;
+            }
+            let rel = |x: f64, y: f64| (x - y) / y.abs().max(1e-12);
+            out.push(PairedComparison {
+                metric: metric.into(),
+                a: arm.id.clone(),
+                b: "D".into(),
+                a_mean: mean(pairs.iter().map(|p| p.0)).unwrap_or(f64::NAN),
+                b_mean: mean(pairs.iter().map(|p| p.1)).unwrap_or(f64::NAN),
+                a_worse: pairs.iter().filter(|(x, y)| rel(*x, *y) > 0.01).count(),
+                a_better: pairs.iter().filter(|(x, y)| rel(*x, *y) < -0.01).count(),
+                ties: pairs
+                    .iter()
+                    .filter(|(x, y)| rel(*x, *y).abs() <= 0.01)
+                    .count(),
+            });
+        }
+    }
+    out
+}
+
+/// The D run of the first repetition whose total time is the median of D's.
+fn representative(cells: &[Cell]) -> Option<(String, String, usize)> {
+    let mut d: Vec<(&Cell, f64)> = cells
+        .iter()
+        .filter(|c| c.arm == "D")
+        .filter_map(|c| {
+            c.timed
+                .first()
+                .filter(|t| !t.switches.is_empty())
+                .map(|t| (c, t.total_ms))
+        })
+        .collect();
+    d.sort_by(|a, b| a.1.total_cmp(&b.1));
+    d.get(d.len() / 2)
+        .map(|(c, _)| (c.arm.clone(), c.prompt.clone(), c.timed[0].rep))
+}
+
+/// The token series file: one row per generated token of the representative run.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TokenSeries {
+    /// Arm id.
+    pub arm: String,
+    /// Prompt id.
+    pub prompt: String,
+    /// Repetition.
+    pub rep: usize,
+    /// The trace replayed.
+    pub trace: Trace,
+    /// Rung names, largest first.
+    pub rungs: Vec<String>,
+    /// The switches of the run.
+    pub switches: Vec<SwitchInfo>,
+    /// One per token.
+    pub rows: Vec<TokenRow>,
+}
+
+/// Writes `conditions.json` (everything but the event logs), `conditions_events.jsonl` (one
+/// run per line) and `token_series.json` under `dir`; returns the paths written.
+///
+/// # Errors
+/// [`BenchError::Io`] when a file cannot be written.
+pub fn write_outputs(
+    report: &ConditionsReport,
+    logs: &[RunLog],
+    dir: &Path,
+) -> Result<Vec<PathBuf>, BenchError> {
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| BenchError::Io { path, source }
+    };
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let mut written = Vec::new();
+    let path = dir.join("conditions.json");
+    let json =
+        serde_json::to_string_pretty(report).map_err(|e| BenchError::Config(e.to_string()))?;
+    std::fs::write(&path, json).map_err(io(&path))?;
+    written.push(path);
+    let path = dir.join("conditions_events.jsonl");
+    let mut text = String::new();
+    for l in logs {
+        text.push_str(&serde_json::to_string(l).map_err(|e| BenchError::Config(e.to_string()))?);
+        text.push('\n');
+    }
+    std::fs::write(&path, text).map_err(io(&path))?;
+    written.push(path);
+    if let Some((arm, prompt, rep)) = &report.representative
+        && let Some(log) = logs.iter().find(|l| {
+            &l.arm == arm && &l.prompt == prompt && l.rep == *rep && l.pass == Pass::Timing
+        })
+    {
+        let switches = log
+            .events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Switch(s) => Some(s.clone()),
+                _ => None,
+            })
+            .collect();
+        let series = TokenSeries {
+            arm: arm.clone(),
+            prompt: prompt.clone(),
+            rep: *rep,
+            trace: report.trace.clone(),
+            rungs: report.rungs.clone(),
+            switches,
+            rows: log.rows.clone(),
+        };
+        let path = dir.join("token_series.json");
+        let json =
+            serde_json::to_string_pretty(&series).map_err(|e| BenchError::Config(e.to_string()))?;
+        std::fs::write(&path, json).map_err(io(&path))?;
+        written.push(path);
+    }
+    Ok(written)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn costs() -> Vec<RungCost> {
+        vec![
+            RungCost::new("big", 1000 << 20, 28 << 10, 150 << 20),
+            RungCost::new("mid", 700 << 20, 28 << 10, 150 << 20),
+            RungCost::new("small", 450 << 20, 12 << 10, 60 << 20),
+        ]
+    }
+
+    #[test]
+    fn spike_trace_walks_one_rung_per_step() {
+        let c = costs();
+        let t = spike_trace(&c, 200, &[16, 40]).unwrap();
+        assert_eq!(t.steps.len(), 2);
+        assert_eq!((t.steps[0].at, t.steps[1].at), (16, 40));
+        for (k, s) in t.steps.iter().enumerate() {
+            let need_lower = c[k + 1].resident_bytes() + c[k + 1].kv_bytes(200);
+            assert!(s.budget_bytes > need_lower, "rung {} must fit", k + 1);
+            assert!(
+                s.budget_bytes < c[k].resident_bytes(),
+                "rung {k} must not fit even empty"
+            );
+        }
+        assert!(t.initial_bytes > c[0].resident_bytes() + c[0].kv_bytes(200));
+    }
+
+    #[test]
+    fn default_steps_fall_inside_the_answer() {
+        assert_eq!(default_steps(64, 3), vec![16, 40]);
+        assert_eq!(default_steps(64, 2), vec![16]);
+        let s = default_steps(12, 4);
+        assert!(
+            s.windows(2).all(|w| w[0] < w[1]) && *s.last().unwrap() < 12,
+            "{s:?}"
+        );
+    }
+
+    #[test]
+    fn spike_trace_refuses_bad_steps_and_close_rungs() {
+        let c = costs();
+        assert!(spike_trace(&c, 200, &[16]).is_err());
+        assert!(spike_trace(&c, 200, &[40, 16]).is_err());
+        let close = vec![
+            RungCost::new("a", 500 << 20, 1 << 10, 0),
+            RungCost::new("b", 499 << 20, 1 << 10, 0),
+        ];
+        assert!(spike_trace(&close, 4096, &[8]).is_err());
+    }
+
+    #[test]
+    fn arms_are_selected_by_id_and_ablations_change_one_route() {
+        let all = all_arms();
+        assert_eq!(select_arms("all").unwrap().len(), all.len());
+        let s = select_arms("a, D ,d-truncate").unwrap();
+        assert_eq!(
+            s.iter().map(|a| a.id.as_str()).collect::<Vec<_>>(),
+            ["A", "D", "D-truncate"]
+        );
+        assert!(
+            select_arms("Z")
+                .unwrap_err()
+                .to_string()
+                .contains("D-no-sandwich")
+        );
+        let d = all.iter().find(|a| a.id == "D").unwrap();
+        for a in all.iter().filter(|a| a.id.starts_with("D-") && a.built) {
+            let changed = [RouteKind::Precision, RouteKind::Size]
+                .iter()
+                .filter(|&&k| a.variant(k) != d.variant(k))
+                .count();
+            assert!(changed >= 1, "{} changes nothing", a.id);
+            assert_eq!(a.strategy, Strategy::Molt);
+        }
+        assert!(all.iter().any(|a| !a.built), "the top-k slot is listed");
+    }
+
+    #[test]
+    fn prompts_file_errors_name_the_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("p.jsonl");
+        std::fs::write(
+            &p,
+            "{\"id\":\"a\",\"kind\":\"code\",\"prompt\":\"x\"}\n\n{\"id\":\"a\",\"kind\":\"code\",\"prompt\":\"y\"}\n",
+        )
+        .unwrap();
+        let e = load_prompts(&p).unwrap_err().to_string();
+        assert!(e.contains(":3") && e.contains("duplicate"), "{e}");
+        std::fs::write(&p, "{\"id\":\"a\",\"prompt\":\"x\"}\n").unwrap();
+        assert!(load_prompts(&p).unwrap_err().to_string().contains(":1"));
+    }
+
+    #[test]
+    fn representative_is_the_median_d_run() {
+        let mk = |prompt: &str, total: f64| Cell {
+            arm: "D".into(),
+            prompt: prompt.into(),
+            timed: vec![TimedRun {
+                rep: 1,
+                killed: false,
+                stop: StopReason::Length,
+                tokens_streamed: 1,
+                tokens_delivered: 1,
+                prompt_tokens: 1,
+                rungs_used: vec![],
+                ttft_ms: 0.0,
+                total_ms: total,
+                max_stall_ms: 0.0,
+                max_stall_excl_load_ms: 0.0,
+                switch_cost_ms: 0.0,
+                load_ms: 0.0,
+                // Built from JSON so that fields added to SwitchInfo later (with serde
+                // defaults) do not break this test.
+                switches: vec![
+                    serde_json::from_value(serde_json::json!({
+                        "at_token": 1, "from": "a", "to": "b", "method": "molt",
+                        "cost_ms": 1.0, "load_ms": 0.0, "export_ms": 0.0, "project_ms": 0.0,
+                        "import_ms": 0.0, "first_decode_ms": 0.0, "cells": 1, "flops": 1.0,
+                        "flops_reprefill": 2.0, "pressure": 0.5, "budget_bytes": 1
+                    }))
+                    .unwrap(),
+                ],
+                peak_footprint_bytes: 0,
+                max_overshoot_bytes: None,
+                drop_overshoot_bytes: None,
+                token_ids: vec![],
+                text: String::new(),
+                prompt_ids: vec![],
+            }],
+            tokens_identical_across_reps: true,
+            quality: None,
+            continuation: None,
+        };
+        let cells = vec![mk("p1", 30.0), mk("p2", 10.0), mk("p3", 20.0)];
+        assert_eq!(representative(&cells).unwrap().1, "p3");
+    }
+}

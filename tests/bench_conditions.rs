@@ -1,0 +1,228 @@
+//! The conditions benchmark end to end on the tiny ladder (real llama.cpp execution, random
+//! weights): every arm runs under the benchmark's own trace, the seam pass reads attention
+//! through the eval tap, the judge scores continuations, and the figures and the results page
+//! are generated from the JSON written — so a broken pipeline fails here, not after an hour on
+//! the real ladder.
+
+mod common;
+
+use molt::bench::conditions::{self, ConditionsOptions, PromptSpec, RunLog};
+use molt::bench::{figures, page};
+use molt::engine::{Context, ContextConfig, Model, ModelOptions};
+use molt::session::Variant;
+use molt::session::routes::RouteKind;
+use molt::train::{TrainOptions, fit_ladder, read_corpus};
+use molt::transplant::projector::TensorDtype;
+use std::path::PathBuf;
+
+fn cfg() -> ContextConfig {
+    ContextConfig {
+        n_ctx: 512,
+        n_batch: 256,
+        // One thread: the machines running this are shared, and a tiny model gains nothing
+        // from a second one.
+        n_threads: 1,
+        ..ContextConfig::default()
+    }
+}
+
+fn projectors(out: &std::path::Path) {
+    let l = common::tiny_ladder();
+    let corpus =
+        read_corpus(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("projectors/corpus")).unwrap();
+    let model = Model::load(&l.rungs[0].path, "big", ModelOptions::default()).unwrap();
+    let tokens = model.tokenize(&corpus, false).unwrap();
+    fit_ladder(
+        l,
+        cfg(),
+        &tokens[..tokens.len().min(1600)],
+        &TrainOptions {
+            window: 128,
+            held_out_every: 4,
+            variants: vec![
+                Variant::Auto,
+                Variant::Dense,
+                Variant::PerHead,
+                Variant::NoSandwich,
+                Variant::NoRemap,
+            ],
+            dtype: TensorDtype::F32,
+            out_dir: out.to_path_buf(),
+        },
+        &mut |_| {},
+    )
+    .unwrap();
+}
+
+#[test]
+fn attention_tap_reads_entropies_without_changing_logits() {
+    let l = common::tiny_ladder();
+    let info = &l.rungs[0];
+    let model = Model::load(&info.path, info.name(), ModelOptions::default()).unwrap();
+    let toks = model
+        .tokenize("the cache moves between two tokens", false)
+        .unwrap();
+    let mut plain = Context::new(model.clone(), cfg()).unwrap();
+    assert!(!plain.arm_attention_tap(), "no tap unless configured");
+    // The same batches on both contexts (batch shape changes rounding).
+    plain.decode(&toks[..toks.len() - 1]).unwrap();
+    plain.decode(&toks[toks.len() - 1..]).unwrap();
+    let mut tapped = Context::new(
+        model,
+        ContextConfig {
+            attention_tap: true,
+            ..cfg()
+        },
+    )
+    .unwrap();
+    tapped.decode(&toks[..toks.len() - 1]).unwrap();
+    assert!(
+        tapped.take_attention().is_none(),
+        "a disarmed tap records nothing"
+    );
+    assert!(tapped.arm_attention_tap());
+    tapped.decode(&toks[toks.len() - 1..]).unwrap();
+    assert_eq!(plain.logits(), tapped.logits(), "the tap only reads");
+    let cap = tapped.take_attention().expect("armed decode captured");
+    assert_eq!(cap.layers.len(), 4, "one entry per layer of tiny-big");
+    assert_eq!(
+        cap.n_attended,
+        toks.len(),
+        "the last token attends to every position"
+    );
+    let max = (toks.len() as f64).ln();
+    for (_, heads) in &cap.layers {
+        assert_eq!(heads.len(), 4, "one entropy per query head");
+        assert!(
+            heads.iter().all(|&h| (0.0..=max + 1e-6).contains(&h)),
+            "{heads:?}"
+        );
+    }
+    assert!(tapped.take_attention().is_none(), "taken once");
+}
+
+#[test]
+fn conditions_pipeline_on_tiny_ladder() {
+    let l = common::tiny_ladder();
+    let dir = tempfile::tempdir().unwrap();
+    let proj = dir.path().join("projectors");
+    projectors(&proj);
+    let prompts = vec![
+        PromptSpec {
+            id: "p1".into(),
+            kind: "code".into(),
+            prompt: "fn main() { let v: Vec<u32> = (0..10).collect(); }".into(),
+        },
+        PromptSpec {
+            id: "p2".into(),
+            kind: "general".into(),
+            prompt: "The scheduler parks the weights of a background job.".into(),
+        },
+    ];
+    let opts = ConditionsOptions {
+        arms: conditions::select_arms("all").unwrap(),
+        prompts,
+        max_tokens: 16,
+        reps: 2,
+        quality: true,
+        steps: conditions::default_steps(16, l.rungs.len()),
+        trace: None,
+        projector_dirs: vec![proj],
+        chat: false,
+    };
+    let (report, logs) = conditions::run(l, cfg(), &opts, &mut |s| eprintln!("{s}")).unwrap();
+    let arm = |id: &str| report.summary.iter().find(|s| s.arm == id).unwrap();
+    eprintln!("{}", page::table(&report));
+
+    // A holds the big rung and is killed at the first step; B never moves and survives.
+    assert_eq!(arm("A").killed, 2);
+    assert_eq!(arm("A").tokens_delivered, 0.0);
+    assert_eq!(arm("B").killed, 0);
+    assert_eq!(arm("B").switches_per_answer, 0.0);
+    // C and D walk down the whole ladder, one rung per step, the same way.
+    for id in ["C", "D", "D-truncate"] {
+        for c in report.cells.iter().filter(|c| c.arm == id) {
+            for t in &c.timed {
+                assert_eq!(t.rungs_used, ["big", "big-q8", "small"], "{id}");
+                assert!(!t.killed);
+                assert_eq!(
+                    t.switches.iter().map(|s| s.at_token).collect::<Vec<_>>(),
+                    opts.steps
+                );
+                assert!(t.max_overshoot_bytes.is_some());
+            }
+        }
+    }
+    assert!(
+        report
+            .cells
+            .iter()
+            .filter(|c| c.arm == "C")
+            .all(|c| c.timed[0].switches[0].method == "reprefill")
+    );
+    // Timings carry one sample per repetition.
+    assert_eq!(arm("D").switch_cost_ms.as_ref().unwrap().samples.len(), 2);
+    // A re-prefilled cache is native: its attention is as sharp as native, to rounding.
+    let c = arm("C");
+    for v in [c.flatness_precision, c.flatness_size] {
+        let v = v.expect("flatness measured");
+        assert!((v - 1.0).abs() < 0.02, "re-prefill flatness {v}");
+    }
+    // Molt's seam is measured on both route kinds, and the ablations change only their route:
+    // the depth-remap ablation leaves the precision route (and its JSD) exactly as D has it.
+    let d = arm("D");
+    assert!(d.handoff_jsd_precision.is_some() && d.handoff_jsd_size.is_some());
+    let seams = |id: &str| {
+        report
+            .cells
+            .iter()
+            .filter(|c| c.arm == id)
+            .flat_map(|c| c.quality.as_ref().unwrap().seams.clone())
+            .filter(|s| s.kind == RouteKind::Precision)
+            .map(|s| s.handoff_jsd.unwrap())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(seams("D-no-remap"), seams("D"));
+    assert!(d.judge_ppl.is_some_and(f64::is_finite));
+    assert!(
+        arm("A").judge_ppl.is_none(),
+        "a killed answer is not judged"
+    );
+    assert!(
+        report.summary.iter().any(|s| !s.built),
+        "the top-k slot is reported"
+    );
+    assert!(report.representative.is_some());
+
+    // Outputs, figures and the page, from the files alone.
+    let out = dir.path().join("results");
+    conditions::write_outputs(&report, &logs, &out).unwrap();
+    let lines = std::fs::read_to_string(out.join("conditions_events.jsonl")).unwrap();
+    let parsed: Vec<RunLog> = lines
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(parsed.len(), logs.len());
+    let set = figures::draw_all(&out, &out.join("figures")).unwrap();
+    let names: Vec<_> = set.written.iter().map(|f| f.name.as_str()).collect();
+    assert!(names.contains(&"hero") && names.contains(&"conditions") && names.contains(&"seams"));
+    for f in &set.written {
+        let bytes = std::fs::read(&f.path).unwrap();
+        assert!(bytes.starts_with(b"\x89PNG"), "{} is a PNG", f.name);
+    }
+    page::write(
+        &page::PageOptions {
+            results: out.clone(),
+            figures_rel_results: "figures".into(),
+            figures_rel_root: "results/figures".into(),
+        },
+        &set,
+    )
+    .unwrap();
+    let readme = std::fs::read_to_string(out.join("README.md")).unwrap();
+    assert!(readme.contains("The trade-off, stated plainly"));
+    assert!(readme.contains("What this does not show"));
+    assert!(readme.contains("figures/hero.png"));
+    let snippet = std::fs::read_to_string(out.join("figures.md")).unwrap();
+    assert!(snippet.contains("results/figures/hero.png"));
+}
