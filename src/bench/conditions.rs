@@ -810,9 +810,12 @@ fn measure_costs(
                 source,
             })?;
         let grown = rss().saturating_sub(before);
+        // The floor is this rung's own load-time measurement (llama.cpp's reserved buffers),
+        // not the estimate a session makes before a rung was ever loaded.
+        let measured = live.context_bytes;
         drop(live);
         let m = &modelled[i];
-        let context = grown.saturating_sub(m.weights_bytes).max(m.compute_bytes);
+        let context = grown.saturating_sub(m.weights_bytes).max(measured);
         costs.push(RungCost::new(
             &m.name,
             m.weights_bytes,
@@ -871,6 +874,10 @@ fn generate_once(
         policy: Policy::default(),
         keep_source: quality,
         measure_seam: quality,
+        // The trace and every arm decide on the costs measured up front
+        // (`pin_context_bytes`); the process's live numbers would also count the benchmark's
+        // own buffers (logs, captured logits) and make arms differ by bookkeeping.
+        observe_footprint: false,
         ..SessionOptions::default()
     };
     let mut session = Session::with_options(ladder.clone(), cfg, ladder.rungs[start].name(), opts)?;

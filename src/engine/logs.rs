@@ -6,9 +6,13 @@ use std::ffi::{CStr, c_char, c_void};
 use std::sync::Mutex;
 
 static RECENT: Mutex<VecDeque<String>> = Mutex::new(VecDeque::new());
-/// `(what, MiB)` of every "… buffer size = X MiB" line since the last [`take_buffer_sizes`]:
-/// llama.cpp's own account of what a context reserves (KV, compute, output buffers).
-static BUFFERS: Mutex<Vec<(String, f64)>> = Mutex::new(Vec::new());
+thread_local! {
+    /// `(what, MiB)` of every "… buffer size = X MiB" line this thread saw since the last
+    /// [`take_buffer_sizes`]: llama.cpp's own account of what a context reserves (KV, compute,
+    /// output buffers). Per thread, because llama.cpp logs them synchronously on the thread
+    /// creating the context, and two threads creating contexts at once must not swap them.
+    static BUFFERS: std::cell::RefCell<Vec<(String, f64)>> = const { std::cell::RefCell::new(Vec::new()) };
+}
 const KEEP: usize = 16;
 
 extern "C" fn on_log(level: llama_cpp_sys_2::ggml_log_level, text: *const c_char, _: *mut c_void) {
@@ -20,10 +24,8 @@ extern "C" fn on_log(level: llama_cpp_sys_2::ggml_log_level, text: *const c_char
     if std::env::var_os("MOLT_LLAMA_LOG").is_some() {
         eprint!("{line}");
     }
-    if let Some(rec) = parse_buffer_size(&line)
-        && let Ok(mut b) = BUFFERS.lock()
-    {
-        b.push(rec);
+    if let Some(rec) = parse_buffer_size(&line) {
+        BUFFERS.with(|b| b.borrow_mut().push(rec));
     }
     if (level == llama_cpp_sys_2::GGML_LOG_LEVEL_WARN
         || level == llama_cpp_sys_2::GGML_LOG_LEVEL_ERROR)
@@ -67,10 +69,7 @@ fn parse_buffer_size(line: &str) -> Option<(String, f64)> {
 
 /// Takes (and clears) the buffer sizes llama.cpp reported since the last call.
 pub fn take_buffer_sizes() -> Vec<(String, f64)> {
-    BUFFERS
-        .lock()
-        .map(|mut b| std::mem::take(&mut *b))
-        .unwrap_or_default()
+    BUFFERS.with(|b| std::mem::take(&mut *b.borrow_mut()))
 }
 
 #[cfg(test)]

@@ -231,8 +231,13 @@ fn kv_per_token(info: &crate::ladder::RungInfo, config: ContextConfig) -> u64 {
 }
 
 /// Before a rung has been loaded, its context cost is estimated as a KV buffer for the whole
-/// window plus 96 MiB of compute buffers and logits; the measurement replaces it at load.
-const COMPUTE_ESTIMATE: u64 = 96 << 20;
+/// window plus a compute buffer of one micro-batch of logits (128 × n_vocab floats, what
+/// dominates llama.cpp's reservation) and 8 MiB of graph scratch, with a quarter on top; the
+/// measurement replaces it at load.
+fn compute_estimate(info: &crate::ladder::RungInfo) -> u64 {
+    let logits = 128 * info.facts.n_vocab * 4;
+    (logits + (8 << 20)) * 5 / 4
+}
 
 impl Session {
     /// A session on `ladder`, starting on rung `start` (loaded now), with default options.
@@ -484,7 +489,7 @@ impl Session {
             .map(|(i, r)| {
                 let kv = kv_per_token(r, self.config);
                 let ctx = self.context_bytes[i]
-                    .unwrap_or(kv * u64::from(self.config.n_ctx) + COMPUTE_ESTIMATE);
+                    .unwrap_or(kv * u64::from(self.config.n_ctx) + compute_estimate(r));
                 RungCost::new(r.name(), r.facts.total_tensor_bytes.max(1), kv, ctx)
             })
             .collect()
