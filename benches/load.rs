@@ -296,6 +296,13 @@ async fn main() -> Result<()> {
     let (addr, stop) = match a.addr {
         Some(addr) => (addr, None),
         None => {
+            // The allocator policy `molt-run serve` sets (see serve.rs): freed rung buffers go
+            // back to the system, so the resident set measured here is the service's.
+            #[cfg(all(target_os = "linux", target_env = "gnu"))]
+            // SAFETY: mallopt only changes allocator tuning; it is safe to call at any time.
+            unsafe {
+                libc::mallopt(libc::M_MMAP_THRESHOLD, 64 * 1024);
+            }
             let (addr, tx) = start_in_process(&a).await?;
             (addr, Some(tx))
         }
@@ -333,6 +340,23 @@ async fn main() -> Result<()> {
         })
     });
     let t_run = Instant::now();
+    // The server's resident set once a second: growth after the warm-up is what a leak shows.
+    let timeline: Arc<Mutex<Vec<(f64, f64)>>> = Arc::new(Mutex::new(Vec::new()));
+    let sampler = {
+        let timeline = Arc::clone(&timeline);
+        tokio::spawn(async move {
+            loop {
+                if let Some(m) = get_status(addr).await["rss_mib"].as_f64() {
+                    let t = (t_run.elapsed().as_secs_f64() * 10.0).round() / 10.0;
+                    timeline
+                        .lock()
+                        .unwrap()
+                        .push((t, (m * 10.0).round() / 10.0));
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        })
+    };
     let mut tasks = Vec::new();
     for w in 0..a.streams {
         let samples = Arc::clone(&samples);
@@ -354,6 +378,18 @@ async fn main() -> Result<()> {
         t.await?;
     }
     let wall_s = t_run.elapsed().as_secs_f64();
+    sampler.abort();
+    let timeline = std::mem::take(&mut *timeline.lock().unwrap());
+    // Peaks per half: the resident set swings with the rung in use, so compare peaks; a leak
+    // raises the second half's peak above the first's.
+    let peak = |first: bool| {
+        timeline
+            .iter()
+            .filter(|(t, _)| (*t < wall_s / 2.0) == first)
+            .map(|(_, m)| *m)
+            .fold(None, |a: Option<f64>, m| Some(a.map_or(m, |a| a.max(m))))
+    };
+    let (peak_first, peak_second) = (peak(true), peak(false));
     if let Some(c) = cycler {
         c.abort();
         set_budget(addr, json!({"unlimited": true})).await;
@@ -392,7 +428,7 @@ async fn main() -> Result<()> {
             "n_ctx": before["engine"]["n_ctx"],
             "budget_cut_mib": a.cut_mib,
             "budget_cut_every_s": a.cut_mib.map(|_| a.cut_every_s),
-            "threads": if a.addr.is_some() { Value::Null } else { json!(a.threads) },
+            "threads": before["engine"]["n_threads"],
         },
         "wall_s": wall_s,
         "requests": {
@@ -418,6 +454,9 @@ async fn main() -> Result<()> {
         "server": {
             "rss_mib_before": before["rss_mib"],
             "rss_mib_after": after["rss_mib"],
+            "rss_mib_peak_first_half": peak_first,
+            "rss_mib_peak_second_half": peak_second,
+            "rss_mib_timeline": timeline,
             "counters_after": after["counters"],
             "rung_after": after["engine"]["current_rung"],
         },

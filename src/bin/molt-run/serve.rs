@@ -81,7 +81,23 @@ fn budget_request(spec: &str) -> Result<BudgetRequest> {
     Ok(r)
 }
 
+/// Makes glibc serve allocations of 64 KiB and more with their own mappings, returned to the
+/// system when freed. By default glibc raises that threshold after large frees, so once a rung
+/// has been unloaded the next rung's buffers come from the heap, which fragments and is kept:
+/// measured on the tiny ladder, 600 answers with 1200 rung loads grew the resident set from 29
+/// to ~59 MiB by default (46 MiB with `malloc_trim` after each reload), and kept it at 26 MiB
+/// with this setting. The cost — a mapping per large allocation — is microseconds beside a
+/// token. Set here, in the binary, because it is a process-wide policy.
+fn give_freed_memory_back() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes allocator tuning; it is safe to call at any time.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 64 * 1024);
+    }
+}
+
 pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
+    give_freed_memory_back();
     let context = g.context_config()?;
     if a.queue == 0 {
         bail!("--queue must be at least 1");
