@@ -58,6 +58,27 @@ pub fn process_rss_bytes() -> Result<u64, PressureError> {
     rss_bytes_in(Path::new("/proc/self/status"))
 }
 
+/// Peak resident set of this process (`VmHWM`) since it started or since the last
+/// [`reset_peak_rss`], in bytes — the transient a sampled RSS misses (two rungs mapped at once
+/// during a switch).
+///
+/// # Errors
+///
+/// As [`process_rss_bytes`] (`VmHWM` missing is a parse error).
+pub fn process_peak_rss_bytes() -> Result<u64, PressureError> {
+    let path = Path::new("/proc/self/status");
+    procfile::kib_field_bytes(&procfile::read(path)?, "VmHWM").ok_or(PressureError::Parse {
+        path: path.to_path_buf(),
+        what: "VmHWM",
+    })
+}
+
+/// Resets [`process_peak_rss_bytes`] to the current RSS (writes `5` to
+/// `/proc/self/clear_refs`, Linux ≥ 4.0). Best effort: returns whether it worked.
+pub fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
 /// Anonymous resident memory of this process (`RssAnon`): heap, KV caches, compute buffers —
 /// everything but mapped files. A context's own cost is the change of this number.
 ///

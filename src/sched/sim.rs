@@ -106,7 +106,7 @@ mod tests {
         // The shipped spike_and_recover trace, one round per token.
         let budgets: Vec<u64> = (0..200)
             .map(|t| match t {
-                40..100 => 850,
+                40..100 => 700,
                 100..160 => 1300,
                 _ => 2400,
             } * MIB)

@@ -120,6 +120,10 @@ pub struct FootprintSample {
     pub modelled_bytes: u64,
     /// Process RSS (everything: weights, buffers, code, allocator slack).
     pub rss_bytes: u64,
+    /// Peak process RSS (`VmHWM`) since the previous sample or the answer's start: what the
+    /// action cost while it ran (a switch maps the destination before freeing the source).
+    #[serde(default)]
+    pub peak_rss_bytes: u64,
     /// The budget in force.
     pub budget_bytes: u64,
 }

@@ -157,6 +157,11 @@ impl Session {
             measured_bytes: self.measured_footprint(),
             modelled_bytes: self.modelled_now(tokens as u64),
             rss_bytes: rss(),
+            peak_rss_bytes: {
+                let peak = crate::pressure::process_peak_rss_bytes().unwrap_or(0);
+                crate::pressure::reset_peak_rss();
+                peak
+            },
             budget_bytes,
         }
     }

@@ -717,6 +717,7 @@ impl Session {
         let t0 = Instant::now();
         self.cancel.store(false, Ordering::SeqCst);
         self.unpark()?;
+        crate::pressure::reset_peak_rss();
         self.answer_levers.clear();
         self.stall_ms = 0.0;
         let tokens = self.prompt_tokens(prompt)?;
