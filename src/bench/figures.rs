@@ -729,6 +729,15 @@ pub fn cost_sweep(doc: &SweepDoc, path: &Path) -> Result<Figure, BenchError> {
         .map(|p| p.transplant_ms.min.min(p.reprefill_ms.min))
         .fold(f64::INFINITY, f64::min)
         .max(0.01);
+    // Ticks at the measured lengths: a log axis over one octave would otherwise get none.
+    let mut lengths: Vec<f64> = doc.points.iter().map(|p| p.context_tokens as f64).collect();
+    lengths.sort_by(f64::total_cmp);
+    lengths.dedup();
+    let x_axis = || {
+        (xmin * 0.8..xmax * 1.25)
+            .log_scale()
+            .with_key_points(lengths.clone())
+    };
     let mut chart = ChartBuilder::on(&left)
         .caption(
             "switch cost: transplant (circles) vs re-prefill (crosses)",
@@ -737,10 +746,7 @@ pub fn cost_sweep(doc: &SweepDoc, path: &Path) -> Result<Figure, BenchError> {
         .margin(12)
         .x_label_area_size(35)
         .y_label_area_size(70)
-        .build_cartesian_2d(
-            (xmin * 0.8..xmax * 1.25).log_scale(),
-            (ymin * 0.5..ymax * 2.0).log_scale(),
-        )
+        .build_cartesian_2d(x_axis(), (ymin * 0.5..ymax * 2.0).log_scale())
         .map_err(&e)?;
     chart
         .configure_mesh()
@@ -786,33 +792,41 @@ pub fn cost_sweep(doc: &SweepDoc, path: &Path) -> Result<Figure, BenchError> {
         .border_style(BLACK)
         .draw()
         .map_err(&e)?;
-    let smax = doc
-        .points
-        .iter()
-        .map(|p| p.seam_ratio)
-        .filter(|v| v.is_finite())
-        .fold(1.0, f64::max);
+    let ratios = || {
+        doc.points
+            .iter()
+            .map(|p| p.seam_ratio)
+            .filter(|v| v.is_finite() && *v > 0.0)
+    };
+    let smax = ratios().fold(1.0, f64::max);
+    let smin = ratios().fold(1.0, f64::min);
     let mut seam = ChartBuilder::on(&right)
         .caption("seam: transplant JSD / re-prefill JSD", (FAMILY, 18))
         .margin(12)
         .x_label_area_size(35)
         .y_label_area_size(60)
-        .build_cartesian_2d((xmin * 0.8..xmax * 1.25).log_scale(), 0.0..smax * 1.15)
+        .build_cartesian_2d(x_axis(), (smin * 0.5..smax * 2.0).log_scale())
         .map_err(&e)?;
     seam.configure_mesh()
         .light_line_style(WHITE)
         .x_label_formatter(&|x: &f64| format!("{x:.0}"))
+        .y_label_formatter(&|y: &f64| tick(*y))
         .x_desc("context tokens carried (log)")
-        .y_desc("ratio (1 = as good as re-prefill)")
+        .y_desc("ratio, log (1 = as good as re-prefill)")
         .label_style((FAMILY, 13))
         .draw()
         .map_err(&e)?;
+    seam.draw_series(std::iter::once(PathElement::new(
+        vec![(xmin * 0.8, 1.0), (xmax * 1.25, 1.0)],
+        BLACK.stroke_width(1),
+    )))
+    .map_err(&e)?;
     for (i, route) in routes.iter().enumerate() {
         let c = Palette99::pick(i).to_rgba();
         let pts: Vec<(f64, f64)> = doc
             .points
             .iter()
-            .filter(|p| &p.route == route && p.seam_ratio.is_finite())
+            .filter(|p| &p.route == route && p.seam_ratio.is_finite() && p.seam_ratio > 0.0)
             .map(|p| (p.context_tokens as f64, p.seam_ratio))
             .collect();
         seam.draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
