@@ -26,7 +26,7 @@ fn cfg() -> ContextConfig {
     }
 }
 
-fn projectors(out: &std::path::Path) {
+fn projectors(out: &std::path::Path) -> molt::train::TrainReport {
     let l = common::tiny_ladder();
     let corpus =
         read_corpus(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("projectors/corpus")).unwrap();
@@ -51,7 +51,7 @@ fn projectors(out: &std::path::Path) {
         },
         &mut |_| {},
     )
-    .unwrap();
+    .unwrap()
 }
 
 #[test]
@@ -106,7 +106,7 @@ fn conditions_pipeline_on_tiny_ladder() {
     let l = common::tiny_ladder();
     let dir = tempfile::tempdir().unwrap();
     let proj = dir.path().join("projectors");
-    projectors(&proj);
+    let fitted = projectors(&proj);
     let prompts = vec![
         PromptSpec {
             id: "p1".into(),
@@ -203,9 +203,49 @@ fn conditions_pipeline_on_tiny_ladder() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     assert_eq!(parsed.len(), logs.len());
+    // The other two inputs of the page, in the shapes their commands write.
+    std::fs::write(
+        out.join("projector_residuals.json"),
+        serde_json::to_string(&serde_json::json!({ "ladder": "tiny", "report": fitted })).unwrap(),
+    )
+    .unwrap();
+    let corpus =
+        read_corpus(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("projectors/corpus")).unwrap();
+    let model = Model::load(&l.rungs[0].path, "big", ModelOptions::default()).unwrap();
+    let tokens = model.tokenize(&corpus, false).unwrap();
+    let mut routes =
+        molt::session::Routes::new(l, vec![dir.path().join("projectors")], Variant::Auto);
+    let points = molt::bench::cost_sweep::run(
+        l,
+        cfg(),
+        &mut routes,
+        &tokens,
+        &molt::bench::cost_sweep::SweepOptions {
+            lengths: vec![32, 64],
+            reps: 2,
+        },
+        &mut |_| {},
+    )
+    .unwrap();
+    std::fs::write(
+        out.join("cost_sweep.json"),
+        serde_json::to_string(&serde_json::json!({ "reps": 2, "points": points })).unwrap(),
+    )
+    .unwrap();
     let set = figures::draw_all(&out, &out.join("figures")).unwrap();
     let names: Vec<_> = set.written.iter().map(|f| f.name.as_str()).collect();
-    assert!(names.contains(&"hero") && names.contains(&"conditions") && names.contains(&"seams"));
+    assert_eq!(
+        names,
+        [
+            "hero",
+            "conditions",
+            "seams",
+            "cost_sweep",
+            "projector_residuals"
+        ],
+        "skipped: {:?}",
+        set.skipped
+    );
     for f in &set.written {
         let bytes = std::fs::read(&f.path).unwrap();
         assert!(bytes.starts_with(b"\x89PNG"), "{} is a PNG", f.name);
@@ -223,6 +263,8 @@ fn conditions_pipeline_on_tiny_ladder() {
     assert!(readme.contains("The trade-off, stated plainly"));
     assert!(readme.contains("What this does not show"));
     assert!(readme.contains("figures/hero.png"));
+    assert!(readme.contains("What a switch costs, by context length"));
+    assert!(readme.contains("How well the maps fit"));
     let snippet = std::fs::read_to_string(out.join("figures.md")).unwrap();
     assert!(snippet.contains("results/figures/hero.png"));
 }

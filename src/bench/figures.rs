@@ -11,6 +11,9 @@
 //! - `cost_sweep.png` — transplant against re-prefill by context length (`cost_sweep.json`).
 //! - `projector_residuals.png` — held-out and training residuals of every fitted map
 //!   (`projector_residuals.json`).
+//! - `qos.png` — several tenants sharing one moving budget: budget against modelled and
+//!   measured usage per round, and each tenant's rung and state (`qos.json`, written by
+//!   `molt-run bench --qos` where that benchmark is built).
 //!
 //! [`draw_all`] draws whichever of them have their JSON present and says why the others were
 //! skipped.
@@ -158,6 +161,13 @@ pub fn draw_all(results: &Path, out: &Path) -> Result<FigureSet, BenchError> {
         written.push(residuals(&doc, &out.join("projector_residuals.png"))?);
     } else {
         missing("projector_residuals", "projector_residuals.json");
+    }
+    let qos_path = results.join("qos.json");
+    if qos_path.exists() {
+        let doc: QosDoc = read_json(&qos_path)?;
+        written.push(qos(&doc, &out.join("qos.png"))?);
+    } else {
+        missing("qos", "qos.json");
     }
     set.written = written;
     Ok(set)
@@ -729,6 +739,15 @@ pub fn cost_sweep(doc: &SweepDoc, path: &Path) -> Result<Figure, BenchError> {
         .map(|p| p.transplant_ms.min.min(p.reprefill_ms.min))
         .fold(f64::INFINITY, f64::min)
         .max(0.01);
+    // Ticks at the measured lengths: a log axis over one octave would otherwise get none.
+    let mut lengths: Vec<f64> = doc.points.iter().map(|p| p.context_tokens as f64).collect();
+    lengths.sort_by(f64::total_cmp);
+    lengths.dedup();
+    let x_axis = || {
+        (xmin * 0.8..xmax * 1.25)
+            .log_scale()
+            .with_key_points(lengths.clone())
+    };
     let mut chart = ChartBuilder::on(&left)
         .caption(
             "switch cost: transplant (circles) vs re-prefill (crosses)",
@@ -737,10 +756,7 @@ pub fn cost_sweep(doc: &SweepDoc, path: &Path) -> Result<Figure, BenchError> {
         .margin(12)
         .x_label_area_size(35)
         .y_label_area_size(70)
-        .build_cartesian_2d(
-            (xmin * 0.8..xmax * 1.25).log_scale(),
-            (ymin * 0.5..ymax * 2.0).log_scale(),
-        )
+        .build_cartesian_2d(x_axis(), (ymin * 0.5..ymax * 2.0).log_scale())
         .map_err(&e)?;
     chart
         .configure_mesh()
@@ -786,33 +802,41 @@ pub fn cost_sweep(doc: &SweepDoc, path: &Path) -> Result<Figure, BenchError> {
         .border_style(BLACK)
         .draw()
         .map_err(&e)?;
-    let smax = doc
-        .points
-        .iter()
-        .map(|p| p.seam_ratio)
-        .filter(|v| v.is_finite())
-        .fold(1.0, f64::max);
+    let ratios = || {
+        doc.points
+            .iter()
+            .map(|p| p.seam_ratio)
+            .filter(|v| v.is_finite() && *v > 0.0)
+    };
+    let smax = ratios().fold(1.0, f64::max);
+    let smin = ratios().fold(1.0, f64::min);
     let mut seam = ChartBuilder::on(&right)
         .caption("seam: transplant JSD / re-prefill JSD", (FAMILY, 18))
         .margin(12)
         .x_label_area_size(35)
         .y_label_area_size(60)
-        .build_cartesian_2d((xmin * 0.8..xmax * 1.25).log_scale(), 0.0..smax * 1.15)
+        .build_cartesian_2d(x_axis(), (smin * 0.5..smax * 2.0).log_scale())
         .map_err(&e)?;
     seam.configure_mesh()
         .light_line_style(WHITE)
         .x_label_formatter(&|x: &f64| format!("{x:.0}"))
+        .y_label_formatter(&|y: &f64| tick(*y))
         .x_desc("context tokens carried (log)")
-        .y_desc("ratio (1 = as good as re-prefill)")
+        .y_desc("ratio, log (1 = as good as re-prefill)")
         .label_style((FAMILY, 13))
         .draw()
         .map_err(&e)?;
+    seam.draw_series(std::iter::once(PathElement::new(
+        vec![(xmin * 0.8, 1.0), (xmax * 1.25, 1.0)],
+        BLACK.stroke_width(1),
+    )))
+    .map_err(&e)?;
     for (i, route) in routes.iter().enumerate() {
         let c = Palette99::pick(i).to_rgba();
         let pts: Vec<(f64, f64)> = doc
             .points
             .iter()
-            .filter(|p| &p.route == route && p.seam_ratio.is_finite())
+            .filter(|p| &p.route == route && p.seam_ratio.is_finite() && p.seam_ratio > 0.0)
             .map(|p| (p.context_tokens as f64, p.seam_ratio))
             .collect();
         seam.draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
@@ -975,4 +999,284 @@ pub fn residuals(doc: &ResidualDoc, path: &Path) -> Result<Figure, BenchError> {
             doc.report.corpus_tokens
         ),
     })
+}
+
+/// The multi-tenant benchmark's JSON, as far as the figure and the page read it.
+#[derive(Debug, Clone, Deserialize)]
+pub struct QosDoc {
+    /// The run's report.
+    pub report: QosReportDoc,
+}
+
+/// The multi-tenant report.
+#[derive(Debug, Clone, Deserialize)]
+pub struct QosReportDoc {
+    /// Where the budget came from.
+    #[serde(default)]
+    pub budget_source: String,
+    /// One per scheduling round.
+    pub rounds: Vec<QosRoundDoc>,
+    /// One per tenant.
+    pub tenants: Vec<QosTenantDoc>,
+    /// Max over rounds of modelled usage − budget, after enforcement.
+    #[serde(default)]
+    pub max_overshoot_modelled: i64,
+    /// Max over rounds of measured usage − budget, after enforcement.
+    #[serde(default)]
+    pub max_overshoot_measured: i64,
+    /// Rounds whose plan could not fit.
+    #[serde(default)]
+    pub infeasible_rounds: usize,
+    /// Tenants terminated.
+    #[serde(default)]
+    pub killed: usize,
+    /// Wall time, s.
+    #[serde(default)]
+    pub wall_s: f64,
+}
+
+/// One round.
+#[derive(Debug, Clone, Deserialize)]
+pub struct QosRoundDoc {
+    /// Round index.
+    pub round: usize,
+    /// Budget, bytes.
+    pub budget_bytes: u64,
+    /// Modelled usage after enforcement, bytes.
+    pub modelled_after: u64,
+    /// Measured usage after enforcement, bytes.
+    pub measured_after: u64,
+    /// Tenants after enforcement.
+    #[serde(default)]
+    pub tenants: Vec<QosTenantRound>,
+}
+
+/// A tenant at the end of a round.
+#[derive(Debug, Clone, Deserialize)]
+pub struct QosTenantRound {
+    /// Tenant id.
+    pub tenant: u64,
+    /// `waiting`, `running`, `parked` or `done`.
+    pub state: String,
+    /// Rung.
+    pub rung: String,
+}
+
+/// One tenant's summary.
+#[derive(Debug, Clone, Deserialize)]
+pub struct QosTenantDoc {
+    /// Tenant id.
+    pub tenant: u64,
+    /// Name.
+    pub name: String,
+    /// Class.
+    #[serde(default)]
+    pub class: String,
+    /// Tokens generated.
+    #[serde(default)]
+    pub tokens: usize,
+    /// Rounds present without progress.
+    #[serde(default)]
+    pub stall_rounds: usize,
+    /// Rounds deferred before admission.
+    #[serde(default)]
+    pub deferred_rounds: usize,
+    /// Levers applied, by kind.
+    #[serde(default)]
+    pub levers: std::collections::BTreeMap<String, usize>,
+    /// Rungs in order.
+    #[serde(default)]
+    pub rungs: Vec<String>,
+    /// How it ended.
+    #[serde(default)]
+    pub stop: String,
+}
+
+/// Budget against usage per round, and one lane per tenant coloured by rung (grey: waiting,
+/// hatched dark: parked).
+///
+/// # Errors
+/// [`BenchError::Figure`] when drawing fails or there are no rounds.
+#[allow(clippy::cast_precision_loss, clippy::too_many_lines)]
+pub fn qos(doc: &QosDoc, path: &Path) -> Result<Figure, BenchError> {
+    let name = "qos";
+    let e = fig_err(name);
+    let r = &doc.report;
+    if r.rounds.is_empty() {
+        return Err(BenchError::Figure {
+            figure: name.into(),
+            message: "no rounds".into(),
+        });
+    }
+    let mut rungs: Vec<String> = Vec::new();
+    for t in &r.tenants {
+        for g in &t.rungs {
+            if !rungs.contains(g) {
+                rungs.push(g.clone());
+            }
+        }
+    }
+    rungs.sort();
+    let n = r.rounds.iter().map(|x| x.round).max().unwrap_or(0) as f64 + 1.0;
+    let root = BitMapBackend::new(path, (1400, 760)).into_drawing_area();
+    root.fill(&WHITE).map_err(&e)?;
+    let (top, bottom) = root.split_vertically(440);
+    let ymax = r
+        .rounds
+        .iter()
+        .map(|x| mib(x.budget_bytes.max(x.modelled_after).max(x.measured_after)))
+        .fold(1.0, f64::max)
+        * 1.1;
+    let mut chart = ChartBuilder::on(&top)
+        .caption(
+            format!(
+                "{} tenants, one moving budget: killed {}, max overshoot after enforcement {:+.0} MiB measured",
+                r.tenants.len(),
+                r.killed,
+                r.max_overshoot_measured as f64 / f64::from(1u32 << 20)
+            ),
+            (FAMILY, 20),
+        )
+        .margin(12)
+        .x_label_area_size(30)
+        .y_label_area_size(70)
+        .build_cartesian_2d(-0.5..n - 0.5, 0.0..ymax)
+        .map_err(&e)?;
+    chart
+        .configure_mesh()
+        .light_line_style(WHITE)
+        .x_label_formatter(&|x: &f64| format!("{x:.0}"))
+        .y_label_formatter(&|y: &f64| format!("{y:.0}"))
+        .y_desc("MiB")
+        .x_desc("scheduling round")
+        .label_style((FAMILY, 13))
+        .draw()
+        .map_err(&e)?;
+    let series = |f: &dyn Fn(&QosRoundDoc) -> u64| -> Vec<(f64, f64)> {
+        r.rounds
+            .iter()
+            .map(|x| (x.round as f64, mib(f(x))))
+            .collect()
+    };
+    for (label, pts, color) in [
+        ("budget", series(&|x| x.budget_bytes), RED),
+        ("modelled usage", series(&|x| x.modelled_after), BLUE),
+        ("measured usage", series(&|x| x.measured_after), BLACK),
+    ] {
+        chart
+            .draw_series(LineSeries::new(pts, color.stroke_width(2)))
+            .map_err(&e)?
+            .label(label)
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 14, y)], color.stroke_width(2))
+            });
+    }
+    // The lanes' colours, explained in this legend (the lanes leave no free corner).
+    for g in &rungs {
+        let c = rung_color(&rungs, g);
+        chart
+            .draw_series(std::iter::empty::<Circle<(f64, f64), i32>>())
+            .map_err(&e)?
+            .label(format!("lane: running on {g}"))
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], c.filled()));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .label_font((FAMILY, 13))
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(&e)?;
+    let lanes = r.tenants.len() as f64;
+    let names: Vec<String> = r.tenants.iter().map(|t| t.name.clone()).collect();
+    let fmt = move |y: &f64| {
+        let i = y.round();
+        if (y - i).abs() < 1e-6 && i >= 0.0 {
+            names.get(i as usize).cloned().unwrap_or_default()
+        } else {
+            String::new()
+        }
+    };
+    let mut lane = ChartBuilder::on(&bottom)
+        .margin(12)
+        .x_label_area_size(30)
+        .y_label_area_size(100)
+        .build_cartesian_2d(-0.5..n - 0.5, (lanes - 0.5)..-0.5)
+        .map_err(&e)?;
+    lane.configure_mesh()
+        .disable_mesh()
+        .y_labels(r.tenants.len() + 1)
+        .y_label_formatter(&fmt)
+        .x_label_formatter(&|x: &f64| format!("{x:.0}"))
+        .x_desc("scheduling round (colour: rung; grey: waiting; dark: parked)")
+        .label_style((FAMILY, 13))
+        .draw()
+        .map_err(&e)?;
+    for round in &r.rounds {
+        for t in &round.tenants {
+            let Some(i) = r.tenants.iter().position(|x| x.tenant == t.tenant) else {
+                continue;
+            };
+            let color = match t.state.as_str() {
+                "waiting" => RGBColor(210, 210, 210),
+                "parked" => RGBColor(60, 60, 60),
+                "done" => continue,
+                _ => rung_color(&rungs, &t.rung),
+            };
+            let (x, y) = (round.round as f64, i as f64);
+            lane.draw_series(std::iter::once(Rectangle::new(
+                [(x - 0.5, y - 0.35), (x + 0.5, y + 0.35)],
+                color.filled(),
+            )))
+            .map_err(&e)?;
+        }
+    }
+    root.present().map_err(&e)?;
+    Ok(Figure {
+        name: name.into(),
+        path: path.to_path_buf(),
+        caption: format!(
+            "{} tenants under {}: the budget against the scheduler's modelled usage and the measured usage after every round's enforcement, and each tenant's rung round by round.",
+            r.tenants.len(),
+            r.budget_source
+        ),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The multi-tenant figure from a minimal document in the shape `bench --qos` writes.
+    #[test]
+    fn qos_figure_draws_from_its_json_shape() {
+        let doc: QosDoc = serde_json::from_value(serde_json::json!({
+            "report": {
+                "budget_source": "trace t",
+                "rounds": [
+                    {"round": 0, "budget_bytes": 2u64 << 30, "modelled_after": 1u64 << 30,
+                     "measured_after": 1u64 << 30, "mode": "hold",
+                     "tenants": [{"tenant": 0, "state": "running", "rung": "tier0", "context_tokens": 3, "generated": 1},
+                                 {"tenant": 1, "state": "waiting", "rung": "tier0", "context_tokens": 0, "generated": 0}]},
+                    {"round": 1, "budget_bytes": 1u64 << 29, "modelled_after": 1u64 << 28,
+                     "measured_after": 1u64 << 28,
+                     "tenants": [{"tenant": 0, "state": "parked", "rung": "tier2"},
+                                 {"tenant": 1, "state": "running", "rung": "tier2"}]}
+                ],
+                "tenants": [
+                    {"tenant": 0, "name": "chat", "class": "foreground", "tokens": 2,
+                     "levers": {"park": 1}, "rungs": ["tier0", "tier2"], "stop": "length"},
+                    {"tenant": 1, "name": "batch", "rungs": ["tier2"]}
+                ],
+                "max_overshoot_measured": -5, "killed": 0
+            }
+        }))
+        .unwrap();
+        register_font().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let f = qos(&doc, &dir.path().join("qos.png")).unwrap();
+        assert!(std::fs::read(&f.path).unwrap().starts_with(b"\x89PNG"));
+        assert!(f.caption.contains("2 tenants"));
+    }
 }

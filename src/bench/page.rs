@@ -8,8 +8,9 @@ use std::path::{Path, PathBuf};
 
 use super::BenchError;
 use super::conditions::{ArmSummary, ConditionsReport, PairedComparison, TimingComparison};
-use super::figures::{FigureSet, ResidualDoc, SweepDoc, read_json};
+use super::figures::{FigureSet, QosDoc, ResidualDoc, SweepDoc, read_json};
 use super::speed::Rate;
+use crate::session::routes::RouteKind;
 
 /// Where the page's inputs are and where figures live relative to the page and to the
 /// repository root.
@@ -77,8 +78,10 @@ fn paired<'a>(r: &'a ConditionsReport, metric: &str, a: &str) -> Option<&'a Pair
     r.paired.iter().find(|p| p.metric == metric && p.a == a)
 }
 
-fn noise_words(t: &TimingComparison) -> &'static str {
-    if t.noise.inside_noise {
+fn noise_words(t: &TimingComparison, reps: usize) -> &'static str {
+    if reps < 2 {
+        "from a single repetition, so with no noise estimate"
+    } else if t.noise.inside_noise {
         "inside the noise (the repetitions' ranges overlap)"
     } else {
         "outside the noise (the repetitions' ranges do not overlap)"
@@ -167,7 +170,7 @@ fn tradeoff(r: &ConditionsReport) -> String {
                 r.settings.reps,
                 f(Some(t.a_median), 1),
                 t.noise.ratio,
-                noise_words(t),
+                noise_words(t, r.settings.reps),
                 pct(d.flops_avoided)
             );
         }
@@ -178,7 +181,7 @@ fn tradeoff(r: &ConditionsReport) -> String {
                 f(Some(t.b_median), 0),
                 f(Some(t.a_median), 0),
                 t.noise.ratio,
-                noise_words(t),
+                noise_words(t, r.settings.reps),
                 f(d.load_ms.as_ref().map(|r| r.median), 0),
                 f(c.load_ms.as_ref().map(|r| r.median), 0),
             );
@@ -248,8 +251,15 @@ fn ablations(r: &ConditionsReport) -> String {
             continue;
         }
         let spec = r.arms.iter().find(|x| x.id == a.arm);
+        // Compared by the map actually loaded: `Dense` on the size route is D's own map.
+        let differs = |x: &super::conditions::ArmSpec, d: &super::conditions::ArmSpec, k| {
+            x.variant(k).tag(k) != d.variant(k).tag(k)
+        };
         let (prec, size) = match (spec, d_spec) {
-            (Some(x), Some(d)) => (x.precision != d.precision, x.size != d.size),
+            (Some(x), Some(d)) => (
+                differs(x, d, RouteKind::Precision),
+                differs(x, d, RouteKind::Size),
+            ),
             _ => (true, true),
         };
         // Seam metrics only on the route the ablation changes: a changed precision map
@@ -267,14 +277,16 @@ fn ablations(r: &ConditionsReport) -> String {
         metrics.push(("judge_ppl", "judge perplexity"));
         metrics.push(("repetition", "repeated 4-grams"));
         let mut parts = Vec::new();
-        let mut worse = false;
-        let mut measured = false;
+        let mut worse = Vec::new();
+        let mut better = Vec::new();
         for (m, label) in metrics {
             if let Some(p) = paired(r, m, &a.arm) {
                 let n = p.a_worse + p.a_better + p.ties;
-                measured = true;
                 if p.a_worse * 2 > n {
-                    worse = true;
+                    worse.push(label);
+                }
+                if p.a_better * 2 > n {
+                    better.push(label);
                 }
                 parts.push(format!(
                     "{label} {:.4} vs {:.4} (worse on {}/{n} prompts, better on {})",
@@ -287,19 +299,31 @@ fn ablations(r: &ConditionsReport) -> String {
                 "switch cost {:.1} vs {:.1} ms ({})",
                 t.a_median,
                 t.b_median,
-                if t.noise.inside_noise {
+                if r.settings.reps < 2 {
+                    "one repetition, no noise estimate"
+                } else if t.noise.inside_noise {
                     "inside the noise"
                 } else {
                     "outside the noise"
                 }
             ));
         }
-        let verdict = if !measured {
-            "no quality difference could be measured on this run".to_string()
-        } else if worse {
-            "removing it makes most prompts worse on at least one measure: the mechanism pays for itself here".to_string()
-        } else {
-            "removing it did not make most prompts worse on any measure: on this run the mechanism does not pay for itself".to_string()
+        let verdict = match (parts.is_empty(), worse.is_empty(), better.is_empty()) {
+            (true, _, _) => "no quality difference could be measured on this run".to_string(),
+            (false, false, true) => format!(
+                "removing it makes most prompts worse on {}: the mechanism pays for itself here",
+                worse.join(", ")
+            ),
+            (false, false, false) => format!(
+                "mixed: removing it makes most prompts worse on {} but better on {}",
+                worse.join(", "),
+                better.join(", ")
+            ),
+            (false, true, true) => "removing it did not make most prompts worse on any measure: on this run the mechanism does not pay for itself".to_string(),
+            (false, true, false) => format!(
+                "removing it made most prompts better on {} and worse on none: on this run the mechanism does not pay for itself",
+                better.join(", ")
+            ),
         };
         let route = match (prec, size) {
             (true, true) => "both routes",
@@ -379,12 +403,13 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
     let r: ConditionsReport = read_json(&dir.join("conditions.json"))?;
     let sweep: Option<SweepDoc> = optional(&dir.join("cost_sweep.json"))?;
     let resid: Option<ResidualDoc> = optional(&dir.join("projector_residuals.json"))?;
+    let qos: Option<QosDoc> = optional(&dir.join("qos.json"))?;
     let fig = |name: &str| figures.written.iter().find(|f| f.name == name);
     let mut s = String::new();
     let _ = writeln!(s, "# Molt — results\n");
     let _ = writeln!(
         s,
-        "*Generated by `molt-run figures` from the JSON in this directory (`conditions.json`, `conditions_events.jsonl`, `token_series.json`{}{}); no number on this page is typed by hand. Regenerate with `molt-run bench --conditions all && molt-run figures`.*\n",
+        "*Generated by `molt-run figures` from the JSON in this directory (`conditions.json`, `conditions_events.jsonl`, `token_series.json`{}{}{}); no number on this page is typed by hand. Regenerate with `molt-run bench --conditions all && molt-run figures`.*\n",
         if sweep.is_some() {
             ", `cost_sweep.json`"
         } else {
@@ -395,6 +420,7 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
         } else {
             ""
         },
+        if qos.is_some() { ", `qos.json`" } else { "" },
     );
     let run = &r.run;
     let costs = r
@@ -422,7 +448,7 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
     let _ = writeln!(s, "## Setup\n");
     let _ = writeln!(
         s,
-        "- Ladder `{}`: {} (modelled footprints the policy uses: {costs}).",
+        "- Ladder `{}`: {} (footprints the trace and every session's policy use, each rung loaded alone with the longest prompt decoded and its resident-memory growth split into weights + the rest: {costs}).",
         r.ladder,
         r.rungs.join(", ")
     );
@@ -515,7 +541,9 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
             t.a_median,
             t.b_median,
             t.noise.ratio,
-            if t.noise.inside_noise {
+            if r.settings.reps < 2 {
+                "no noise estimate (one repetition)"
+            } else if t.noise.inside_noise {
                 "inside the noise"
             } else {
                 "outside the noise"
@@ -551,6 +579,18 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
             let _ = writeln!(
                 s,
                 "\n![projector residuals]({}/{})\n\n*{}*",
+                opts.figures_rel_results,
+                file_name(&h.path),
+                h.caption
+            );
+        }
+    }
+    if let Some(doc) = &qos {
+        s.push_str(&qos_section(doc));
+        if let Some(h) = fig("qos") {
+            let _ = writeln!(
+                s,
+                "\n![qos]({}/{})\n\n*{}*",
                 opts.figures_rel_results,
                 file_name(&h.path),
                 h.caption
@@ -643,6 +683,49 @@ fn snippet_text(r: &ConditionsReport, figures: &FigureSet, rel: &str) -> String 
             "Under the replayed trace, Molt's switch cost {} ms per answer against {} ms for a re-prefill; the full table, the ablations and what the numbers do not show are in [results/README.md](results/README.md).",
             f(d.switch_cost_ms.as_ref().map(|r| r.median), 1),
             f(c.switch_cost_ms.as_ref().map(|r| r.median), 1)
+        );
+    }
+    s
+}
+
+#[allow(clippy::cast_precision_loss)]
+fn qos_section(doc: &QosDoc) -> String {
+    let r = &doc.report;
+    let mut s = String::new();
+    let _ = writeln!(s, "\n## Several tenants, one budget\n");
+    let _ = writeln!(
+        s,
+        "From `qos.json`: {} tenants under {}, {} rounds in {:.0} s. Tenants killed: {}. Max overshoot after enforcement: {:+.1} MiB measured, {:+.1} MiB modelled (negative = inside the budget); rounds with no feasible plan: {}.\n",
+        r.tenants.len(),
+        r.budget_source,
+        r.rounds.len(),
+        r.wall_s,
+        r.killed,
+        r.max_overshoot_measured as f64 / 1_048_576.0,
+        r.max_overshoot_modelled as f64 / 1_048_576.0,
+        r.infeasible_rounds
+    );
+    let _ = writeln!(
+        s,
+        "| tenant | class | tokens | stop | rungs | levers | deferred rounds | stalled rounds |"
+    );
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|");
+    for t in &r.tenants {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            t.name,
+            t.class,
+            t.tokens,
+            t.stop,
+            t.rungs.join(" → "),
+            t.levers
+                .iter()
+                .map(|(k, v)| format!("{k} {v}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            t.deferred_rounds,
+            t.stall_rounds
         );
     }
     s
