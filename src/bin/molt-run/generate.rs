@@ -164,6 +164,13 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     for (line, why) in &bad {
         eprintln!("molt-run: prompt file line {line}: {why} (skipped)");
     }
+    if let Some(t) = &a.trace {
+        // A bad trace fails before any model file is opened or loaded.
+        let loc = g.locate(false)?;
+        let manifest = molt::ladder::Manifest::load(&loc.manifest)?;
+        let names: Vec<String> = manifest.rungs.iter().map(|r| r.name.clone()).collect();
+        common::check_trace(t, &names)?;
+    }
     let ladder = g.open_ladder()?;
     let names = ladder.names();
     if let Some(t) = &a.trace {
