@@ -152,19 +152,21 @@ pub fn run(
                 let (mut t_seam, mut r_seam, mut t_flops) = ((0.0, 0.0), (0.0, 0.0), 0.0);
                 for _ in 0..opts.reps.max(1) {
                     let t = transplant(&src.ctx, &mut dst.ctx, &projector, last)?;
-                    t_seam = seam(&mut dst.ctx, &reference, &follow[1..])
-                        .map_err(engine(dst.name()))?;
+                    t_seam =
+                        seam(&mut dst.ctx, &reference, &follow[1..]).map_err(engine(dst.name()))?;
                     t_flops = t.flops;
                     t_ms.push(t.cost_ms);
-                    for (p, v) in parts
-                        .iter_mut()
-                        .zip([t.export_ms, t.project_ms, t.import_ms, t.first_decode_ms])
-                    {
+                    for (p, v) in parts.iter_mut().zip([
+                        t.export_ms,
+                        t.project_ms,
+                        t.import_ms,
+                        t.first_decode_ms,
+                    ]) {
                         p.push(v);
                     }
                     let r = reprefill(&src.ctx, &mut dst.ctx, history, last)?;
-                    r_seam = seam(&mut dst.ctx, &reference, &follow[1..])
-                        .map_err(engine(dst.name()))?;
+                    r_seam =
+                        seam(&mut dst.ctx, &reference, &follow[1..]).map_err(engine(dst.name()))?;
                     r_ms.push(r.cost_ms);
                 }
                 let (t_jsd, r_jsd) = (t_seam.0, r_seam.0);
@@ -180,7 +182,13 @@ pub fn run(
                 };
                 progress(&format!(
                     "  transplant {:.1} ms, re-prefill {:.1} ms ({speedup:.1}x); seam JSD {:.4} vs floor {:.4} (mean over {} steps {:.4} vs {:.4})",
-                    tm.median, rm.median, t_jsd, r_jsd, SEAM + 1, t_seam.1, r_seam.1
+                    tm.median,
+                    rm.median,
+                    t_jsd,
+                    r_jsd,
+                    SEAM + 1,
+                    t_seam.1,
+                    r_seam.1
                 ));
                 out.push(SweepPoint {
                     route: route.clone(),
@@ -203,7 +211,11 @@ pub fn run(
                     seam_ratio: if r_jsd > 0.0 { t_jsd / r_jsd } else { f64::NAN },
                     transplant_jsd_mean: t_seam.1,
                     reprefill_jsd_mean: r_seam.1,
-                    seam_mean_ratio: if r_seam.1 > 0.0 { t_seam.1 / r_seam.1 } else { f64::NAN },
+                    seam_mean_ratio: if r_seam.1 > 0.0 {
+                        t_seam.1 / r_seam.1
+                    } else {
+                        f64::NAN
+                    },
                 });
             }
         }

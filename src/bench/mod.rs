@@ -14,11 +14,11 @@
 
 pub mod conditions;
 pub mod cost_sweep;
-pub mod footprint;
-pub mod qos;
 pub mod figures;
+pub mod footprint;
 pub mod metrics;
 pub mod page;
+pub mod qos;
 pub mod speed;
 
 use std::path::PathBuf;

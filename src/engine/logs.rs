@@ -76,7 +76,9 @@ pub fn take_buffer_sizes() -> Vec<(String, f64)> {
 mod tests {
     #[test]
     fn buffer_size_lines_parse() {
-        let r = super::parse_buffer_size("sched_reserve:        CPU compute buffer size =   310.02 MiB\n");
+        let r = super::parse_buffer_size(
+            "sched_reserve:        CPU compute buffer size =   310.02 MiB\n",
+        );
         assert_eq!(r, Some(("CPU compute".to_string(), 310.02)));
         assert!(super::parse_buffer_size("compute buffer size is 310.0 MiB, matches").is_none());
     }

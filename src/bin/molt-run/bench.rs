@@ -89,7 +89,9 @@ pub struct Args {
 
 pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     if !a.speed && !a.cost_sweep && !a.footprint && !a.qos && a.conditions.is_none() {
-        bail!("nothing to run: pass --conditions all, --cost-sweep, --speed, --footprint and/or --qos");
+        bail!(
+            "nothing to run: pass --conditions all, --cost-sweep, --speed, --footprint and/or --qos"
+        );
     }
     if a.real_hog && !a.qos {
         bail!("--real-hog applies to --qos");
@@ -157,7 +159,15 @@ fn run_cost_sweep(g: &GlobalArgs, a: &Args) -> Result<()> {
     )?;
     println!(
         "{:<14} {:>6} {:>13} {:>13} {:>8} {:>9} {:>9} {:>9} {:>9}",
-        "route", "ctx", "transplant ms", "reprefill ms", "speedup", "seam JSD", "floor", "ratio", "FLOPs av."
+        "route",
+        "ctx",
+        "transplant ms",
+        "reprefill ms",
+        "speedup",
+        "seam JSD",
+        "floor",
+        "ratio",
+        "FLOPs av."
     );
     for p in &points {
         println!(

@@ -13,8 +13,8 @@ mod figures;
 mod generate;
 mod hog;
 mod inspect;
-mod shipped;
 mod serve;
+mod shipped;
 mod train;
 
 use clap::{Parser, Subcommand};
