@@ -130,20 +130,61 @@ pub fn transplant(
         .export_state()
         .map_err(|e| mig(src, dst, format!("export: {e}")))?;
     let export_ms = ms(t0);
+    transplant_exported(
+        &Exported {
+            blob: &blob,
+            n_past: src.n_past(),
+            from: src.model().name(),
+            export_ms,
+        },
+        dst,
+        projector,
+        last,
+    )
+}
+
+/// A source's exported sequence state, for a transplant whose source may already be gone (the
+/// shed-first switch frees the source before it maps the destination).
+pub struct Exported<'a> {
+    /// llama.cpp's state blob of the source's sequence.
+    pub blob: &'a [u8],
+    /// Positions the source held.
+    pub n_past: usize,
+    /// The source rung's model name (for errors).
+    pub from: &'a str,
+    /// Time the export took, ms (the first part of `cost_ms`).
+    pub export_ms: f64,
+}
+
+/// The rest of a transplant once the source's state is exported: project, import into `dst`,
+/// decode `last` there. On failure `dst` is left empty.
+///
+/// # Errors
+/// [`SessionError::Migration`] naming the step that failed.
+pub fn transplant_exported(
+    src: &Exported<'_>,
+    dst: &mut Context,
+    projector: &Projector,
+    last: Token,
+) -> Result<SwitchTimings, SessionError> {
+    let fail = |dst: &Context, message: String| SessionError::Migration {
+        from: src.from.to_string(),
+        to: dst.model().name().to_string(),
+        message,
+    };
     let t1 = Instant::now();
     let (bytes, flops, cells) =
-        project_blob(&blob, projector, dst.config().cache_type).map_err(|m| mig(src, dst, m))?;
-    drop(blob);
+        project_blob(src.blob, projector, dst.config().cache_type).map_err(|m| fail(dst, m))?;
     let project_ms = ms(t1);
     let t2 = Instant::now();
     dst.import_state(&bytes)
-        .map_err(|e| mig(src, dst, format!("import: {e}")))?;
+        .map_err(|e| fail(dst, format!("import: {e}")))?;
+    drop(bytes);
     let import_ms = ms(t2);
-    if dst.n_past() != src.n_past() {
-        let (a, b) = (src.n_past(), dst.n_past());
+    if dst.n_past() != src.n_past {
+        let (a, b) = (src.n_past, dst.n_past());
         dst.clear();
-        return Err(mig(
-            src,
+        return Err(fail(
             dst,
             format!("imported cache ends at position {b}, the source's at {a}"),
         ));
@@ -151,15 +192,15 @@ pub fn transplant(
     let t3 = Instant::now();
     if let Err(e) = dst.decode(&[last]) {
         dst.clear();
-        return Err(mig(src, dst, format!("first decode: {e}")));
+        return Err(fail(dst, format!("first decode: {e}")));
     }
     let first_decode_ms = ms(t3);
     Ok(SwitchTimings {
-        export_ms,
+        export_ms: src.export_ms,
         project_ms,
         import_ms,
         first_decode_ms,
-        cost_ms: ms(t0),
+        cost_ms: src.export_ms + ms(t1),
         cells,
         flops,
     })
@@ -175,6 +216,19 @@ pub fn reprefill(
     history: &[Token],
     last: Token,
 ) -> Result<SwitchTimings, SessionError> {
+    reprefill_from(src.model().name(), dst, history, last)
+}
+
+/// [`reprefill`] for a source that may already be gone: `from` names it in errors.
+///
+/// # Errors
+/// [`SessionError::Migration`] if the destination cannot decode them.
+pub fn reprefill_from(
+    from: &str,
+    dst: &mut Context,
+    history: &[Token],
+    last: Token,
+) -> Result<SwitchTimings, SessionError> {
     let t0 = Instant::now();
     dst.clear();
     let mut all = Vec::with_capacity(history.len() + 1);
@@ -182,7 +236,11 @@ pub fn reprefill(
     all.push(last);
     if let Err(e) = dst.decode(&all) {
         dst.clear();
-        return Err(mig(src, dst, format!("re-prefill: {e}")));
+        return Err(SessionError::Migration {
+            from: from.to_string(),
+            to: dst.model().name().to_string(),
+            message: format!("re-prefill: {e}"),
+        });
     }
     let total = ms(t0);
     Ok(SwitchTimings {

@@ -596,6 +596,10 @@ impl Session {
     /// Moves the session to rung `to` between two tokens: `last` is the token sampled on the
     /// current rung but not decoded yet; on return it has been decoded on `to`, whose logits
     /// are ready.
+    ///
+    /// Moving down to a rung that is not loaded, the source is freed *before* the destination
+    /// is mapped (see [`Session::switch_shed_first`]), so the process never holds both; moving
+    /// up, or with the source kept or the seam measured, the destination is loaded first.
     fn switch_to(
         &mut self,
         to: usize,
@@ -604,7 +608,72 @@ impl Session {
         budget: Option<Budget>,
     ) -> Result<SwitchInfo, SessionError> {
         let from = self.current;
-        let t_decision = Instant::now();
+        let shed_first = to > from
+            && self.rungs[to].is_none()
+            && !self.opts.keep_source
+            && !self.opts.measure_seam;
+        let (from_name, timings, method, note, load_ms, handoff_jsd) = if shed_first {
+            let (timings, method, note, load_ms) = self.switch_shed_first(from, to, last)?;
+            let name = self.ladder.rungs[from].name().to_string();
+            (name, timings, method, note, load_ms, None)
+        } else {
+            self.switch_load_first(from, to, last)?
+        };
+        let dst = self.rungs[to].as_ref().expect("destination is loaded");
+        let n_tokens = self.history.len() as u64 + 1;
+        let (n_params, n_layer, n_embd) = (
+            dst.model().n_params(),
+            dst.model().n_layer() as u64,
+            dst.model().n_embd() as u64,
+        );
+        let flops_reprefill = migrate::prefill_flops(n_params, n_layer, n_embd, n_tokens);
+        let flops = match method {
+            "reprefill" | "reprefill-no-projector" => flops_reprefill,
+            _ => timings.flops + migrate::prefill_flops(n_params, n_layer, n_embd, 1),
+        };
+        let info = SwitchInfo {
+            at_token,
+            from: from_name,
+            to: dst.name().to_string(),
+            method: method.to_string(),
+            cost_ms: timings.cost_ms,
+            load_ms,
+            export_ms: timings.export_ms,
+            project_ms: timings.project_ms,
+            import_ms: timings.import_ms,
+            first_decode_ms: timings.first_decode_ms,
+            cells: timings.cells,
+            flops,
+            flops_reprefill,
+            pressure: budget.map_or(0.0, |b| b.pressure),
+            budget_bytes: budget.map_or(0, |b| b.bytes),
+            handoff_jsd,
+            note,
+        };
+        self.current = to;
+        Ok(info)
+    }
+
+    /// The load-first switch: map the destination (if needed), carry the state while both are
+    /// live, then free the source (or keep it, cleared, with `keep_source`). On failure both
+    /// rungs are as they were.
+    #[allow(clippy::type_complexity)]
+    fn switch_load_first(
+        &mut self,
+        from: usize,
+        to: usize,
+        last: Token,
+    ) -> Result<
+        (
+            String,
+            migrate::SwitchTimings,
+            &'static str,
+            Option<String>,
+            f64,
+            Option<f64>,
+        ),
+        SessionError,
+    > {
         let was_loaded = self.rungs[to].is_some();
         let t_load = Instant::now();
         self.ensure_loaded(to)?;
@@ -646,45 +715,7 @@ impl Session {
         } else {
             None
         };
-        let _ = t_decision;
-        let n_tokens = self.history.len() as u64 + 1;
-        let flops_reprefill = migrate::prefill_flops(
-            dst.model().n_params(),
-            dst.model().n_layer() as u64,
-            dst.model().n_embd() as u64,
-            n_tokens,
-        );
-        let flops = match method {
-            "reprefill" | "reprefill-no-projector" => flops_reprefill,
-            _ => {
-                timings.flops
-                    + migrate::prefill_flops(
-                        dst.model().n_params(),
-                        dst.model().n_layer() as u64,
-                        dst.model().n_embd() as u64,
-                        1,
-                    )
-            }
-        };
-        let info = SwitchInfo {
-            at_token,
-            from: src.name().to_string(),
-            to: dst.name().to_string(),
-            method: method.to_string(),
-            cost_ms: timings.cost_ms,
-            load_ms,
-            export_ms: timings.export_ms,
-            project_ms: timings.project_ms,
-            import_ms: timings.import_ms,
-            first_decode_ms: timings.first_decode_ms,
-            cells: timings.cells,
-            flops,
-            flops_reprefill,
-            pressure: budget.map_or(0.0, |b| b.pressure),
-            budget_bytes: budget.map_or(0, |b| b.bytes),
-            handoff_jsd,
-            note,
-        };
+        let from_name = src.name().to_string();
         self.rungs[to] = Some(dst);
         if self.opts.keep_source {
             src.ctx.clear();
@@ -692,8 +723,130 @@ impl Session {
         } else {
             drop(src);
         }
-        self.current = to;
-        Ok(info)
+        Ok((from_name, timings, method, note, load_ms, handoff_jsd))
+    }
+
+    /// The shed-first switch, for moving down under pressure: export the source's sequence
+    /// state (a few MB of host memory), free the source — weights unmapped, context and its
+    /// buffers released — then map the destination, project and import. The process never
+    /// holds both rungs, so the switch itself cannot overshoot the budget it answers.
+    ///
+    /// If the destination cannot be loaded or the state cannot be carried, the source is
+    /// mapped again and its exported state re-imported byte for byte, so the session stays
+    /// where it was with nothing lost; only if that also fails is the error fatal.
+    fn switch_shed_first(
+        &mut self,
+        from: usize,
+        to: usize,
+        last: Token,
+    ) -> Result<(migrate::SwitchTimings, &'static str, Option<String>, f64), SessionError> {
+        // Resolve the projector before anything is freed: a missing one means a re-prefill.
+        let (projector, mut note) = match self.opts.strategy {
+            Strategy::Reprefill => (None, None),
+            _ => match self.routes.get(from, to) {
+                Ok(p) => (Some(p), None),
+                Err(e) => (None, Some(format!("fell back to a re-prefill: {e}"))),
+            },
+        };
+        let t0 = Instant::now();
+        let src = self.rungs[from].take().expect("current rung is loaded");
+        let from_name = src.name().to_string();
+        let from_model = src.model().name().to_string();
+        let n_past = src.ctx.n_past();
+        let blob = match src.ctx.export_state() {
+            Ok(b) => b,
+            Err(e) => {
+                self.rungs[from] = Some(src);
+                return Err(SessionError::Migration {
+                    from: from_name,
+                    to: self.ladder.rungs[to].name().to_string(),
+                    message: format!("export: {e}"),
+                });
+            }
+        };
+        let export_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let src_config = src.ctx.config();
+        drop(src);
+        crate::pressure::trim_heap();
+        let t_load = Instant::now();
+        let carried = match LiveRung::load(&self.ladder.rungs[to], self.config) {
+            Ok(mut dst) => {
+                let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
+                if dst.context_bytes > 0 && !self.pinned_costs {
+                    self.context_bytes[to] = Some(dst.context_bytes);
+                }
+                // The load is reported apart (both strategies pay it): the switch's own cost
+                // is the export plus everything after the load.
+                let r = match &projector {
+                    Some(p) => migrate::transplant_exported(
+                        &migrate::Exported {
+                            blob: &blob,
+                            n_past,
+                            from: &from_model,
+                            export_ms,
+                        },
+                        &mut dst.ctx,
+                        p,
+                        last,
+                    )
+                    .map(|t| (t, "molt")),
+                    None => migrate::reprefill_from(&from_model, &mut dst.ctx, &self.history, last)
+                        .map(|mut t| {
+                            t.export_ms = export_ms;
+                            t.cost_ms += export_ms;
+                            (t, "reprefill")
+                        }),
+                };
+                r.map(|(t, m)| (t, m, dst, load_ms))
+            }
+            Err(e) => Err(e),
+        };
+        match carried {
+            Ok((timings, method, dst, load_ms)) => {
+                let method = if method == "reprefill" && note.is_some() {
+                    "reprefill-no-projector"
+                } else {
+                    method
+                };
+                self.rungs[to] = Some(dst);
+                Ok((timings, method, note.take(), load_ms))
+            }
+            Err(e) => {
+                // Put the source back exactly as it was.
+                let restored =
+                    LiveRung::load(&self.ladder.rungs[from], src_config).and_then(|mut live| {
+                        if n_past > 0 {
+                            live.ctx.import_state(&blob).map_err(|source| {
+                                SessionError::Engine {
+                                    rung: from_name.clone(),
+                                    source,
+                                }
+                            })?;
+                        }
+                        Ok(live)
+                    });
+                match restored {
+                    Ok(live) => {
+                        self.rungs[from] = Some(live);
+                        Err(e)
+                    }
+                    Err(r) => {
+                        // Nothing of the answer's state survives: start the rung afresh so the
+                        // session stays usable, and forget the history its cache no longer
+                        // holds.
+                        self.history.clear();
+                        let _ = self.ensure_loaded(from);
+                        Err(SessionError::Migration {
+                            from: from_name,
+                            to: self.ladder.rungs[to].name().to_string(),
+                            message: format!(
+                                "{e}; and the source could not be restored after it: {r}"
+                            ),
+                        })
+                    }
+                }
+            }
+        }
     }
 
     /// Answers one prompt, streaming [`Event`]s into `sink`.
