@@ -51,6 +51,11 @@ pub struct ContextConfig {
     /// the benchmark's attention-flatness metric.
     #[serde(default)]
     pub attention_tap: bool,
+    /// Install the hidden-state tap (see [`Context::set_hidden_layers`]); off by default, used
+    /// by selective top-k recompute. Either tap installs llama.cpp's eval callback, which
+    /// costs a name comparison per graph node while nothing is asked for.
+    #[serde(default)]
+    pub hidden_tap: bool,
 }
 
 impl Default for ContextConfig {
@@ -63,6 +68,7 @@ impl Default for ContextConfig {
             n_threads: threads,
             cache_type: CacheType::F16,
             attention_tap: false,
+            hidden_tap: false,
         }
     }
 }
@@ -80,6 +86,11 @@ pub struct Context {
     /// The attention tap llama.cpp calls back into, when installed. Declared after `ptr`; the
     /// llama context (the only holder of its address) is freed in `Drop` before it.
     tap: Option<Tap>,
+    /// Position of the first row the hidden-state tap holds: rows cover
+    /// `hidden_start .. hidden_start + rows`. Anything that changes the cache other than a
+    /// decode (import, shed) restarts the rows at `n_past`, so a row is always the state a
+    /// decode of this context computed at that position.
+    hidden_start: usize,
 }
 
 // SAFETY: a llama_context is used from one thread at a time (all mutation takes &mut self);
@@ -132,7 +143,7 @@ impl Context {
         p.type_k = config.cache_type.ggml();
         p.type_v = config.cache_type.ggml();
         p.no_perf = true;
-        let tap = config.attention_tap.then(tap::new_tap);
+        let tap = (config.attention_tap || config.hidden_tap).then(tap::new_tap);
         if let Some(t) = &tap {
             // The callback only ever takes a shared reference to the RefCell (interior
             // mutability), so handing out a pointer derived from `&` is sound; the box keeps
@@ -164,7 +175,50 @@ impl Context {
             n_past: 0,
             reserved_bytes,
             tap,
+            hidden_start: 0,
         })
+    }
+
+    /// Sets the layers whose output (`l_out-<layer>`, the hidden state entering the next
+    /// block) every later decode keeps in host memory, one row per decoded position; an empty
+    /// slice turns the tap off. Rows kept so far are dropped. Returns `false` when the context
+    /// was created without `hidden_tap`.
+    pub fn set_hidden_layers(&mut self, layers: &[usize]) -> bool {
+        let Some(t) = &self.tap else {
+            return false;
+        };
+        tap::set_hidden_layers(t, layers);
+        self.hidden_start = self.n_past;
+        true
+    }
+
+    /// The layers the hidden-state tap keeps.
+    pub fn hidden_layers(&self) -> Vec<usize> {
+        self.tap
+            .as_ref()
+            .map(tap::hidden_layers)
+            .unwrap_or_default()
+    }
+
+    /// The kept output of `layer` for every position of the sequence, `[n_past][n_embd]` in
+    /// position order — or `None` unless the tap has seen every position `0 .. n_past` decoded
+    /// by this context (it was set after the first decode, or the cache was imported or shed).
+    pub fn hidden_states(&self, layer: usize) -> Option<ndarray::Array2<f32>> {
+        let t = self.tap.as_ref()?;
+        if self.hidden_start != 0 || tap::hidden_len(t) != self.n_past || self.n_past == 0 {
+            return None;
+        }
+        let (rows, width) = tap::hidden_rows(t, layer)?;
+        ndarray::Array2::from_shape_vec((self.n_past, width), rows).ok()
+    }
+
+    /// Restarts the hidden-state rows at position `at` (nothing kept before it).
+    fn restart_hidden(&mut self, at: usize) {
+        if let Some(t) = &self.tap {
+            let layers = tap::hidden_layers(t);
+            tap::set_hidden_layers(t, &layers);
+        }
+        self.hidden_start = at;
     }
 
     /// Arms the attention tap: the next [`Context::decode`] records, per layer and head, the
@@ -214,6 +268,7 @@ impl Context {
             llama_cpp_sys_2::llama_memory_clear(mem, true);
         }
         self.n_past = 0;
+        self.restart_hidden(0);
     }
 
     /// Removes positions `[from, n_past)` from the sequence (rewinds to `from`).
@@ -228,6 +283,10 @@ impl Context {
             llama_cpp_sys_2::llama_memory_seq_rm(mem, SEQ, p0, -1);
         }
         self.n_past = from;
+        match (&self.tap, from.checked_sub(self.hidden_start)) {
+            (Some(t), Some(keep)) => tap::truncate_hidden(t, keep),
+            _ => self.restart_hidden(from),
+        }
     }
 
     /// Sheds context: drops the `n` positions after the first `pinned` (the oldest tokens that
@@ -297,6 +356,8 @@ impl Context {
                 return Err(refuse("llama.cpp refused to remove the range".into()));
             }
             self.n_past -= n;
+            // Shifted keys, unshifted hidden rows: the rows no longer describe this cache.
+            self.restart_hidden(self.n_past);
         }
         self.decode(next)
     }
@@ -325,7 +386,106 @@ impl Context {
         if let Some(t) = &self.tap {
             tap::finish(t);
         }
+        if result.is_err() {
+            // A failed chunk may have left rows for positions the sequence does not hold.
+            self.restart_hidden(self.n_past);
+        }
         result
+    }
+
+    /// Decodes hidden states instead of tokens: row `i` of `embd` (`n_embd` floats) enters the
+    /// first block at position `positions[i]`, unscaled (llama.cpp's `inp_embd` path). The
+    /// positions must continue the sequence (`positions[0] == n_past`, then consecutive), as
+    /// for tokens. This is how the last-k-blocks model of top-k recompute is run.
+    ///
+    /// # Errors
+    /// [`EngineError::OutOfRange`] for a width other than the model's `n_embd`, a row count
+    /// other than `positions.len()` or positions that do not continue the sequence;
+    /// [`EngineError::ContextOverflow`] / [`EngineError::DecodeFailed`] as for tokens.
+    pub fn decode_embeddings(
+        &mut self,
+        embd: ndarray::ArrayView2<'_, f32>,
+        positions: &[i32],
+    ) -> Result<(), EngineError> {
+        let n_embd = self.model.n_embd();
+        if embd.ncols() != n_embd {
+            return Err(EngineError::OutOfRange {
+                what: "embedding width",
+                value: embd.ncols() as u64,
+            });
+        }
+        if embd.nrows() != positions.len() {
+            return Err(EngineError::OutOfRange {
+                what: "embedding rows (one per position)",
+                value: embd.nrows() as u64,
+            });
+        }
+        let consecutive = positions
+            .iter()
+            .enumerate()
+            .all(|(i, &p)| usize::try_from(p).ok() == Some(self.n_past + i));
+        if !consecutive {
+            return Err(EngineError::OutOfRange {
+                what: "first embedding position (must continue the sequence)",
+                value: positions
+                    .first()
+                    .map_or(0, |&p| u64::try_from(p).unwrap_or(0)),
+            });
+        }
+        let needed = self.n_past + positions.len();
+        if needed > self.config.n_ctx as usize {
+            return Err(EngineError::ContextOverflow {
+                needed,
+                n_ctx: self.config.n_ctx,
+            });
+        }
+        let embd = embd.as_standard_layout();
+        let chunk = self.config.n_batch.min(self.config.n_ctx).max(1) as usize;
+        let width = i32::try_from(n_embd).map_err(|_| EngineError::OutOfRange {
+            what: "n_embd",
+            value: n_embd as u64,
+        })?;
+        for (c, part) in positions.chunks(chunk).enumerate() {
+            let n = i32::try_from(part.len()).map_err(|_| EngineError::OutOfRange {
+                what: "batch",
+                value: part.len() as u64,
+            })?;
+            let rows = &embd.as_slice().unwrap_or(&[])[c * chunk * n_embd..][..part.len() * n_embd];
+            // SAFETY: allocates a batch with an embd array of n × n_embd floats, one sequence
+            // id per entry; freed below.
+            let batch = unsafe { llama_cpp_sys_2::llama_batch_init(n, width, 1) };
+            // SAFETY: batch.embd has room for n × n_embd floats and rows is exactly that long;
+            // the other arrays have n entries (i < n) and seq_id[i] points to one seq id.
+            unsafe {
+                std::ptr::copy_nonoverlapping(rows.as_ptr(), batch.embd, rows.len());
+                for (i, &p) in part.iter().enumerate() {
+                    *batch.pos.add(i) = p;
+                    *batch.n_seq_id.add(i) = 1;
+                    *(*batch.seq_id.add(i)) = SEQ;
+                    *batch.logits.add(i) = i8::from(i + 1 == part.len());
+                }
+            }
+            let mut b = batch;
+            b.n_tokens = n;
+            let _ = recent_llama_errors();
+            // SAFETY: live context; batch filled above.
+            let rc = unsafe { llama_cpp_sys_2::llama_decode(self.ptr.as_ptr(), b) };
+            // SAFETY: batch from llama_batch_init, freed once.
+            unsafe { llama_cpp_sys_2::llama_batch_free(batch) };
+            if rc != 0 {
+                return Err(EngineError::DecodeFailed {
+                    code: rc,
+                    pos: part[0],
+                    detail: recent_llama_errors(),
+                });
+            }
+            self.n_past += part.len();
+        }
+        if let Some(t) = &self.tap {
+            tap::finish(t);
+        }
+        self.restart_hidden(self.n_past);
+        Ok(())
     }
 
     fn decode_chunks(&mut self, tokens: &[Token], all: bool) -> Result<Vec<Vec<f32>>, EngineError> {
@@ -471,6 +631,7 @@ impl Context {
             llama_cpp_sys_2::llama_memory_seq_pos_max(mem, SEQ)
         };
         self.n_past = usize::try_from(max + 1).unwrap_or(0);
+        self.restart_hidden(self.n_past);
         Ok(())
     }
 

@@ -11,11 +11,13 @@
 //! Main types: [`Model`] (an `Arc`-shared, memory-mapped GGUF), [`Context`] (a llama.cpp
 //! context with one sequence), [`ContextConfig`] (the fixed knobs every context of a ladder
 //! shares), [`Sampler`] with [`SamplingParams`] presets, and [`Utf8Stream`] for detokenized
-//! streaming.
+//! streaming, and [`PartialForward`] (a rung's last k blocks run over hidden states: top-k
+//! recompute).
 
 mod context;
 mod logs;
 mod model;
+pub mod partial;
 mod quantize;
 mod sampling;
 pub mod tap;
@@ -24,6 +26,7 @@ mod text;
 pub use context::{CacheType, Context, ContextConfig};
 pub use logs::recent_llama_errors;
 pub use model::{ChatMessage, Model, ModelOptions};
+pub use partial::PartialForward;
 pub use quantize::{QuantType, quantize};
 pub use sampling::{Sampler, SamplingParams, log_softmax, softmax};
 pub use tap::AttentionCapture;

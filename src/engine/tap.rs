@@ -7,6 +7,13 @@
 //! flatness* metric is the ratio of these entropies after a migration to those on a natively
 //! built cache; no other signal exposes the blur.
 //!
+//! The same callback also serves the *hidden-state tap* of selective top-k recompute: while
+//! one or more layers are set ([`Context::set_hidden_layers`](super::Context::set_hidden_layers)),
+//! every decode copies the residual stream after those layers (`l_out-<layer>`, one row of
+//! `n_embd` floats per token) into host memory, in decode order. The context keeps those rows
+//! aligned with the positions of its sequence. A boundary layer is never the model's last
+//! (whose `l_out` llama.cpp cuts down to the output rows), so every decoded token has a row.
+//!
 //! Cost: installing the tap makes llama.cpp ask the callback about every graph node (a name
 //! comparison, microseconds per decode). While disarmed it asks for nothing, so the graph is
 //! computed in one piece as without a tap; only an armed decode splits the graph at the softmax
@@ -18,6 +25,9 @@ use std::ffi::{CStr, c_void};
 
 /// Name prefix llama.cpp gives the attention weights (`cb(kq, "kq_soft_max", il)`).
 const SOFTMAX_PREFIX: &[u8] = b"kq_soft_max-";
+/// Name prefix of a block's output, the residual stream entering the next block
+/// (`cb(cur, "l_out", il)` in every llama.cpp model graph).
+const HIDDEN_PREFIX: &[u8] = b"l_out-";
 
 /// Attention entropies captured from one decode: for every layer seen, one entropy (nats) per
 /// query head, over the key positions the last query token attends to.
@@ -50,6 +60,12 @@ pub(crate) struct TapState {
     n_attended: usize,
     done: Option<AttentionCapture>,
     row: Vec<f32>,
+    /// Layers whose output the hidden-state tap copies (empty: off).
+    hidden_layers: Vec<usize>,
+    /// Per entry of `hidden_layers`: rows appended in decode order, `n_embd` floats each.
+    hidden_rows: Vec<Vec<f32>>,
+    /// Row width seen (0 before the first row).
+    hidden_width: usize,
 }
 
 /// The tap as a context owns it: boxed so the address handed to llama.cpp never moves.
@@ -84,9 +100,92 @@ pub(crate) fn take(tap: &Tap) -> Option<AttentionCapture> {
     tap.borrow_mut().done.take()
 }
 
+/// Sets the layers the hidden-state tap copies, dropping every row kept so far.
+pub(crate) fn set_hidden_layers(tap: &Tap, layers: &[usize]) {
+    let mut s = tap.borrow_mut();
+    s.hidden_layers = layers.to_vec();
+    s.hidden_rows = vec![Vec::new(); layers.len()];
+    s.hidden_width = 0;
+}
+
+/// The layers the hidden-state tap copies.
+pub(crate) fn hidden_layers(tap: &Tap) -> Vec<usize> {
+    tap.borrow().hidden_layers.clone()
+}
+
+/// Keeps the first `n_rows` rows of every tapped layer.
+pub(crate) fn truncate_hidden(tap: &Tap, n_rows: usize) {
+    let mut s = tap.borrow_mut();
+    let w = s.hidden_width;
+    for r in &mut s.hidden_rows {
+        r.truncate(n_rows * w);
+    }
+}
+
+/// Rows kept for `layer` (row-major, `width` floats each) and that width.
+pub(crate) fn hidden_rows(tap: &Tap, layer: usize) -> Option<(Vec<f32>, usize)> {
+    let s = tap.borrow();
+    let i = s.hidden_layers.iter().position(|&l| l == layer)?;
+    Some((s.hidden_rows[i].clone(), s.hidden_width))
+}
+
+/// Number of rows kept (the same for every tapped layer after a complete decode).
+pub(crate) fn hidden_len(tap: &Tap) -> usize {
+    let s = tap.borrow();
+    match (s.hidden_rows.iter().map(Vec::len).min(), s.hidden_width) {
+        (Some(n), w) if w > 0 => n / w,
+        _ => 0,
+    }
+}
+
 fn layer_of(name: &[u8]) -> Option<usize> {
     let rest = name.strip_prefix(SOFTMAX_PREFIX)?;
     std::str::from_utf8(rest).ok()?.parse().ok()
+}
+
+fn hidden_layer_of(name: &[u8]) -> Option<usize> {
+    let rest = name.strip_prefix(HIDDEN_PREFIX)?;
+    std::str::from_utf8(rest).ok()?.parse().ok()
+}
+
+/// The hidden-state half of the callback: `Some(answer)` when `t` is a tapped `l_out` node.
+fn hidden_node(
+    s: &mut TapState,
+    t: *mut llama_cpp_sys_2::ggml_tensor,
+    name: &[u8],
+    ask: bool,
+) -> Option<bool> {
+    let layer = hidden_layer_of(name)?;
+    let slot = s.hidden_layers.iter().position(|&l| l == layer)?;
+    // SAFETY: t is a live tensor (checked non-null by the caller).
+    let tensor = unsafe { &*t };
+    if ask {
+        return Some(tensor.type_ == llama_cpp_sys_2::GGML_TYPE_F32);
+    }
+    let (Ok(width), Ok(n_tok)) = (usize::try_from(tensor.ne[0]), usize::try_from(tensor.ne[1]))
+    else {
+        return Some(true);
+    };
+    if width == 0 || (s.hidden_width != 0 && s.hidden_width != width) {
+        return Some(true);
+    }
+    s.hidden_width = width;
+    let rows = &mut s.hidden_rows[slot];
+    let start = rows.len();
+    rows.resize(start + n_tok * width, 0.0);
+    for i in 0..n_tok {
+        // SAFETY: row i spans [i * nb[1], i * nb[1] + width * 4) inside the computed F32
+        // tensor (ne/nb describe it), and the destination slice has room for width floats.
+        unsafe {
+            llama_cpp_sys_2::ggml_backend_tensor_get(
+                t,
+                rows[start + i * width..].as_mut_ptr().cast(),
+                i * tensor.nb[1],
+                width * std::mem::size_of::<f32>(),
+            );
+        }
+    }
+    Some(true)
 }
 
 /// Entropy (nats) of a probability row; zero entries (masked positions) contribute nothing.
@@ -124,13 +223,19 @@ pub(crate) unsafe extern "C" fn callback(
     let Ok(mut s) = cell.try_borrow_mut() else {
         return !ask;
     };
-    if !s.armed {
+    if !s.armed && s.hidden_layers.is_empty() {
         return !ask;
     }
     // SAFETY: t is a live tensor; its name is a NUL-terminated array inside the struct.
     let tensor = unsafe { &*t };
     // SAFETY: as above: ggml always NUL-terminates the 64-byte name.
     let name = unsafe { CStr::from_ptr(tensor.name.as_ptr()) }.to_bytes();
+    if let Some(answer) = hidden_node(&mut s, t, name, ask) {
+        return answer;
+    }
+    if !s.armed {
+        return !ask;
+    }
     let Some(layer) = layer_of(name) else {
         return !ask;
     };
@@ -195,6 +300,9 @@ mod tests {
         assert_eq!(layer_of(b"kq_soft_max-17"), Some(17));
         assert_eq!(layer_of(b"kq_soft_max"), None);
         assert_eq!(layer_of(b"kq-3"), None);
+        assert_eq!(hidden_layer_of(b"l_out-7"), Some(7));
+        assert_eq!(hidden_layer_of(b"l_out"), None);
+        assert_eq!(hidden_layer_of(b"kq_soft_max-7"), None);
     }
 
     #[test]

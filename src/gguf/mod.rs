@@ -12,6 +12,7 @@
 //! - [`TokenizerIdentity`] decides whether two files share a tokenizer, and says where they
 //!   differ ([`TokenizerMismatch`]).
 //! - [`GgufWriter`] writes valid GGUF v3 files atomically (for tests and tiny models).
+//! - [`truncate::last_blocks`] cuts a model down to its last k blocks (top-k recompute).
 //!
 //! Molt carries its own reader rather than `gguf-rs` (which keeps 3 elements of each array
 //! by default and copies the file) so that errors are typed, name the file and the offset,
@@ -22,6 +23,7 @@ mod facts;
 mod ggml_type;
 mod reader;
 mod tokenizer;
+pub mod truncate;
 mod value;
 mod writer;
 
