@@ -182,3 +182,166 @@ fn partial_forward_matches_real_tier2() {
     // product, identically in both runs, so the same tolerance holds.
     recompute_matches_native(&l.rungs[i], &[2, 4, 6], F16_TOL);
 }
+
+/// The whole switch path with recompute: an identity transplant between two contexts of one
+/// rung, its last k layers recomputed from the rung's own boundary state, continues exactly
+/// like the native context (the splice puts rows at the right positions), and the recompute
+/// time is reported inside the switch cost.
+#[test]
+fn spliced_recompute_continues_like_the_native_cache() {
+    use molt::session::migrate::{Recompute, transplant_with};
+    use molt::session::routes::binding;
+    use molt::transplant::project::identity_projector;
+    let l = common::tiny_ladder();
+    let info = &l.rungs[0];
+    let model = Model::load(&info.path, info.name(), ModelOptions::default()).unwrap();
+    let n_layer = model.n_layer();
+    let toks = model.tokenize(TEXT, false).unwrap();
+    let k = 2;
+    let mut src = Context::new(model.clone(), cfg()).unwrap();
+    src.set_hidden_layers(&[n_layer - k - 1]);
+    src.decode(&toks).unwrap();
+    let hidden = src.hidden_states(n_layer - k - 1).unwrap();
+    let p = identity_projector(&binding(info));
+    let next = 7;
+    let rc = Recompute {
+        hidden: hidden.view(),
+        map: None,
+        k,
+        dst_path: &info.path,
+        dst_sha256: &info.sha256,
+        dst_layers: n_layer,
+    };
+    let mut dst = Context::new(model.clone(), cfg()).unwrap();
+    let t = transplant_with(&src, &mut dst, &p, Some(&rc), next).unwrap();
+    assert_eq!(t.topk, Some(k));
+    assert!(t.recompute_ms > 0.0 && t.recompute_ms <= t.cost_ms, "{t:?}");
+    src.decode(&[next]).unwrap();
+    let d = src
+        .logits()
+        .iter()
+        .zip(dst.logits())
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    eprintln!("identity + recompute k={k}: max |Δlogit| {d:.3e}");
+    assert!(d <= 0.05, "identity + recompute moved logits by {d}");
+    // Control: recomputing from zeros must show in the logits.
+    let zeros = Array2::<f32>::zeros(hidden.dim());
+    let bad = Recompute {
+        hidden: zeros.view(),
+        ..rc
+    };
+    src.truncate(toks.len());
+    let mut dst2 = Context::new(model, cfg()).unwrap();
+    transplant_with(&src, &mut dst2, &p, Some(&bad), next).unwrap();
+    src.decode(&[next]).unwrap();
+    let d2 = src
+        .logits()
+        .iter()
+        .zip(dst2.logits())
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(
+        d2 > 0.2,
+        "recomputing from zeros changed logits only by {d2}"
+    );
+}
+
+/// Fits the tiny ladder's top-k hidden maps once (k = 1, 2) into a fixture directory.
+fn tiny_topk_dir() -> &'static std::path::PathBuf {
+    use molt::train::{TrainOptions, read_corpus};
+    use std::sync::OnceLock;
+    static DIR: OnceLock<std::path::PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let l = common::tiny_ladder();
+        let dir = common::tiny_projectors().clone();
+        let corpus = read_corpus(
+            &std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("projectors/corpus"),
+        )
+        .unwrap();
+        let model = Model::load(&l.rungs[0].path, "big", ModelOptions::default()).unwrap();
+        let tokens = model.tokenize(&corpus, false).unwrap();
+        let tokens = &tokens[..tokens.len().min(1600)];
+        let fits = molt::train::topk::fit_topk_maps(
+            l,
+            ContextConfig {
+                hidden_tap: false,
+                ..cfg()
+            },
+            tokens,
+            &TrainOptions {
+                window: 128,
+                held_out_every: 4,
+                variants: vec![],
+                dtype: molt::transplant::projector::TensorDtype::F32,
+                out_dir: dir.clone(),
+            },
+            &[1, 2],
+            &mut |_| {},
+        )
+        .unwrap();
+        assert_eq!(fits.len(), 6 * 2, "every ordered pair, every k");
+        for f in &fits {
+            assert!(
+                f.fit.held_out_rel_rms.is_finite() && f.fit.held_out_rel_rms < 1.0,
+                "{f:?}"
+            );
+        }
+        dir
+    })
+}
+
+/// A session with `--topk-recompute 2` forced to switch big → small mid-answer recomputes the
+/// small rung's last 2 blocks, reports the time inside the switch cost, and keeps decoding.
+#[test]
+fn topk_switch_mid_answer_on_tiny_ladder() {
+    use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions, routes};
+    let l = common::tiny_ladder().clone();
+    let dir = tiny_topk_dir().clone();
+    let run = |topk: Option<usize>, dirs: Vec<std::path::PathBuf>| {
+        let opts = SessionOptions {
+            projector_dirs: dirs,
+            topk_recompute: topk,
+            observe_footprint: false,
+            ..SessionOptions::default()
+        };
+        let mut s = Session::with_options(l.clone(), cfg(), "big", opts).unwrap();
+        let mut switches = Vec::new();
+        let g = s
+            .generate(
+                &Prompt::Text(TEXT.into()),
+                &GenerateOptions {
+                    max_tokens: 24,
+                    force_switch: Some((10, 2)),
+                    ..GenerateOptions::default()
+                },
+                &mut |e| {
+                    if let Event::Switch(i) = e {
+                        switches.push(i.clone());
+                    }
+                },
+            )
+            .unwrap();
+        assert_eq!(g.tokens.len(), 24, "the answer continues after the switch");
+        assert_eq!(switches.len(), 1);
+        switches.remove(0)
+    };
+    let sw = run(Some(2), vec![dir.clone()]);
+    assert_eq!(sw.method, "molt");
+    assert_eq!(sw.topk, Some(2), "{sw:?}");
+    assert!(
+        sw.recompute_ms > 0.0 && sw.recompute_ms <= sw.cost_ms,
+        "{sw:?}"
+    );
+    // Off by default: same switch, every layer projected.
+    let plain = run(None, vec![dir.clone()]);
+    assert_eq!(plain.topk, None);
+    assert_eq!(plain.recompute_ms, 0.0);
+    // Asked for a k without maps: the switch still projects, and says why.
+    let missing = run(Some(3), routes::search_dirs(Some(&dir)));
+    assert_eq!(missing.topk, None);
+    assert!(
+        missing.note.as_deref().is_some_and(|n| n.contains("top-k")),
+        "{missing:?}"
+    );
+}

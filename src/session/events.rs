@@ -42,6 +42,12 @@ pub struct SwitchInfo {
     pub import_ms: f64,
     /// First decode on the destination.
     pub first_decode_ms: f64,
+    /// Selective top-k recompute (inside `cost_ms`; 0 when every layer was projected).
+    #[serde(default)]
+    pub recompute_ms: f64,
+    /// Destination blocks recomputed natively instead of projected (top-k recompute).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub topk: Option<usize>,
     /// Cells carried across.
     pub cells: usize,
     /// FLOPs the transplant spent.

@@ -11,8 +11,9 @@
 
 use std::time::Instant;
 
-use crate::engine::{CacheType as EngineCacheType, Context, Token};
+use crate::engine::{CacheType as EngineCacheType, Context, ContextConfig, PartialForward, Token};
 use crate::kv::{CacheType, KvSnapshot, KvStream, LayerKv, ParseOptions};
+use crate::transplant::hidden::HiddenMap;
 use crate::transplant::project::project;
 use crate::transplant::projector::Projector;
 
@@ -30,6 +31,14 @@ pub struct SwitchTimings {
     /// The destination's first decode (one token for a transplant, the whole context for a
     /// re-prefill).
     pub first_decode_ms: f64,
+    /// Selective top-k recompute, inside `cost_ms`: mapping the boundary hidden states, loading
+    /// the destination's last-k model, running it over every cached position and exporting
+    /// its K/V (0 when the switch projected every layer).
+    #[serde(default)]
+    pub recompute_ms: f64,
+    /// Destination blocks recomputed natively (`None`: all projected).
+    #[serde(default)]
+    pub topk: Option<usize>,
     /// The whole switch, decision to first logits.
     pub cost_ms: f64,
     /// Cells carried (transplant) or tokens re-read (re-prefill).
@@ -68,6 +77,21 @@ pub fn project_blob(
     projector: &Projector,
     dst_cache: EngineCacheType,
 ) -> Result<(Vec<u8>, f64, usize), String> {
+    project_blob_with(blob, projector, dst_cache, None)
+}
+
+/// [`project_blob`], with the destination's last layers taken from `recomputed` (a blob of
+/// the last-k model's state, see [`recompute_top`]) instead of being projected. Rows are
+/// matched by position, so the two caches may hold their cells in any slot order.
+///
+/// # Errors
+/// As [`project_blob`]; also when `recomputed` does not hold exactly the source's positions.
+pub fn project_blob_with(
+    blob: &[u8],
+    projector: &Projector,
+    dst_cache: EngineCacheType,
+    recomputed: Option<&[u8]>,
+) -> Result<(Vec<u8>, f64, usize), String> {
     let snap = KvSnapshot::parse(
         blob,
         ParseOptions {
@@ -85,8 +109,11 @@ pub fn project_blob(
         .iter()
         .map(|l| (l.k.view(), l.v.view()))
         .collect();
-    let (layers, stats) =
+    let (mut layers, stats) =
         project(projector, &views, &positions).map_err(|e| format!("projection: {e}"))?;
+    if let Some(rb) = recomputed {
+        splice_recomputed(&mut layers, rb, &positions)?;
+    }
     let t = kv_type(dst_cache);
     let out = KvStream {
         cells: stream.cells.clone(),
@@ -111,6 +138,110 @@ pub fn project_blob(
     Ok((bytes, stats.flops() as f64, positions.len()))
 }
 
+/// Replaces the last layers of `layers` (rows in the order of `positions`) by the layers of the
+/// recomputed state `blob`, matched row by row on position.
+fn splice_recomputed(
+    layers: &mut [(ndarray::Array2<f32>, ndarray::Array2<f32>)],
+    blob: &[u8],
+    positions: &[i32],
+) -> Result<(), String> {
+    let snap = KvSnapshot::parse(
+        blob,
+        ParseOptions {
+            sections: Some(1),
+            ..ParseOptions::default()
+        },
+    )
+    .map_err(|e| format!("recomputed state: {e}"))?;
+    let stream = snap
+        .single_stream()
+        .map_err(|e| format!("recomputed state: {e}"))?;
+    let k = stream.layers.len();
+    if k == 0 || k > layers.len() {
+        return Err(format!(
+            "recomputed state has {k} layers for a destination of {}",
+            layers.len()
+        ));
+    }
+    let rpos = stream.positions();
+    let row_of: std::collections::HashMap<i32, usize> =
+        rpos.iter().enumerate().map(|(i, &p)| (p, i)).collect();
+    let order: Vec<usize> = positions
+        .iter()
+        .map(|p| row_of.get(p).copied())
+        .collect::<Option<_>>()
+        .filter(|_: &Vec<usize>| rpos.len() == positions.len())
+        .ok_or_else(|| {
+            format!(
+                "recomputed state holds {} positions, not the {} cached ones",
+                rpos.len(),
+                positions.len()
+            )
+        })?;
+    let first = layers.len() - k;
+    for (i, l) in stream.layers.iter().enumerate() {
+        let (dk, dv) = &mut layers[first + i];
+        if dk.ncols() != l.k.ncols() || dv.ncols() != l.v.ncols() {
+            return Err(format!(
+                "recomputed layer {} rows are {}/{} wide, the destination's {}/{}",
+                first + i,
+                l.k.ncols(),
+                l.v.ncols(),
+                dk.ncols(),
+                dv.ncols()
+            ));
+        }
+        *dk = l.k.select(ndarray::Axis(0), &order);
+        *dv = l.v.select(ndarray::Axis(0), &order);
+    }
+    Ok(())
+}
+
+/// What selective top-k recompute needs at a switch: the source's boundary hidden states of
+/// every cached position, the map into the destination's residual stream, and where the
+/// destination's full model lives (its last-k cut is loaded from beside it).
+pub struct Recompute<'a> {
+    /// The source's `l_out-<map.src_layer>` rows, `[n_past][n_embd_src]` in position order.
+    pub hidden: ndarray::ArrayView2<'a, f32>,
+    /// Source → destination hidden map (`None`: `hidden` is already the destination's own
+    /// boundary state, as in the verification tests).
+    pub map: Option<&'a HiddenMap>,
+    /// Blocks to recompute.
+    pub k: usize,
+    /// The destination's GGUF file.
+    pub dst_path: &'a std::path::Path,
+    /// Its sha256.
+    pub dst_sha256: &'a str,
+    /// Its block count.
+    pub dst_layers: usize,
+}
+
+/// Runs the destination's last `k` blocks over the mapped hidden states at positions
+/// `0 .. n`, returning the state blob of those `k` layers (see [`PartialForward::run`]).
+///
+/// # Errors
+/// A message naming the step that failed.
+pub fn recompute_top(r: &Recompute<'_>, config: ContextConfig) -> Result<Vec<u8>, String> {
+    let mapped;
+    let hidden = match r.map {
+        Some(m) => {
+            mapped = m.apply(r.hidden).map_err(|e| format!("hidden map: {e}"))?;
+            mapped.view()
+        }
+        None => r.hidden.view(),
+    };
+    let n = i32::try_from(hidden.nrows()).map_err(|_| "too many positions".to_string())?;
+    let positions: Vec<i32> = (0..n).collect();
+    let config = ContextConfig {
+        n_ctx: config.n_ctx.max(u32::try_from(n).unwrap_or(u32::MAX)),
+        ..config
+    };
+    let mut pf = PartialForward::open(r.dst_path, r.dst_sha256, r.dst_layers, r.k, config)
+        .map_err(|e| format!("last-{} model: {e}", r.k))?;
+    pf.run(hidden, &positions)
+        .map_err(|e| format!("last-{} forward: {e}", r.k))
+}
+
 /// Molt's switch: carry `src`'s cache to `dst` through `projector`, then decode `last` (the
 /// token sampled on the source but not yet decoded) on `dst`.
 ///
@@ -123,6 +254,20 @@ pub fn transplant(
     src: &Context,
     dst: &mut Context,
     projector: &Projector,
+    last: Token,
+) -> Result<SwitchTimings, SessionError> {
+    transplant_with(src, dst, projector, None, last)
+}
+
+/// [`transplant`] with selective top-k recompute of the destination's last layers.
+///
+/// # Errors
+/// [`SessionError::Migration`] naming the step that failed.
+pub fn transplant_with(
+    src: &Context,
+    dst: &mut Context,
+    projector: &Projector,
+    recompute: Option<&Recompute<'_>>,
     last: Token,
 ) -> Result<SwitchTimings, SessionError> {
     let t0 = Instant::now();
@@ -139,6 +284,7 @@ pub fn transplant(
         },
         dst,
         projector,
+        recompute,
         last,
     )
 }
@@ -156,8 +302,9 @@ pub struct Exported<'a> {
     pub export_ms: f64,
 }
 
-/// The rest of a transplant once the source's state is exported: project, import into `dst`,
-/// decode `last` there. On failure `dst` is left empty.
+/// The rest of a transplant once the source's state is exported: project (recomputing the
+/// destination's last k layers natively when `recompute` is given), import into `dst`, decode
+/// `last` there. On failure `dst` is left empty.
 ///
 /// # Errors
 /// [`SessionError::Migration`] naming the step that failed.
@@ -165,6 +312,7 @@ pub fn transplant_exported(
     src: &Exported<'_>,
     dst: &mut Context,
     projector: &Projector,
+    recompute: Option<&Recompute<'_>>,
     last: Token,
 ) -> Result<SwitchTimings, SessionError> {
     let fail = |dst: &Context, message: String| SessionError::Migration {
@@ -173,9 +321,21 @@ pub fn transplant_exported(
         message,
     };
     let t1 = Instant::now();
-    let (bytes, flops, cells) =
-        project_blob(src.blob, projector, dst.config().cache_type).map_err(|m| fail(dst, m))?;
-    let project_ms = ms(t1);
+    let recomputed = match recompute {
+        Some(r) => Some(recompute_top(r, dst.config()).map_err(|m| fail(dst, m))?),
+        None => None,
+    };
+    let recompute_ms = if recomputed.is_some() { ms(t1) } else { 0.0 };
+    let tp = Instant::now();
+    let (bytes, flops, cells) = project_blob_with(
+        src.blob,
+        projector,
+        dst.config().cache_type,
+        recomputed.as_deref(),
+    )
+    .map_err(|m| fail(dst, m))?;
+    drop(recomputed);
+    let project_ms = ms(tp);
     let t2 = Instant::now();
     dst.import_state(&bytes)
         .map_err(|e| fail(dst, format!("import: {e}")))?;
@@ -200,6 +360,8 @@ pub fn transplant_exported(
         project_ms,
         import_ms,
         first_decode_ms,
+        recompute_ms,
+        topk: recompute.map(|r| r.k),
         cost_ms: src.export_ms + ms(t1),
         cells,
         flops,

@@ -171,6 +171,13 @@ pub struct SessionOptions {
     /// prompt has gone through them). Turn off when several sessions share one process: the
     /// operating system's numbers cannot tell their allocations apart.
     pub observe_footprint: bool,
+    /// Selective top-k recompute: at a Molt switch, compute the destination's last `k` blocks'
+    /// K/V natively from the source's mapped boundary hidden state instead of projecting them.
+    /// Off (`None`) by default: it needs a fitted hidden map per route
+    /// (`molt-run train-projectors --topk`), keeps every position's boundary state in host
+    /// memory (n_embd floats per tapped layer and token), and its extra switch cost has to be
+    /// earned by a smoother seam (the conditions benchmark's `D-topk*` arms measure it).
+    pub topk_recompute: Option<usize>,
 }
 
 impl Default for SessionOptions {
@@ -184,6 +191,7 @@ impl Default for SessionOptions {
             measure_seam: false,
             pinned_tokens: None,
             observe_footprint: true,
+            topk_recompute: None,
         }
     }
 }
@@ -224,6 +232,14 @@ pub struct Session {
     anon_base: u64,
 }
 
+/// The inputs of one top-k recompute, gathered from the source before it may be freed.
+struct TopkInputs {
+    k: usize,
+    map: Arc<crate::transplant::hidden::HiddenMap>,
+    /// The source's boundary states, `[n_past][n_embd_src]`.
+    hidden: ndarray::Array2<f32>,
+}
+
 /// KV bytes per token of a rung: K and V rows of every layer.
 fn kv_per_token(info: &crate::ladder::RungInfo, config: ContextConfig) -> u64 {
     let f = &info.facts;
@@ -254,10 +270,11 @@ impl Session {
     /// [`SessionError::UnknownRung`] or a load failure.
     pub fn with_options(
         ladder: Ladder,
-        config: ContextConfig,
+        mut config: ContextConfig,
         start: &str,
         opts: SessionOptions,
     ) -> Result<Self, SessionError> {
+        config.hidden_tap |= opts.topk_recompute.is_some();
         let current = ladder
             .rungs
             .iter()
@@ -440,10 +457,11 @@ impl Session {
             return Err(SessionError::UnknownRung(index.to_string()));
         }
         if self.rungs[index].is_none() {
-            let live = LiveRung::load(&self.ladder.rungs[index], self.config)?;
+            let mut live = LiveRung::load(&self.ladder.rungs[index], self.config)?;
             if live.context_bytes > 0 && !self.pinned_costs {
                 self.context_bytes[index] = Some(live.context_bytes);
             }
+            self.arm_hidden_tap(index, &mut live.ctx);
             self.rungs[index] = Some(live);
         }
         self.rungs[index]
@@ -457,6 +475,64 @@ impl Session {
             && let Some(slot) = self.rungs.get_mut(index)
         {
             *slot = None;
+        }
+    }
+
+    /// With top-k recompute on, makes `ctx` (rung `index`'s) keep the boundary hidden states
+    /// that the hidden maps out of `index` read: one source layer per route that has a map.
+    fn arm_hidden_tap(&mut self, index: usize, ctx: &mut crate::engine::Context) {
+        let Some(k) = self.opts.topk_recompute else {
+            return;
+        };
+        let mut layers: Vec<usize> = (0..self.ladder.rungs.len())
+            .filter(|&d| d != index)
+            .filter_map(|d| self.routes.hidden(index, d, k).ok().map(|m| m.src_layer))
+            .collect();
+        layers.sort_unstable();
+        layers.dedup();
+        ctx.set_hidden_layers(&layers);
+    }
+
+    /// What top-k recompute needs for a switch `from → to` out of `src`, or why it cannot run
+    /// (then the switch projects every layer, and the reason goes in the switch's note).
+    ///
+    /// Only states the source computed itself are used: after a switch the new rung holds an
+    /// imported cache whose earlier positions it never decoded, so its tap covers only what
+    /// came after, and a later switch out of it projects every layer. Chaining maps through the
+    /// rung that did compute them would compound two fits' errors for a second switch inside
+    /// one answer, which the benchmark's traces do not produce; the plain projection is the
+    /// honest fallback.
+    fn topk_inputs(
+        &mut self,
+        from: usize,
+        to: usize,
+        src: &crate::engine::Context,
+    ) -> Result<Option<TopkInputs>, String> {
+        let Some(k) = self.opts.topk_recompute else {
+            return Ok(None);
+        };
+        let map = self
+            .routes
+            .hidden(from, to, k)
+            .map_err(|e| format!("top-k recompute off for this switch: {e}"))?;
+        let hidden = src.hidden_states(map.src_layer).ok_or_else(|| {
+            format!(
+                "top-k recompute off for this switch: {} did not compute the boundary state of every cached position itself",
+                self.ladder.rungs[from].name()
+            )
+        })?;
+        Ok(Some(TopkInputs { k, map, hidden }))
+    }
+
+    fn recompute_for<'a>(&'a self, to: usize, t: &'a TopkInputs) -> migrate::Recompute<'a> {
+        let info = &self.ladder.rungs[to];
+        migrate::Recompute {
+            hidden: t.hidden.view(),
+            map: Some(&t.map),
+            k: t.k,
+            dst_path: &info.path,
+            dst_sha256: &info.sha256,
+            dst_layers: info.facts.n_layer as usize,
         }
     }
 
@@ -642,6 +718,8 @@ impl Session {
             project_ms: timings.project_ms,
             import_ms: timings.import_ms,
             first_decode_ms: timings.first_decode_ms,
+            recompute_ms: timings.recompute_ms,
+            topk: timings.topk,
             cells: timings.cells,
             flops,
             flops_reprefill,
@@ -691,7 +769,15 @@ impl Session {
             // Without a usable projector the answer must still survive: fall back to a
             // re-prefill, named as such in the switch event, rather than lose it.
             _ => match self.routes.get(from, to) {
-                Ok(p) => migrate::transplant(&src.ctx, &mut dst.ctx, &p, last).map(|t| (t, "molt")),
+                Ok(p) => {
+                    let topk = self.topk_inputs(from, to, &src.ctx).unwrap_or_else(|why| {
+                        note = Some(why);
+                        None
+                    });
+                    let rc = topk.as_ref().map(|t| self.recompute_for(to, t));
+                    migrate::transplant_with(&src.ctx, &mut dst.ctx, &p, rc.as_ref(), last)
+                        .map(|t| (t, "molt"))
+                }
                 Err(e) => {
                     note = Some(format!("fell back to a re-prefill: {e}"));
                     migrate::reprefill(&src.ctx, &mut dst.ctx, &self.history, last)
@@ -766,6 +852,13 @@ impl Session {
         };
         let export_ms = t0.elapsed().as_secs_f64() * 1e3;
         let src_config = src.ctx.config();
+        let topk = match projector {
+            Some(_) => self.topk_inputs(from, to, &src.ctx).unwrap_or_else(|why| {
+                note = Some(why);
+                None
+            }),
+            None => None,
+        };
         drop(src);
         crate::pressure::trim_heap();
         let t_load = Instant::now();
@@ -775,6 +868,8 @@ impl Session {
                 if dst.context_bytes > 0 && !self.pinned_costs {
                     self.context_bytes[to] = Some(dst.context_bytes);
                 }
+                self.arm_hidden_tap(to, &mut dst.ctx);
+                let rc = topk.as_ref().map(|t| self.recompute_for(to, t));
                 // The load is reported apart (both strategies pay it): the switch's own cost
                 // is the export plus everything after the load.
                 let r = match &projector {
@@ -787,6 +882,7 @@ impl Session {
                         },
                         &mut dst.ctx,
                         p,
+                        rc.as_ref(),
                         last,
                     )
                     .map(|t| (t, "molt")),

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use crate::gguf::RopeKind as GgufRopeKind;
 use crate::ladder::{Ladder, RungInfo};
 use crate::transplant::ProjectorError;
+use crate::transplant::hidden::{HiddenMap, file_name as hidden_file_name};
 use crate::transplant::map::LayerMap;
 use crate::transplant::project::identity_projector;
 use crate::transplant::projector::{LayerProjection, Projector, ProjectorKind, RungBinding};
@@ -212,6 +213,7 @@ pub struct Routes {
     bindings: Vec<RungBinding>,
     variant: Variant,
     cache: HashMap<(usize, usize), Arc<Projector>>,
+    hidden: HashMap<(usize, usize, usize), Arc<HiddenMap>>,
 }
 
 impl Routes {
@@ -225,7 +227,57 @@ impl Routes {
             bindings: ladder.rungs.iter().map(binding).collect(),
             variant,
             cache: HashMap::new(),
+            hidden: HashMap::new(),
         }
+    }
+
+    /// The top-k recompute hidden map from rung `src` to rung `dst` for `k` blocks
+    /// (`<src>-to-<dst>.topk<k>.molt-hmap`, beside the projectors or under `ablations/`).
+    ///
+    /// # Errors
+    /// [`RouteError::Missing`] when no file exists, [`RouteError::Projector`] when it is bound
+    /// to other GGUF files or damaged.
+    pub fn hidden(
+        &mut self,
+        src: usize,
+        dst: usize,
+        k: usize,
+    ) -> Result<Arc<HiddenMap>, RouteError> {
+        if let Some(m) = self.hidden.get(&(src, dst, k)) {
+            return Ok(Arc::clone(m));
+        }
+        let (s, d) = (&self.bindings[src], &self.bindings[dst]);
+        let file = hidden_file_name(&s.name, &d.name, k);
+        let found = self
+            .dirs
+            .iter()
+            .flat_map(|dir| {
+                let l = dir.join(&self.ladder_name);
+                [l.join(&file), l.join("ablations").join(&file)]
+            })
+            .find(|p| p.exists());
+        let Some(path) = found else {
+            return Err(RouteError::Missing {
+                src: s.name.clone(),
+                dst: d.name.clone(),
+                tag: format!("topk{k} hidden-map"),
+                file,
+                searched: self
+                    .dirs
+                    .iter()
+                    .map(|d| d.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            });
+        };
+        let m = Arc::new(HiddenMap::load(&path, &s.sha256, &d.sha256)?);
+        self.hidden.insert((src, dst, k), Arc::clone(&m));
+        Ok(m)
+    }
+
+    /// Installs a hidden map for a route (tests, freshly fitted maps).
+    pub fn insert_hidden(&mut self, src: usize, dst: usize, map: HiddenMap) {
+        self.hidden.insert((src, dst, map.k), Arc::new(map));
     }
 
     /// The variant in use.

@@ -8,7 +8,10 @@
 //! fitted on exactly the numbers a migration will carry, no eval tap needed.
 //!
 //! Main items: [`collect`] (one rung's activations), [`fit_ladder`] (every route and variant),
-//! [`RouteResult`] / [`TrainReport`] (the serialisable residuals), [`corpus_tokens`].
+//! [`RouteResult`] / [`TrainReport`] (the serialisable residuals), [`corpus_tokens`], and in
+//! [`topk`] the hidden maps of selective top-k recompute ([`topk::fit_topk_maps`]).
+
+pub mod topk;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -248,6 +251,9 @@ pub struct TrainReport {
     pub collect_ms: Vec<(String, f64)>,
     /// One entry per route and variant.
     pub routes: Vec<RouteResult>,
+    /// Top-k recompute hidden maps, when asked for.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub topk: Vec<topk::TopkResult>,
 }
 
 /// Options for [`fit_ladder`].
@@ -392,6 +398,7 @@ pub fn fit_ladder(
         held_out_every: opts.held_out_every,
         collect_ms,
         routes,
+        topk: Vec::new(),
     })
 }
 

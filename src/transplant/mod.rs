@@ -17,12 +17,15 @@
 //!   and the depth-remap candidate helpers.
 //! - [`fit`]: [`fit::fit_route`], fitting a projector from paired activations with λ and
 //!   depth remap chosen on held-out windows, reported as a serde [`fit::FitReport`].
+//! - [`hidden`]: [`hidden::HiddenMap`], the boundary hidden-state map of selective top-k
+//!   recompute (the destination's last k blocks computed natively), and its `.molt-hmap` file.
 //! - [`shift`]: [`shift::shed_stream`], dropping the oldest unpinned cells of an exported
 //!   cache and re-rotating the later keys to their new positions (shedding a parked rung).
 //! - [`error`]: [`TransplantError`] and [`ProjectorError`].
 
 pub mod error;
 pub mod fit;
+pub mod hidden;
 pub mod map;
 pub mod project;
 pub mod projector;

@@ -60,6 +60,11 @@ pub struct Args {
     /// the per-user data directory).
     #[arg(long)]
     pub projectors: Option<PathBuf>,
+    /// Selective top-k recompute (off by default): at a molt switch, compute the destination's
+    /// last K blocks natively from the source's mapped boundary hidden state instead of
+    /// projecting their K/V. Needs hidden maps from `train-projectors --topk K`.
+    #[arg(long, value_name = "K")]
+    pub topk_recompute: Option<usize>,
     /// Write JSONL results here instead of stdout (text is then streamed to stdout).
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -147,6 +152,9 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     if a.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
+    if a.topk_recompute == Some(0) {
+        bail!("--topk-recompute must be at least 1 (leave it out to project every layer)");
+    }
     let sampling = common::sampling(a.temperature, a.top_p, a.seed)?;
     let (items, bad) = match (&a.prompt, &a.prompt_file) {
         (Some(p), None) => (
@@ -180,6 +188,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     let opts = SessionOptions {
         strategy: a.strategy.into(),
         projector_dirs: routes::search_dirs(a.projectors.as_deref()),
+        topk_recompute: a.topk_recompute,
         ..SessionOptions::default()
     };
     let mut session = Session::with_options(ladder, config, &start, opts)?;

@@ -33,6 +33,10 @@ pub struct Args {
     /// identity, dense on the precision route).
     #[arg(long)]
     pub ablations: bool,
+    /// Also fit the hidden maps of selective top-k recompute for these k (comma-separated,
+    /// e.g. `2,4,6`), written under `<out>/<ladder>/ablations/`.
+    #[arg(long, value_delimiter = ',', value_name = "K,...")]
+    pub topk: Vec<usize>,
     /// Store maps as f32 instead of f16.
     #[arg(long)]
     pub f32: bool,
@@ -55,6 +59,9 @@ pub struct Args {
 pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     if a.window < 16 || a.held_out_every < 2 {
         bail!("--window must be at least 16 and --held-out-every at least 2");
+    }
+    if a.topk.contains(&0) {
+        bail!("--topk values must be at least 1");
     }
     let mut config = g.context_config()?;
     config.n_ctx = config
@@ -116,7 +123,13 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         },
         out_dir: a.out.clone(),
     };
-    let report = fit_ladder(&ladder, config, &tokens, &opts, &mut |s| eprintln!("{s}"))?;
+    let mut report = fit_ladder(&ladder, config, &tokens, &opts, &mut |s| eprintln!("{s}"))?;
+    if !a.topk.is_empty() {
+        report.topk =
+            molt::train::topk::fit_topk_maps(&ladder, config, &tokens, &opts, &a.topk, &mut |s| {
+                eprintln!("{s}")
+            })?;
+    }
     println!(
         "{:<16} {:<18} {:>9} {:>9} {:>9} {:>9}",
         "route", "variant", "K held", "K train", "V held", "V train"
