@@ -345,3 +345,90 @@ fn topk_switch_mid_answer_on_tiny_ladder() {
         "{missing:?}"
     );
 }
+
+/// Real ladder: fits tier0 → tier2 hidden maps for k = 2 on a slice of the corpus, then a
+/// session on tier0 forced to tier2 mid-answer recomputes tier2's last 2 blocks and keeps
+/// decoding sensibly: a handoff divergence well below ln 2 and a continuation that is not one
+/// repeated token. The plain projection's divergence is printed beside it (not a benchmark).
+#[test]
+fn topk_switch_mid_answer_on_real_ladder() {
+    use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions};
+    use molt::train::{TrainOptions, read_corpus};
+    let Some(l) = common::real_ladder() else {
+        return;
+    };
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("molt-real-topk");
+    let corpus = read_corpus(
+        &std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("projectors/corpus"),
+    )
+    .unwrap();
+    let model = Model::load(&l.rungs[0].path, "tier0", ModelOptions::default()).unwrap();
+    let tokens = model.tokenize(&corpus, false).unwrap();
+    drop(model);
+    molt::train::topk::fit_topk_maps(
+        l,
+        ContextConfig {
+            hidden_tap: false,
+            ..cfg()
+        },
+        &tokens[..tokens.len().min(1024)],
+        &TrainOptions {
+            window: 128,
+            held_out_every: 4,
+            variants: vec![],
+            dtype: molt::transplant::projector::TensorDtype::F32,
+            out_dir: dir.clone(),
+        },
+        &[2],
+        &mut |s| eprintln!("{s}"),
+    )
+    .unwrap();
+    let tier2 = l.rungs.iter().position(|r| r.name() == "tier2").unwrap();
+    let run = |topk: Option<usize>| {
+        let opts = SessionOptions {
+            projector_dirs: molt::session::routes::search_dirs(Some(&dir)),
+            topk_recompute: topk,
+            measure_seam: true,
+            observe_footprint: false,
+            ..SessionOptions::default()
+        };
+        let mut s = Session::with_options(l.clone(), cfg(), "tier0", opts).unwrap();
+        let mut switches = Vec::new();
+        let g = s
+            .generate(
+                &Prompt::User(
+                    "Write a Rust function that returns the n-th Fibonacci number.".into(),
+                ),
+                &GenerateOptions {
+                    max_tokens: 48,
+                    force_switch: Some((16, tier2)),
+                    ..GenerateOptions::default()
+                },
+                &mut |e| {
+                    if let Event::Switch(i) = e {
+                        switches.push(i.clone());
+                    }
+                },
+            )
+            .unwrap();
+        assert_eq!(switches.len(), 1);
+        (g, switches.remove(0))
+    };
+    let (g, sw) = run(Some(2));
+    let (_, plain) = run(None);
+    eprintln!(
+        "top-2: jsd {:?}, cost {:.1} ms (recompute {:.1} ms); plain: jsd {:?}, cost {:.1} ms\n{}",
+        sw.handoff_jsd, sw.cost_ms, sw.recompute_ms, plain.handoff_jsd, plain.cost_ms, g.text
+    );
+    assert_eq!(sw.topk, Some(2), "{sw:?}");
+    assert!(sw.recompute_ms > 0.0 && sw.recompute_ms <= sw.cost_ms);
+    let jsd = sw.handoff_jsd.unwrap();
+    assert!(jsd < 0.5, "handoff divergence {jsd} after a top-2 switch");
+    let after = &g.tokens[16.min(g.tokens.len())..];
+    let distinct: std::collections::HashSet<_> = after.iter().collect();
+    assert!(
+        after.len() < 8 || distinct.len() * 3 >= after.len(),
+        "degenerate continuation: {:?}",
+        g.text
+    );
+}

@@ -42,6 +42,7 @@ use crate::session::{
     Event, GenerateOptions, Generation, Prompt, Session, SessionOptions, StopReason, Strategy,
     SwitchInfo, Variant,
 };
+use crate::transplant::hidden::HiddenMap;
 use crate::transplant::projector::Projector;
 
 /// n of the repeated-n-gram measure.
@@ -128,6 +129,10 @@ pub struct ArmSpec {
     pub size: Variant,
     /// False for a slot whose mechanism is not built yet (listed, never run).
     pub built: bool,
+    /// Selective top-k recompute: the destination's last k blocks computed natively at a
+    /// switch instead of projected (`None`: every layer projected).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub topk: Option<usize>,
 }
 
 impl ArmSpec {
@@ -141,6 +146,19 @@ impl ArmSpec {
             precision: Variant::Auto,
             size: Variant::Auto,
             built: true,
+            topk: None,
+        }
+    }
+
+    fn topk(k: usize) -> Self {
+        Self {
+            topk: Some(k),
+            ..Self::ablation(
+                &format!("D-topk{k}"),
+                &format!("with the last {k} layers recomputed natively instead of projected"),
+                Variant::Auto,
+                Variant::Auto,
+            )
         }
     }
 
@@ -180,9 +198,6 @@ impl ArmSpec {
 #[must_use]
 pub fn all_arms() -> Vec<ArmSpec> {
     use Variant::{Auto, Dense, Identity, NoRemap, NoSandwich, PerHead, Truncate};
-    let mut topk = ArmSpec::ablation("D-no-topk", "without top-k recompute", Auto, Auto);
-    topk.built = false;
-    topk.label = "top-k layer recompute on/off (not built yet)".into();
     vec![
         ArmSpec::new(
             "A",
@@ -244,7 +259,9 @@ pub fn all_arms() -> Vec<ArmSpec> {
             Auto,
             PerHead,
         ),
-        topk,
+        ArmSpec::topk(2),
+        ArmSpec::topk(4),
+        ArmSpec::topk(6),
     ]
 }
 
@@ -706,8 +723,13 @@ pub struct ConditionsOptions {
     pub chat: bool,
 }
 
-/// Projectors of every downward route, per (precision, size) variant pair.
-type RouteSet = Vec<(usize, usize, Arc<Projector>)>;
+/// Projectors of every downward route, per (precision, size) variant pair, and for a top-k
+/// arm the hidden maps of those routes.
+#[derive(Clone, Default)]
+struct RouteSet {
+    projectors: Vec<(usize, usize, Arc<Projector>)>,
+    hidden: Vec<(usize, usize, Arc<HiddenMap>)>,
+}
 
 fn route_kind_of(ladder: &Ladder, s: usize, d: usize) -> RouteKind {
     route_kind(&binding(&ladder.rungs[s]), &binding(&ladder.rungs[d]))
@@ -720,15 +742,27 @@ fn projectors_for(
     cache: &mut HashMap<Variant, Routes>,
 ) -> Result<RouteSet, BenchError> {
     let n = ladder.rungs.len();
-    let mut out = Vec::new();
+    let mut out = RouteSet::default();
     for s in 0..n {
         for d in s + 1..n {
             let v = arm.variant(route_kind_of(ladder, s, d));
             let routes = cache
                 .entry(v)
                 .or_insert_with(|| Routes::new(ladder, dirs.to_vec(), v));
+            if let Some(k) = arm.topk {
+                match routes.hidden(s, d, k) {
+                    Ok(m) => out.hidden.push((s, d, m)),
+                    Err(e) if d == s + 1 => {
+                        return Err(BenchError::Config(format!(
+                            "arm {}: {e} (fit with `molt-run train-projectors --topk {k}`)",
+                            arm.id
+                        )));
+                    }
+                    Err(_) => {}
+                }
+            }
             match routes.get(s, d) {
-                Ok(p) => out.push((s, d, p)),
+                Ok(p) => out.projectors.push((s, d, p)),
                 // Adjacent rungs are what the trace walks; a gap may stay unfitted.
                 Err(e) if d == s + 1 => {
                     return Err(BenchError::Config(format!("arm {}: {e}", arm.id)));
@@ -877,13 +911,17 @@ fn generate_once(
         // (`pin_context_bytes`); the process's live numbers would also count the benchmark's
         // own buffers and make arms differ by bookkeeping.
         observe_footprint: false,
+        topk_recompute: arm.topk,
         ..SessionOptions::default()
     };
     let mut session = Session::with_options(ladder.clone(), cfg, ladder.rungs[start].name(), opts)?;
     // Every session decides against the costs the trace was built from.
     session.pin_context_bytes(&costs.iter().map(|c| c.compute_bytes).collect::<Vec<_>>());
-    for (s, d, p) in routes {
+    for (s, d, p) in &routes.projectors {
         session.routes_mut().insert(*s, *d, Projector::clone(p));
+    }
+    for (s, d, m) in &routes.hidden {
+        session.install_hidden_map(*s, *d, HiddenMap::clone(m));
     }
     if quality {
         for i in (0..n).filter(|&i| i != start) {
@@ -1685,7 +1723,10 @@ mod tests {
                 .contains("D-no-sandwich")
         );
         let d = all.iter().find(|a| a.id == "D").unwrap();
-        for a in all.iter().filter(|a| a.id.starts_with("D-") && a.built) {
+        for a in all
+            .iter()
+            .filter(|a| a.id.starts_with("D-") && a.built && a.topk.is_none())
+        {
             let changed = [RouteKind::Precision, RouteKind::Size]
                 .iter()
                 .filter(|&&k| a.variant(k).tag(k) != d.variant(k).tag(k))
@@ -1693,7 +1734,10 @@ mod tests {
             assert!(changed >= 1, "{} changes nothing", a.id);
             assert_eq!(a.strategy, Strategy::Molt);
         }
-        assert!(all.iter().any(|a| !a.built), "the top-k slot is listed");
+        let topk: Vec<_> = all.iter().filter_map(|a| a.topk).collect();
+        assert_eq!(topk, [2, 4, 6], "the top-k arms change only k");
+        assert!(all.iter().all(|a| a.built));
+        assert_eq!(select_arms("d-topk4").unwrap()[0].topk, Some(4));
     }
 
     #[test]

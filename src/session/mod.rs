@@ -478,6 +478,24 @@ impl Session {
         }
     }
 
+    /// Installs a top-k hidden map for the route `src → dst` (bypassing the file search) and
+    /// re-arms the hidden-state tap of every loaded rung accordingly. Rows a rung's tap kept
+    /// so far are dropped, so install maps before the first answer.
+    pub fn install_hidden_map(
+        &mut self,
+        src: usize,
+        dst: usize,
+        map: crate::transplant::hidden::HiddenMap,
+    ) {
+        self.routes.insert_hidden(src, dst, map);
+        for i in 0..self.rungs.len() {
+            if let Some(mut live) = self.rungs[i].take() {
+                self.arm_hidden_tap(i, &mut live.ctx);
+                self.rungs[i] = Some(live);
+            }
+        }
+    }
+
     /// With top-k recompute on, makes `ctx` (rung `index`'s) keep the boundary hidden states
     /// that the hidden maps out of `index` read: one source layer per route that has a map.
     fn arm_hidden_tap(&mut self, index: usize, ctx: &mut crate::engine::Context) {
