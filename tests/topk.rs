@@ -254,7 +254,9 @@ fn tiny_topk_dir() -> &'static std::path::PathBuf {
     static DIR: OnceLock<std::path::PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
         let l = common::tiny_ladder();
-        let dir = common::tiny_projectors().clone();
+        // Beside, not inside, the shared tiny projectors: other tests copy that directory.
+        let _ = common::tiny_projectors();
+        let dir = common::fixture_dir().join("topk-projectors");
         let corpus = read_corpus(
             &std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("projectors/corpus"),
         )
@@ -300,7 +302,10 @@ fn topk_switch_mid_answer_on_tiny_ladder() {
     let dir = tiny_topk_dir().clone();
     let run = |topk: Option<usize>, dirs: Vec<std::path::PathBuf>| {
         let opts = SessionOptions {
-            projector_dirs: dirs,
+            projector_dirs: dirs
+                .into_iter()
+                .chain([common::tiny_projectors().clone()])
+                .collect(),
             topk_recompute: topk,
             observe_footprint: false,
             ..SessionOptions::default()

@@ -63,7 +63,8 @@ pub struct Args {
     #[arg(long, default_value = "results")]
     pub out_dir: PathBuf,
     /// The conditions benchmark: `all`, or arm ids separated by commas (A, B, C, D,
-    /// D-no-sandwich, D-no-remap, D-truncate, D-no-diagonal, D-dense, D-per-head).
+    /// D-no-sandwich, D-no-remap, D-truncate, D-no-diagonal, D-dense, D-per-head; and by id
+    /// only, top-k recompute: D-topk2, D-topk4, D-topk6).
     #[arg(long, value_name = "ARMS")]
     pub conditions: Option<String>,
     /// Prompts of the conditions benchmark (JSONL: id, kind, prompt).
