@@ -926,19 +926,15 @@ impl Session {
                 Ok((timings, method, note.take(), load_ms))
             }
             Err(e) => {
-                // Put the source back exactly as it was.
-                let restored =
-                    LiveRung::load(&self.ladder.rungs[from], src_config).and_then(|mut live| {
-                        if n_past > 0 {
-                            live.ctx.import_state(&blob).map_err(|source| {
-                                SessionError::Engine {
-                                    rung: from_name.clone(),
-                                    source,
-                                }
-                            })?;
-                        }
-                        Ok(live)
-                    });
+                // Put the source back exactly as it was: its exported state is a parked rung.
+                let restored = ParkedRung {
+                    info: self.ladder.rungs[from].clone(),
+                    config: src_config,
+                    blob,
+                    n_past,
+                    park_ms: 0.0,
+                }
+                .resume();
                 match restored {
                     Ok(live) => {
                         self.rungs[from] = Some(live);

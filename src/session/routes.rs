@@ -217,6 +217,18 @@ pub struct Routes {
 }
 
 impl Routes {
+    /// The first of the search directories holding `file` for this ladder, the shipped
+    /// variants' folder before its `ablations/`.
+    fn find_file(&self, file: &str) -> Option<PathBuf> {
+        self.dirs
+            .iter()
+            .flat_map(|dir| {
+                let l = dir.join(&self.ladder_name);
+                [l.join(file), l.join("ablations").join(file)]
+            })
+            .find(|p| p.exists())
+    }
+
     /// Routes between the rungs of `ladder`, searching `dirs` (see [`search_dirs`]) for
     /// `<dir>/<ladder>/<file>`.
     #[must_use]
@@ -248,14 +260,7 @@ impl Routes {
         }
         let (s, d) = (&self.bindings[src], &self.bindings[dst]);
         let file = hidden_file_name(&s.name, &d.name, k);
-        let found = self
-            .dirs
-            .iter()
-            .flat_map(|dir| {
-                let l = dir.join(&self.ladder_name);
-                [l.join(&file), l.join("ablations").join(&file)]
-            })
-            .find(|p| p.exists());
+        let found = self.find_file(&file);
         let Some(path) = found else {
             return Err(RouteError::Missing {
                 src: s.name.clone(),
@@ -319,14 +324,7 @@ impl Routes {
             v => {
                 let tag = v.tag(kind);
                 let file = file_name(&s.name, &d.name, tag);
-                let found = self
-                    .dirs
-                    .iter()
-                    .flat_map(|dir| {
-                        let d = dir.join(&self.ladder_name);
-                        [d.join(&file), d.join("ablations").join(&file)]
-                    })
-                    .find(|p| p.exists());
+                let found = self.find_file(&file);
                 let Some(path) = found else {
                     return Err(RouteError::Missing {
                         src: s.name.clone(),
