@@ -223,10 +223,29 @@ fn conditions_pipeline_on_tiny_ladder() {
         &molt::bench::cost_sweep::SweepOptions {
             lengths: vec![32, 64],
             reps: 2,
+            tails: vec![8, 48],
         },
         &mut |_| {},
     )
     .unwrap();
+    // A tail longer than the context is skipped at that length, measured where it fits.
+    for p in &points {
+        let tails: Vec<usize> = p.tails.iter().map(|t| t.tail).collect();
+        assert_eq!(
+            tails,
+            if p.context_tokens >= 48 {
+                vec![8, 48]
+            } else {
+                vec![8]
+            }
+        );
+        for t in &p.tails {
+            assert!(
+                t.cost_ms.median > 0.0 && t.jsd.is_finite() && t.jsd_mean >= 0.0,
+                "{t:?}"
+            );
+        }
+    }
     std::fs::write(
         out.join("cost_sweep.json"),
         serde_json::to_string(&serde_json::json!({ "reps": 2, "points": points })).unwrap(),

@@ -213,7 +213,7 @@ fn spliced_recompute_continues_like_the_native_cache() {
         dst_layers: n_layer,
     };
     let mut dst = Context::new(model.clone(), cfg()).unwrap();
-    let t = transplant_with(&src, &mut dst, &p, Some(&rc), next).unwrap();
+    let t = transplant_with(&src, &mut dst, &p, Some(&rc), &[], next).unwrap();
     assert_eq!(t.topk, Some(k));
     assert!(t.recompute_ms > 0.0 && t.recompute_ms <= t.cost_ms, "{t:?}");
     src.decode(&[next]).unwrap();
@@ -233,7 +233,7 @@ fn spliced_recompute_continues_like_the_native_cache() {
     };
     src.truncate(toks.len());
     let mut dst2 = Context::new(model, cfg()).unwrap();
-    transplant_with(&src, &mut dst2, &p, Some(&bad), next).unwrap();
+    transplant_with(&src, &mut dst2, &p, Some(&bad), &[], next).unwrap();
     src.decode(&[next]).unwrap();
     let d2 = src
         .logits()

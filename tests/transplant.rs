@@ -9,7 +9,7 @@ use molt::engine::{
     Context, ContextConfig, Model, ModelOptions, Sampler, SamplingParams, log_softmax,
 };
 use molt::ladder::Ladder;
-use molt::session::migrate::{reprefill, transplant};
+use molt::session::migrate::{reprefill, transplant, transplant_with};
 use molt::session::routes::{Routes, Variant, binding};
 use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions, Strategy, jsd};
 use molt::train::{TrainOptions, fit_ladder, read_corpus};
@@ -283,6 +283,57 @@ fn transplant_and_reprefill_agree_in_direction_on_tiny_rungs() {
     assert!(d.is_finite() && d >= 0.0);
     let lp = log_softmax(&a);
     assert!(lp.iter().all(|x| x.is_finite()));
+}
+
+#[test]
+fn tail_recompute_rereads_the_last_tokens_natively() {
+    // A tail as long as the whole history drops every projected cell: the destination then
+    // holds exactly what a re-prefill builds, so their logits agree to the bit. A shorter
+    // tail keeps the projected prefix and the right positions, and moves the first logits
+    // toward the re-prefill's.
+    let dir = tiny_projectors();
+    let l = common::tiny_ladder();
+    let mut routes = Routes::new(l, vec![dir.clone()], Variant::Auto);
+    let p = routes.get(0, 2).unwrap();
+    let ms = Model::load(&l.rungs[0].path, "big", ModelOptions::default()).unwrap();
+    let md = Model::load(&l.rungs[2].path, "small", ModelOptions::default()).unwrap();
+    let mut src = Context::new(ms.clone(), cfg()).unwrap();
+    let mut dst = Context::new(md, cfg()).unwrap();
+    let toks = ms.tokenize(TEXT, false).unwrap();
+    src.decode(&toks).unwrap();
+    let next = toks[3];
+    reprefill(&src, &mut dst, &toks, next).unwrap();
+    let floor = dst.logits().to_vec();
+    let all = transplant_with(&src, &mut dst, &p, None, &toks, next).unwrap();
+    assert_eq!(all.tail, toks.len());
+    assert_eq!(dst.n_past(), toks.len() + 1);
+    assert_eq!(
+        max_abs(dst.logits(), &floor),
+        0.0,
+        "whole-history tail = re-prefill"
+    );
+    let plain = transplant(&src, &mut dst, &p, next).unwrap();
+    assert_eq!(plain.tail, 0);
+    let d_plain = jsd(dst.logits(), &floor);
+    let w = toks.len() / 2;
+    let half = transplant_with(&src, &mut dst, &p, None, &toks[toks.len() - w..], next).unwrap();
+    assert_eq!((half.tail, half.cells), (w, toks.len()));
+    assert_eq!(
+        dst.n_past(),
+        toks.len() + 1,
+        "positions continue after the tail"
+    );
+    assert_eq!(dst.seq_pos_max(), i32::try_from(toks.len()).unwrap());
+    let d_half = jsd(dst.logits(), &floor);
+    assert!(
+        d_half <= d_plain,
+        "re-reading half the context natively does not move away from the floor: {d_half} vs {d_plain}"
+    );
+    // A tail longer than the cache is refused, and the destination is left usable.
+    let mut longer = toks.clone();
+    longer.push(next);
+    let e = transplant_with(&src, &mut dst, &p, None, &longer, next).unwrap_err();
+    assert!(e.to_string().contains("tail recompute"), "{e}");
 }
 
 /// Real ladder (CI): tier0 answers, the session moves to tier2 mid-answer by transplant, and

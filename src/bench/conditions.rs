@@ -133,6 +133,15 @@ pub struct ArmSpec {
     /// switch instead of projected (`None`: every layer projected).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub topk: Option<usize>,
+    /// Tail recompute: the last n history tokens re-read natively on the destination at a
+    /// switch (0: every position projected).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub tail: usize,
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)]
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 impl ArmSpec {
@@ -147,7 +156,27 @@ impl ArmSpec {
             size: Variant::Auto,
             built: true,
             topk: None,
+            tail: 0,
         }
+    }
+
+    fn tail(n: usize) -> Self {
+        Self {
+            tail: n,
+            ..Self::ablation(
+                &format!("D-tail{n}"),
+                &format!("with the last {n} tokens re-read natively after the projection"),
+                Variant::Auto,
+                Variant::Auto,
+            )
+        }
+    }
+
+    /// An option arm: one of D's off-by-default options turned on (top-k or tail recompute),
+    /// selected by id only.
+    #[must_use]
+    pub fn is_option(&self) -> bool {
+        self.topk.is_some() || self.tail > 0
     }
 
     fn topk(k: usize) -> Self {
@@ -262,10 +291,13 @@ pub fn all_arms() -> Vec<ArmSpec> {
         ArmSpec::topk(2),
         ArmSpec::topk(4),
         ArmSpec::topk(6),
+        ArmSpec::tail(8),
+        ArmSpec::tail(32),
     ]
 }
 
-/// `all` (every arm but the top-k ones, which are selected by id: `D-topk2,D-topk4,D-topk6`),
+/// `all` (every arm but the option arms, which are selected by id: `D-topk2,D-topk4,D-topk6`,
+/// `D-tail8,D-tail32`),
 /// or a comma-separated list of arm ids (case-insensitive). Unbuilt slots are listed but never
 /// run.
 ///
@@ -276,7 +308,7 @@ pub fn select_arms(spec: &str) -> Result<Vec<ArmSpec>, BenchError> {
     if spec.trim().eq_ignore_ascii_case("all") {
         // The top-k arms need hidden maps that `train-projectors --topk` fits on request only,
         // and run an option that is off by default: they are chosen by name.
-        return Ok(all.into_iter().filter(|a| a.topk.is_none()).collect());
+        return Ok(all.into_iter().filter(|a| !a.is_option()).collect());
     }
     let mut out = Vec::new();
     for id in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
@@ -915,6 +947,7 @@ fn generate_once(
         // own buffers and make arms differ by bookkeeping.
         observe_footprint: false,
         topk_recompute: arm.topk,
+        tail_recompute: arm.tail,
         ..SessionOptions::default()
     };
     let mut session = Session::with_options(ladder.clone(), cfg, ladder.rungs[start].name(), opts)?;
@@ -1732,7 +1765,7 @@ mod tests {
         let d = all.iter().find(|a| a.id == "D").unwrap();
         for a in all
             .iter()
-            .filter(|a| a.id.starts_with("D-") && a.built && a.topk.is_none())
+            .filter(|a| a.id.starts_with("D-") && a.built && !a.is_option())
         {
             let changed = [RouteKind::Precision, RouteKind::Size]
                 .iter()
@@ -1745,6 +1778,8 @@ mod tests {
         assert_eq!(topk, [2, 4, 6], "the top-k arms change only k");
         assert!(all.iter().all(|a| a.built));
         assert_eq!(select_arms("d-topk4").unwrap()[0].topk, Some(4));
+        assert_eq!(select_arms("d-tail32").unwrap()[0].tail, 32);
+        assert!(select_arms("all").unwrap().iter().all(|a| !a.is_option()));
     }
 
     #[test]

@@ -14,7 +14,7 @@ use serde::Serialize;
 use super::speed::Rate;
 use crate::engine::{ContextConfig, Token};
 use crate::ladder::Ladder;
-use crate::session::migrate::{prefill_flops, reprefill, transplant};
+use crate::session::migrate::{prefill_flops, reprefill, transplant, transplant_with};
 use crate::session::routes::{RouteKind, Routes, binding, route_kind};
 use crate::session::{LiveRung, SessionError, jsd};
 
@@ -55,6 +55,27 @@ pub struct SweepPoint {
     pub reprefill_jsd_mean: f64,
     /// transplant_jsd_mean / reprefill_jsd_mean.
     pub seam_mean_ratio: f64,
+    /// The transplant with tail recompute (the last `tail` tokens re-read natively on the
+    /// destination), one entry per requested tail length.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tails: Vec<TailPoint>,
+}
+
+/// The transplant with tail recompute at one sweep point.
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct TailPoint {
+    /// Tokens re-read natively.
+    pub tail: usize,
+    /// Cost, decision to first logits, ms.
+    pub cost_ms: Rate,
+    /// Median re-prefill / median cost.
+    pub speedup: f64,
+    /// Handoff JSD at the switch step.
+    pub jsd: f64,
+    /// Mean JSD over the switch step and the next [`SEAM`] steps.
+    pub jsd_mean: f64,
+    /// jsd_mean / the re-prefill's (the floor's); `None` when the floor is 0.
+    pub seam_mean_ratio: Option<f64>,
 }
 
 /// Steps after the switch over which the seam is averaged.
@@ -86,6 +107,8 @@ pub struct SweepOptions {
     pub lengths: Vec<usize>,
     /// Repetitions per method.
     pub reps: usize,
+    /// Tail recompute lengths measured beside the plain transplant (empty: none).
+    pub tails: Vec<usize>,
 }
 
 fn med(v: &[f64]) -> f64 {
@@ -150,7 +173,23 @@ pub fn run(
                 let (mut t_ms, mut r_ms) = (Vec::new(), Vec::new());
                 let mut parts = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
                 let (mut t_seam, mut r_seam, mut t_flops) = ((0.0, 0.0), (0.0, 0.0), 0.0);
+                let tails: Vec<usize> = opts.tails.iter().copied().filter(|&w| w <= n).collect();
+                let mut tail_ms = vec![Vec::new(); tails.len()];
+                let mut tail_seam = vec![(0.0, 0.0); tails.len()];
                 for _ in 0..opts.reps.max(1) {
+                    for (k, &w) in tails.iter().enumerate() {
+                        let t = transplant_with(
+                            &src.ctx,
+                            &mut dst.ctx,
+                            &projector,
+                            None,
+                            &history[n - w..],
+                            last,
+                        )?;
+                        tail_seam[k] = seam(&mut dst.ctx, &reference, &follow[1..])
+                            .map_err(engine(dst.name()))?;
+                        tail_ms[k].push(t.cost_ms);
+                    }
                     let t = transplant(&src.ctx, &mut dst.ctx, &projector, last)?;
                     t_seam =
                         seam(&mut dst.ctx, &reference, &follow[1..]).map_err(engine(dst.name()))?;
@@ -190,6 +229,31 @@ pub fn run(
                     t_seam.1,
                     r_seam.1
                 ));
+                let tails = tails
+                    .iter()
+                    .zip(tail_ms)
+                    .zip(&tail_seam)
+                    .map(|((&tail, v), &(jsd, jsd_mean))| {
+                        let cost_ms = Rate::from(v);
+                        progress(&format!(
+                            "  tail {tail}: {:.1} ms ({:.1}x); seam JSD {jsd:.4}, mean {jsd_mean:.4}",
+                            cost_ms.median,
+                            rm.median / cost_ms.median
+                        ));
+                        TailPoint {
+                            tail,
+                            speedup: if cost_ms.median > 0.0 {
+                                rm.median / cost_ms.median
+                            } else {
+                                0.0
+                            },
+                            cost_ms,
+                            jsd,
+                            jsd_mean,
+                            seam_mean_ratio: (r_seam.1 > 0.0).then(|| jsd_mean / r_seam.1),
+                        }
+                    })
+                    .collect();
                 out.push(SweepPoint {
                     route: route.clone(),
                     kind,
@@ -216,6 +280,7 @@ pub fn run(
                     } else {
                         f64::NAN
                     },
+                    tails,
                 });
             }
         }

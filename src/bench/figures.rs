@@ -686,6 +686,18 @@ pub struct SweepPointDoc {
     pub reprefill_jsd: f64,
     /// Their ratio.
     pub seam_ratio: f64,
+    /// Transplant JSD averaged over the switch step and the steps after it.
+    #[serde(default)]
+    pub transplant_jsd_mean: Option<f64>,
+    /// The same for the re-prefill (floor).
+    #[serde(default)]
+    pub reprefill_jsd_mean: Option<f64>,
+    /// Their ratio.
+    #[serde(default)]
+    pub seam_mean_ratio: Option<f64>,
+    /// The transplant with tail recompute.
+    #[serde(default)]
+    pub tails: Vec<crate::bench::cost_sweep::TailPoint>,
 }
 
 fn routes_of(doc: &SweepDoc) -> Vec<String> {

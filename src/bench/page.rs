@@ -346,13 +346,14 @@ fn sweep_section(doc: &SweepDoc) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "| route | kind | context tokens | transplant ms | re-prefill ms | speedup | FLOPs avoided | transplant JSD | re-prefill JSD (floor) | seam ratio |"
+        "| route | kind | context tokens | transplant ms | re-prefill ms | speedup | FLOPs avoided | transplant JSD | re-prefill JSD (floor) | seam ratio | mean JSD over {} steps, transplant / floor | mean seam ratio |",
+        super::cost_sweep::SEAM + 1
     );
-    let _ = writeln!(s, "|{}", "---|".repeat(10));
+    let _ = writeln!(s, "|{}", "---|".repeat(12));
     for p in &doc.points {
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {} | {:.1}× | {} | {:.4} | {:.4} | {:.2} |",
+            "| {} | {} | {} | {} | {} | {:.1}× | {} | {:.4} | {:.4} | {:.2} | {} | {} |",
             p.route,
             p.kind,
             p.context_tokens,
@@ -362,8 +363,39 @@ fn sweep_section(doc: &SweepDoc) -> String {
             pct(Some(p.flops_avoided)),
             p.transplant_jsd,
             p.reprefill_jsd,
-            p.seam_ratio
+            p.seam_ratio,
+            pair(p.transplant_jsd_mean, p.reprefill_jsd_mean, 4),
+            f(p.seam_mean_ratio, 2),
         );
+    }
+    if doc.points.iter().any(|p| !p.tails.is_empty()) {
+        let _ = writeln!(
+            s,
+            "\n**Tail recompute** (the transplant, then the last N tokens re-read natively on the destination — `--tail-recompute N`, off by default): what it buys at the seam and what it costs.\n"
+        );
+        let _ = writeln!(
+            s,
+            "| route | context tokens | tail N | cost ms | speedup vs re-prefill | seam JSD | mean JSD over {} steps | mean seam ratio (plain transplant) |",
+            super::cost_sweep::SEAM + 1
+        );
+        let _ = writeln!(s, "|{}", "---|".repeat(8));
+        for p in &doc.points {
+            for t in &p.tails {
+                let _ = writeln!(
+                    s,
+                    "| {} | {} | {} | {} | {:.1}× | {:.4} | {:.4} | {} ({}) |",
+                    p.route,
+                    p.context_tokens,
+                    t.tail,
+                    rate(Some(&t.cost_ms), 1),
+                    t.speedup,
+                    t.jsd,
+                    t.jsd_mean,
+                    f(t.seam_mean_ratio, 2),
+                    f(p.seam_mean_ratio, 2),
+                );
+            }
+        }
     }
     s
 }

@@ -39,6 +39,10 @@ pub struct SwitchTimings {
     /// Destination blocks recomputed natively (`None`: all projected).
     #[serde(default)]
     pub topk: Option<usize>,
+    /// Tail recompute: the last positions re-read natively on the destination after the
+    /// import, inside `first_decode_ms` (0: every position kept as projected).
+    #[serde(default)]
+    pub tail: usize,
     /// The whole switch, decision to first logits.
     pub cost_ms: f64,
     /// Cells carried (transplant) or tokens re-read (re-prefill).
@@ -256,7 +260,7 @@ pub fn transplant(
     projector: &Projector,
     last: Token,
 ) -> Result<SwitchTimings, SessionError> {
-    transplant_with(src, dst, projector, None, last)
+    transplant_with(src, dst, projector, None, &[], last)
 }
 
 /// [`transplant`] with selective top-k recompute of the destination's last layers.
@@ -268,6 +272,7 @@ pub fn transplant_with(
     dst: &mut Context,
     projector: &Projector,
     recompute: Option<&Recompute<'_>>,
+    tail: &[Token],
     last: Token,
 ) -> Result<SwitchTimings, SessionError> {
     let t0 = Instant::now();
@@ -285,6 +290,7 @@ pub fn transplant_with(
         dst,
         projector,
         recompute,
+        tail,
         last,
     )
 }
@@ -304,7 +310,10 @@ pub struct Exported<'a> {
 
 /// The rest of a transplant once the source's state is exported: project (recomputing the
 /// destination's last k layers natively when `recompute` is given), import into `dst`, decode
-/// `last` there. On failure `dst` is left empty.
+/// `last` there. `tail` — the history's last tokens, empty for none — is re-read natively
+/// first: their projected cells are dropped and the destination decodes them with `last` in
+/// one batch, so the positions nearest the next token carry the destination's own K/V at
+/// every layer (tail recompute). On failure `dst` is left empty.
 ///
 /// # Errors
 /// [`SessionError::Migration`] naming the step that failed.
@@ -313,6 +322,7 @@ pub fn transplant_exported(
     dst: &mut Context,
     projector: &Projector,
     recompute: Option<&Recompute<'_>>,
+    tail: &[Token],
     last: Token,
 ) -> Result<SwitchTimings, SessionError> {
     let fail = |dst: &Context, message: String| SessionError::Migration {
@@ -320,6 +330,16 @@ pub fn transplant_exported(
         to: dst.model().name().to_string(),
         message,
     };
+    if tail.len() > src.n_past {
+        return Err(fail(
+            dst,
+            format!(
+                "tail recompute of {} tokens, but the cache holds {}",
+                tail.len(),
+                src.n_past
+            ),
+        ));
+    }
     let t1 = Instant::now();
     let recomputed = match recompute {
         Some(r) => Some(recompute_top(r, dst.config()).map_err(|m| fail(dst, m))?),
@@ -350,7 +370,13 @@ pub fn transplant_exported(
         ));
     }
     let t3 = Instant::now();
-    if let Err(e) = dst.decode(&[last]) {
+    let mut next = Vec::with_capacity(tail.len() + 1);
+    next.extend_from_slice(tail);
+    next.push(last);
+    if !tail.is_empty() {
+        dst.truncate(src.n_past - tail.len());
+    }
+    if let Err(e) = dst.decode(&next) {
         dst.clear();
         return Err(fail(dst, format!("first decode: {e}")));
     }
@@ -362,6 +388,7 @@ pub fn transplant_exported(
         first_decode_ms,
         recompute_ms,
         topk: recompute.map(|r| r.k),
+        tail: tail.len(),
         cost_ms: src.export_ms + ms(t1),
         cells,
         flops,

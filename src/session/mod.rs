@@ -178,6 +178,12 @@ pub struct SessionOptions {
     /// memory (n_embd floats per tapped layer and token), and its extra switch cost has to be
     /// earned by a smoother seam (the conditions benchmark's `D-topk*` arms measure it).
     pub topk_recompute: Option<usize>,
+    /// Tail recompute: at a Molt switch, drop the projected cells of the last `n` history
+    /// tokens and let the destination re-read them natively (one batch with the pending
+    /// token), so the positions the next token leans on most are the destination's own. 0
+    /// (off) by default; each token re-read costs what a prefill token costs on the
+    /// destination (the conditions benchmark's `D-tail*` arms weigh it against the seam).
+    pub tail_recompute: usize,
 }
 
 impl Default for SessionOptions {
@@ -192,6 +198,7 @@ impl Default for SessionOptions {
             pinned_tokens: None,
             observe_footprint: true,
             topk_recompute: None,
+            tail_recompute: 0,
         }
     }
 }
@@ -441,6 +448,13 @@ impl Session {
             self.unload(old);
         }
         Ok(())
+    }
+
+    /// The history's last tokens a Molt switch re-reads natively
+    /// ([`SessionOptions::tail_recompute`]), never more than the `n_past` cells the cache holds.
+    fn tail_tokens(&self, n_past: usize) -> &[Token] {
+        let n = self.opts.tail_recompute.min(n_past).min(self.history.len());
+        &self.history[self.history.len() - n..]
     }
 
     /// The rung this session started on and never goes above.
@@ -793,7 +807,8 @@ impl Session {
                         None
                     });
                     let rc = topk.as_ref().map(|t| self.recompute_for(to, t));
-                    migrate::transplant_with(&src.ctx, &mut dst.ctx, &p, rc.as_ref(), last)
+                    let tail = self.tail_tokens(src.ctx.n_past());
+                    migrate::transplant_with(&src.ctx, &mut dst.ctx, &p, rc.as_ref(), tail, last)
                         .map(|t| (t, "molt"))
                 }
                 Err(e) => {
@@ -901,6 +916,7 @@ impl Session {
                         &mut dst.ctx,
                         p,
                         rc.as_ref(),
+                        self.tail_tokens(n_past),
                         last,
                     )
                     .map(|t| (t, "molt")),

@@ -44,6 +44,10 @@ pub struct Args {
     /// Context lengths of the cost sweep.
     #[arg(long, value_delimiter = ',', default_values_t = vec![128usize, 256, 512, 1024])]
     pub lengths: Vec<usize>,
+    /// Tail recompute lengths the cost sweep measures beside the plain transplant (the last N
+    /// tokens re-read natively on the destination); `--tails ''` for none.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![8usize, 32])]
+    pub tails: Vec<usize>,
     /// Corpus for the cost sweep's contexts.
     #[arg(long, default_value = "projectors/corpus")]
     pub corpus: PathBuf,
@@ -64,7 +68,7 @@ pub struct Args {
     pub out_dir: PathBuf,
     /// The conditions benchmark: `all`, or arm ids separated by commas (A, B, C, D,
     /// D-no-sandwich, D-no-remap, D-truncate, D-no-diagonal, D-dense, D-per-head; and by id
-    /// only, top-k recompute: D-topk2, D-topk4, D-topk6).
+    /// only, top-k recompute: D-topk2, D-topk4, D-topk6; tail recompute: D-tail8, D-tail32).
     #[arg(long, value_name = "ARMS")]
     pub conditions: Option<String>,
     /// Prompts of the conditions benchmark (JSONL: id, kind, prompt).
@@ -155,6 +159,7 @@ fn run_cost_sweep(g: &GlobalArgs, a: &Args) -> Result<()> {
         &molt::bench::cost_sweep::SweepOptions {
             lengths: a.lengths.clone(),
             reps: a.reps,
+            tails: a.tails.clone(),
         },
         &mut |s| eprintln!("{s}"),
     )?;

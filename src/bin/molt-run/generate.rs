@@ -65,6 +65,10 @@ pub struct Args {
     /// projecting their K/V. Needs hidden maps from `train-projectors --topk K`.
     #[arg(long, value_name = "K")]
     pub topk_recompute: Option<usize>,
+    /// Tail recompute (0, off, by default): at a molt switch, re-read the last N tokens
+    /// natively on the destination instead of keeping their projected cache.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub tail_recompute: usize,
     /// Write JSONL results here instead of stdout (text is then streamed to stdout).
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -189,6 +193,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         strategy: a.strategy.into(),
         projector_dirs: routes::search_dirs(a.projectors.as_deref()),
         topk_recompute: a.topk_recompute,
+        tail_recompute: a.tail_recompute,
         ..SessionOptions::default()
     };
     let mut session = Session::with_options(ladder, config, &start, opts)?;
