@@ -2,12 +2,14 @@
 //! rungs warm, every route, measured side by side in one run (alternating, so the machine's
 //! drift hits both), with the handoff divergence of each beside its cost.
 //!
-//! For each route and length `n`: the source reads `n` tokens of the corpus; then, `reps`
-//! times each, alternating, (a) [`transplant`] its cache into the destination and decode the
-//! next token there, (b) [`reprefill`] the same `n` tokens plus the next one on the
-//! destination. Both end at the destination's first logits; both are compared (JSD) with the
-//! source's own next-token distribution. The re-prefill's divergence is the floor: it is what
-//! the destination says with a perfect cache of its own.
+//! For each route and length `n`, `reps` times, each time on its own window of `n` corpus
+//! tokens (spread over the corpus): the source reads the window; then, alternating, (a)
+//! [`transplant`] its cache into the destination and decode the next token there (and the same
+//! with each requested tail recompute), (b) [`reprefill`] the same `n` tokens plus the next one
+//! on the destination. All end at the destination's first logits; all are compared (JSD) with
+//! the source's own next-token distribution, at the switch step and over the next [`SEAM`]
+//! teacher-forced steps, averaged over the windows. The re-prefill's divergence is the floor:
+//! it is what the destination says with a perfect cache of its own.
 
 use serde::Serialize;
 
@@ -41,7 +43,8 @@ pub struct SweepPoint {
     pub reprefill_flops: f64,
     /// 1 − transplant / re-prefill FLOPs.
     pub flops_avoided: f64,
-    /// Handoff JSD (nats) of the transplant against the source's next-token distribution.
+    /// Handoff JSD (nats) of the transplant against the source's next-token distribution
+    /// (mean over the repetitions' windows, as are all the JSDs here).
     pub transplant_jsd: f64,
     /// Handoff JSD of the re-prefill (the floor).
     pub reprefill_jsd: f64,
@@ -157,26 +160,36 @@ pub fn run(
             let route = format!("{}→{}", ladder.rungs[si].name(), ladder.rungs[di].name());
             for &n in &opts.lengths {
                 progress(&format!("{route} at {n} tokens"));
-                let history = &corpus[..n];
-                let last = corpus[n];
                 let (src, dst) = pair(&mut rungs, si, di);
-                src.ctx.clear();
-                src.ctx.decode(history).map_err(engine(src.name()))?;
-                // The source's own distributions at the switch step and the next `SEAM` steps
-                // (teacher-forced on the corpus), then rewind it.
-                let follow = &corpus[n..n + 1 + SEAM];
-                let reference = src
-                    .ctx
-                    .decode_all_logits(follow)
-                    .map_err(engine(src.name()))?;
-                src.ctx.truncate(n);
                 let (mut t_ms, mut r_ms) = (Vec::new(), Vec::new());
                 let mut parts = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
                 let (mut t_seam, mut r_seam, mut t_flops) = ((0.0, 0.0), (0.0, 0.0), 0.0);
                 let tails: Vec<usize> = opts.tails.iter().copied().filter(|&w| w <= n).collect();
                 let mut tail_ms = vec![Vec::new(); tails.len()];
                 let mut tail_seam = vec![(0.0, 0.0); tails.len()];
-                for _ in 0..opts.reps.max(1) {
+                let reps = opts.reps.max(1);
+                for rep in 0..reps {
+                    // Each repetition reads its own window of the corpus, so the seam is a
+                    // mean over `reps` contexts rather than one (a single window can be
+                    // near-certain for every model); the timings compare like with like, as
+                    // every window is `n` tokens long.
+                    let start = window_start(corpus.len(), n + 1 + SEAM, rep, reps);
+                    let history = &corpus[start..start + n];
+                    let last = corpus[start + n];
+                    let follow = &corpus[start + n..start + n + 1 + SEAM];
+                    src.ctx.clear();
+                    src.ctx.decode(history).map_err(engine(src.name()))?;
+                    // The source's own distributions at the switch step and the next `SEAM`
+                    // steps (teacher-forced on the corpus), then rewind it.
+                    let reference = src
+                        .ctx
+                        .decode_all_logits(follow)
+                        .map_err(engine(src.name()))?;
+                    src.ctx.truncate(n);
+                    let add = |acc: &mut (f64, f64), v: (f64, f64)| {
+                        acc.0 += v.0 / reps as f64;
+                        acc.1 += v.1 / reps as f64;
+                    };
                     for (k, &w) in tails.iter().enumerate() {
                         let t = transplant_with(
                             &src.ctx,
@@ -186,13 +199,15 @@ pub fn run(
                             &history[n - w..],
                             last,
                         )?;
-                        tail_seam[k] = seam(&mut dst.ctx, &reference, &follow[1..])
+                        let v = seam(&mut dst.ctx, &reference, &follow[1..])
                             .map_err(engine(dst.name()))?;
+                        add(&mut tail_seam[k], v);
                         tail_ms[k].push(t.cost_ms);
                     }
                     let t = transplant(&src.ctx, &mut dst.ctx, &projector, last)?;
-                    t_seam =
+                    let v =
                         seam(&mut dst.ctx, &reference, &follow[1..]).map_err(engine(dst.name()))?;
+                    add(&mut t_seam, v);
                     t_flops = t.flops;
                     t_ms.push(t.cost_ms);
                     for (p, v) in parts.iter_mut().zip([
@@ -204,8 +219,9 @@ pub fn run(
                         p.push(v);
                     }
                     let r = reprefill(&src.ctx, &mut dst.ctx, history, last)?;
-                    r_seam =
+                    let v =
                         seam(&mut dst.ctx, &reference, &follow[1..]).map_err(engine(dst.name()))?;
+                    add(&mut r_seam, v);
                     r_ms.push(r.cost_ms);
                 }
                 let (t_jsd, r_jsd) = (t_seam.0, r_seam.0);
@@ -286,6 +302,17 @@ pub fn run(
         }
     }
     Ok(out)
+}
+
+/// Where repetition `rep` of `reps` starts its window of `len` tokens: spread evenly over the
+/// corpus, the first at its start, the last at its end.
+fn window_start(corpus_len: usize, len: usize, rep: usize, reps: usize) -> usize {
+    let room = corpus_len.saturating_sub(len);
+    if reps <= 1 {
+        0
+    } else {
+        room * rep / (reps - 1)
+    }
 }
 
 fn pair(v: &mut [LiveRung], a: usize, b: usize) -> (&mut LiveRung, &mut LiveRung) {

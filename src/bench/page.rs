@@ -255,8 +255,10 @@ fn ablations(r: &ConditionsReport) -> String {
         let differs = |x: &super::conditions::ArmSpec, d: &super::conditions::ArmSpec, k| {
             x.variant(k).tag(k) != d.variant(k).tag(k)
         };
+        // An option arm (top-k or tail recompute) adds a mechanism to D on every route.
+        let option = spec.is_some_and(super::conditions::ArmSpec::is_option);
         let (prec, size) = match (spec, d_spec) {
-            (Some(x), Some(d)) => (
+            (Some(x), Some(d)) if !option => (
                 differs(x, d, RouteKind::Precision),
                 differs(x, d, RouteKind::Size),
             ),
@@ -310,6 +312,20 @@ fn ablations(r: &ConditionsReport) -> String {
         }
         let verdict = match (parts.is_empty(), worse.is_empty(), better.is_empty()) {
             (true, _, _) => "no quality difference could be measured on this run".to_string(),
+            (false, true, false) if option => format!(
+                "turning it on makes most prompts better on {} and worse on none: weigh that against the switch cost above",
+                better.join(", ")
+            ),
+            (false, false, true) if option => format!(
+                "turning it on makes most prompts worse on {}: on this run it does not earn its cost",
+                worse.join(", ")
+            ),
+            (false, true, true) if option => "turning it on moves no measure for most prompts: on this run it does not earn its cost".to_string(),
+            (false, false, false) if option => format!(
+                "mixed: turning it on makes most prompts better on {} but worse on {}",
+                better.join(", "),
+                worse.join(", ")
+            ),
             (false, false, true) => format!(
                 "removing it makes most prompts worse on {}: the mechanism pays for itself here",
                 worse.join(", ")
