@@ -259,21 +259,46 @@ fn missing_and_foreign_projectors_are_clear_errors() {
     assert!(e.contains("sha256") || e.contains("bound"), "{e}");
 }
 
-#[test]
-fn transplant_and_reprefill_agree_in_direction_on_tiny_rungs() {
-    // Both strategies end at the destination's first logits; the re-prefill's divergence from
-    // the source is the floor, and both must be finite distributions.
-    let dir = tiny_projectors();
+/// The fitted tiny big→small route with the source holding [`TEXT`] and an empty destination.
+struct TinyRoute {
+    p: std::sync::Arc<molt::transplant::projector::Projector>,
+    src: Context,
+    dst: Context,
+    toks: Vec<molt::engine::Token>,
+    next: molt::engine::Token,
+}
+
+fn tiny_big_to_small() -> TinyRoute {
     let l = common::tiny_ladder();
-    let mut routes = Routes::new(l, vec![dir.clone()], Variant::Auto);
+    let mut routes = Routes::new(l, vec![tiny_projectors().clone()], Variant::Auto);
     let p = routes.get(0, 2).unwrap();
     let ms = Model::load(&l.rungs[0].path, "big", ModelOptions::default()).unwrap();
     let md = Model::load(&l.rungs[2].path, "small", ModelOptions::default()).unwrap();
     let mut src = Context::new(ms.clone(), cfg()).unwrap();
-    let mut dst = Context::new(md, cfg()).unwrap();
+    let dst = Context::new(md, cfg()).unwrap();
     let toks = ms.tokenize(TEXT, false).unwrap();
     src.decode(&toks).unwrap();
     let next = toks[3];
+    TinyRoute {
+        p,
+        src,
+        dst,
+        toks,
+        next,
+    }
+}
+
+#[test]
+fn transplant_and_reprefill_agree_in_direction_on_tiny_rungs() {
+    // Both strategies end at the destination's first logits; the re-prefill's divergence from
+    // the source is the floor, and both must be finite distributions.
+    let TinyRoute {
+        p,
+        src,
+        mut dst,
+        toks,
+        next,
+    } = tiny_big_to_small();
     let t = transplant(&src, &mut dst, &p, next).unwrap();
     let a = dst.logits().to_vec();
     let r = reprefill(&src, &mut dst, &toks, next).unwrap();
@@ -291,17 +316,13 @@ fn tail_recompute_rereads_the_last_tokens_natively() {
     // holds exactly what a re-prefill builds, so their logits agree to the bit. A shorter
     // tail keeps the projected prefix and the right positions, and moves the first logits
     // toward the re-prefill's.
-    let dir = tiny_projectors();
-    let l = common::tiny_ladder();
-    let mut routes = Routes::new(l, vec![dir.clone()], Variant::Auto);
-    let p = routes.get(0, 2).unwrap();
-    let ms = Model::load(&l.rungs[0].path, "big", ModelOptions::default()).unwrap();
-    let md = Model::load(&l.rungs[2].path, "small", ModelOptions::default()).unwrap();
-    let mut src = Context::new(ms.clone(), cfg()).unwrap();
-    let mut dst = Context::new(md, cfg()).unwrap();
-    let toks = ms.tokenize(TEXT, false).unwrap();
-    src.decode(&toks).unwrap();
-    let next = toks[3];
+    let TinyRoute {
+        p,
+        src,
+        mut dst,
+        toks,
+        next,
+    } = tiny_big_to_small();
     reprefill(&src, &mut dst, &toks, next).unwrap();
     let floor = dst.logits().to_vec();
     let all = transplant_with(&src, &mut dst, &p, None, &toks, next).unwrap();

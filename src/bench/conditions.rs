@@ -1748,9 +1748,10 @@ mod tests {
         let all = all_arms();
         assert_eq!(
             select_arms("all").unwrap().len(),
-            all.len() - 3,
-            "all but top-k"
+            all.iter().filter(|a| !a.is_option()).count(),
+            "all but the option arms"
         );
+        assert_eq!(all.iter().filter(|a| a.is_option()).count(), 5);
         let s = select_arms("a, D ,d-truncate").unwrap();
         assert_eq!(
             s.iter().map(|a| a.id.as_str()).collect::<Vec<_>>(),

@@ -14,6 +14,11 @@ pub struct Args {
     /// Figure directory, relative to --results.
     #[arg(long, default_value = "figures")]
     pub figures_dir: String,
+    /// The top README: its block between `<!-- molt-run figures: begin -->` and
+    /// `<!-- molt-run figures: end -->` is replaced by the generated figures (left alone when
+    /// the file or the markers are absent).
+    #[arg(long, default_value = "README.md")]
+    pub readme: PathBuf,
 }
 
 pub fn run(a: &Args) -> Result<()> {
@@ -39,6 +44,25 @@ pub fn run(a: &Args) -> Result<()> {
         &set,
     )? {
         eprintln!("wrote {}", p.display());
+    }
+    let snippet = std::fs::read_to_string(a.results.join("figures.md"))?;
+    match std::fs::read_to_string(&a.readme) {
+        Ok(text) => match page::splice_readme(&text, &snippet)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", a.readme.display()))?
+        {
+            Some(new) if new != text => {
+                std::fs::write(&a.readme, new)?;
+                eprintln!("updated the figure block of {}", a.readme.display());
+            }
+            Some(_) => eprintln!("{}: figure block already current", a.readme.display()),
+            None => eprintln!(
+                "{}: no {:?} marker, figure block not written",
+                a.readme.display(),
+                page::README_BEGIN
+            ),
+        },
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(anyhow::anyhow!("{}: {e}", a.readme.display())),
     }
     Ok(())
 }
