@@ -814,16 +814,36 @@ pub fn cost_sweep(doc: &SweepDoc, path: &Path) -> Result<Figure, BenchError> {
         .border_style(BLACK)
         .draw()
         .map_err(&e)?;
+    // The mean over the switch step and the steps after it when the sweep recorded it (one
+    // step can be near-certain for both models); older sweeps have the switch step only.
+    let mean = doc.points.iter().any(|p| p.seam_mean_ratio.is_some());
+    let ratio = |p: &SweepPointDoc| {
+        if mean {
+            p.seam_mean_ratio.unwrap_or(f64::NAN)
+        } else {
+            p.seam_ratio
+        }
+    };
     let ratios = || {
         doc.points
             .iter()
-            .map(|p| p.seam_ratio)
+            .map(ratio)
             .filter(|v| v.is_finite() && *v > 0.0)
     };
     let smax = ratios().fold(1.0, f64::max);
     let smin = ratios().fold(1.0, f64::min);
     let mut seam = ChartBuilder::on(&right)
-        .caption("seam: transplant JSD / re-prefill JSD", (FAMILY, 18))
+        .caption(
+            if mean {
+                format!(
+                    "seam: transplant / re-prefill JSD, mean over {} steps",
+                    super::cost_sweep::SEAM + 1
+                )
+            } else {
+                "seam: transplant JSD / re-prefill JSD".to_string()
+            },
+            (FAMILY, 18),
+        )
         .margin(12)
         .x_label_area_size(35)
         .y_label_area_size(60)
@@ -848,8 +868,8 @@ pub fn cost_sweep(doc: &SweepDoc, path: &Path) -> Result<Figure, BenchError> {
         let pts: Vec<(f64, f64)> = doc
             .points
             .iter()
-            .filter(|p| &p.route == route && p.seam_ratio.is_finite() && p.seam_ratio > 0.0)
-            .map(|p| (p.context_tokens as f64, p.seam_ratio))
+            .filter(|p| &p.route == route && ratio(p).is_finite() && ratio(p) > 0.0)
+            .map(|p| (p.context_tokens as f64, ratio(p)))
             .collect();
         seam.draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
             .map_err(&e)?;
