@@ -48,6 +48,8 @@ fn projectors(out: &std::path::Path) -> molt::train::TrainReport {
             ],
             dtype: TensorDtype::F32,
             out_dir: out.to_path_buf(),
+            skip_head: 0,
+            restore_spread: false,
         },
         &mut |_| {},
     )

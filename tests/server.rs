@@ -56,6 +56,8 @@ fn tiny_projectors() -> &'static PathBuf {
                 variants: vec![Variant::Auto],
                 dtype: TensorDtype::F32,
                 out_dir: out.clone(),
+                skip_head: 0,
+                restore_spread: false,
             },
             &mut |_| {},
         )

@@ -189,7 +189,7 @@ fn partial_forward_matches_real_tier2() {
 /// time is reported inside the switch cost.
 #[test]
 fn spliced_recompute_continues_like_the_native_cache() {
-    use molt::session::migrate::{Recompute, transplant_with};
+    use molt::session::migrate::{Recompute, Reread, transplant_with};
     use molt::session::routes::binding;
     use molt::transplant::project::identity_projector;
     let l = common::tiny_ladder();
@@ -213,7 +213,7 @@ fn spliced_recompute_continues_like_the_native_cache() {
         dst_layers: n_layer,
     };
     let mut dst = Context::new(model.clone(), cfg()).unwrap();
-    let t = transplant_with(&src, &mut dst, &p, Some(&rc), &[], next).unwrap();
+    let t = transplant_with(&src, &mut dst, &p, Some(&rc), Reread::NONE, next).unwrap();
     assert_eq!(t.topk, Some(k));
     assert!(t.recompute_ms > 0.0 && t.recompute_ms <= t.cost_ms, "{t:?}");
     src.decode(&[next]).unwrap();
@@ -233,7 +233,7 @@ fn spliced_recompute_continues_like_the_native_cache() {
     };
     src.truncate(toks.len());
     let mut dst2 = Context::new(model, cfg()).unwrap();
-    transplant_with(&src, &mut dst2, &p, Some(&bad), &[], next).unwrap();
+    transplant_with(&src, &mut dst2, &p, Some(&bad), Reread::NONE, next).unwrap();
     src.decode(&[next]).unwrap();
     let d2 = src
         .logits()
@@ -277,6 +277,8 @@ fn tiny_topk_dir() -> &'static std::path::PathBuf {
                 variants: vec![],
                 dtype: molt::transplant::projector::TensorDtype::F32,
                 out_dir: dir.clone(),
+                skip_head: 0,
+                restore_spread: false,
             },
             &[1, 2],
             &mut |_| {},
@@ -383,6 +385,8 @@ fn topk_switch_mid_answer_on_real_ladder() {
             variants: vec![],
             dtype: molt::transplant::projector::TensorDtype::F32,
             out_dir: dir.clone(),
+            skip_head: 0,
+            restore_spread: false,
         },
         &[2],
         &mut |s| eprintln!("{s}"),

@@ -9,7 +9,7 @@ use molt::engine::{
     Context, ContextConfig, Model, ModelOptions, Sampler, SamplingParams, log_softmax,
 };
 use molt::ladder::Ladder;
-use molt::session::migrate::{reprefill, transplant, transplant_with};
+use molt::session::migrate::{Reread, reprefill, transplant, transplant_with};
 use molt::session::routes::{Routes, Variant, binding};
 use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions, Strategy, jsd};
 use molt::train::{TrainOptions, fit_ladder, read_corpus};
@@ -107,6 +107,8 @@ fn tiny_projectors() -> &'static PathBuf {
                 variants: vec![Variant::Auto],
                 dtype: TensorDtype::F32,
                 out_dir: out.clone(),
+                skip_head: 0,
+                restore_spread: false,
             },
             &mut |_| {},
         )
@@ -325,7 +327,18 @@ fn tail_recompute_rereads_the_last_tokens_natively() {
     } = tiny_big_to_small();
     reprefill(&src, &mut dst, &toks, next).unwrap();
     let floor = dst.logits().to_vec();
-    let all = transplant_with(&src, &mut dst, &p, None, &toks, next).unwrap();
+    let all = transplant_with(
+        &src,
+        &mut dst,
+        &p,
+        None,
+        Reread {
+            head: &[],
+            tail: &toks,
+        },
+        next,
+    )
+    .unwrap();
     assert_eq!(all.tail, toks.len());
     assert_eq!(dst.n_past(), toks.len() + 1);
     assert_eq!(
@@ -337,7 +350,18 @@ fn tail_recompute_rereads_the_last_tokens_natively() {
     assert_eq!(plain.tail, 0);
     let d_plain = jsd(dst.logits(), &floor);
     let w = toks.len() / 2;
-    let half = transplant_with(&src, &mut dst, &p, None, &toks[toks.len() - w..], next).unwrap();
+    let half = transplant_with(
+        &src,
+        &mut dst,
+        &p,
+        None,
+        Reread {
+            head: &[],
+            tail: &toks[toks.len() - w..],
+        },
+        next,
+    )
+    .unwrap();
     assert_eq!((half.tail, half.cells), (w, toks.len()));
     assert_eq!(
         dst.n_past(),
@@ -353,8 +377,115 @@ fn tail_recompute_rereads_the_last_tokens_natively() {
     // A tail longer than the cache is refused, and the destination is left usable.
     let mut longer = toks.clone();
     longer.push(next);
-    let e = transplant_with(&src, &mut dst, &p, None, &longer, next).unwrap_err();
+    let e = transplant_with(
+        &src,
+        &mut dst,
+        &p,
+        None,
+        Reread {
+            head: &[],
+            tail: &longer,
+        },
+        next,
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("tail recompute"), "{e}");
+}
+
+#[test]
+fn head_reread_splices_the_destinations_own_prefix() {
+    // A head as long as the history replaces every projected row by the destination's own:
+    // exactly what a re-prefill builds. A head and a tail that meet cover the history too, so
+    // the two options compose to the same bits; the positions continue after either.
+    let TinyRoute {
+        p,
+        src,
+        mut dst,
+        toks,
+        next,
+    } = tiny_big_to_small();
+    reprefill(&src, &mut dst, &toks, next).unwrap();
+    let floor = dst.logits().to_vec();
+    let all = transplant_with(
+        &src,
+        &mut dst,
+        &p,
+        None,
+        Reread {
+            head: &toks,
+            tail: &[],
+        },
+        next,
+    )
+    .unwrap();
+    assert_eq!((all.head, all.tail, all.cells), (toks.len(), 0, toks.len()));
+    assert!(all.head_ms > 0.0 && all.head_ms <= all.cost_ms, "{all:?}");
+    assert_eq!(dst.n_past(), toks.len() + 1);
+    assert_eq!(
+        max_abs(dst.logits(), &floor),
+        0.0,
+        "whole-history head = re-prefill"
+    );
+    let h = toks.len() / 3;
+    let both = transplant_with(
+        &src,
+        &mut dst,
+        &p,
+        None,
+        Reread {
+            head: &toks[..h],
+            tail: &toks[h..],
+        },
+        next,
+    )
+    .unwrap();
+    assert_eq!((both.head, both.tail), (h, toks.len() - h));
+    assert_eq!(
+        max_abs(dst.logits(), &floor),
+        0.0,
+        "head + tail = re-prefill"
+    );
+    let plain = transplant(&src, &mut dst, &p, next).unwrap();
+    let d_plain = max_abs(dst.logits(), &floor);
+    assert!(d_plain > 0.0, "the tiny route's projection is not exact");
+    assert_eq!(plain.head, 0);
+    let part = transplant_with(
+        &src,
+        &mut dst,
+        &p,
+        None,
+        Reread {
+            head: &toks[..h],
+            tail: &[],
+        },
+        next,
+    )
+    .unwrap();
+    assert_eq!(part.head, h);
+    assert_eq!(dst.seq_pos_max(), i32::try_from(toks.len()).unwrap());
+    assert_ne!(
+        max_abs(dst.logits(), &floor),
+        d_plain,
+        "the head's native rows changed nothing"
+    );
+    // A head longer than the cache is refused, and the destination is left usable.
+    let mut longer = toks.clone();
+    longer.push(next);
+    let e = transplant_with(
+        &src,
+        &mut dst,
+        &p,
+        None,
+        Reread {
+            head: &longer,
+            tail: &[],
+        },
+        next,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("head re-read"), "{e}");
+    transplant(&src, &mut dst, &p, next).unwrap();
+    assert_eq!(dst.n_past(), toks.len() + 1);
 }
 
 /// Real ladder (CI): tier0 answers, the session moves to tier2 mid-answer by transplant, and
@@ -418,5 +549,101 @@ fn real_ladder_migration_mid_answer_scores_within_bound() {
     assert!(
         distinct.len() * 2 > grams.len(),
         "degenerate repetition after the switch"
+    );
+}
+
+#[test]
+fn chat_windows_open_with_the_template_a_session_renders() {
+    use molt::engine::ChatMessage;
+    use molt::train::{ChatSample, corpus_windows};
+    let l = common::tiny_ladder();
+    let info = &l.rungs[0];
+    let model = Model::load(&info.path, info.name(), ModelOptions::default()).unwrap();
+    let chats = vec![ChatSample {
+        prompt: "hello world".into(),
+        answer: "the answer is here".into(),
+    }];
+    let text = "some raw corpus text ".repeat(60);
+    let window = 512;
+    let w = corpus_windows(&model, &text, &chats, window).unwrap();
+    assert!(w.len() >= 2, "raw windows and one chat: {}", w.len());
+    let rendered = model
+        .apply_chat_template(&[ChatMessage::new("user", "hello world")], true)
+        .unwrap();
+    let prefix = model.tokenize(&rendered, true).unwrap();
+    let chat = w.last().unwrap();
+    assert!(chat.len() > prefix.len() && chat.len() <= window);
+    // The session's prompt tokens, as the session builds them (the last may merge with the
+    // answer's first byte).
+    assert_eq!(chat[..prefix.len() - 1], prefix[..prefix.len() - 1]);
+    let raw = model.tokenize(&text, false).unwrap();
+    assert_eq!(
+        w[0][..],
+        raw[..w[0].len()],
+        "raw text windows come first, in order"
+    );
+    // A window shorter than the conversation keeps its head.
+    let short = corpus_windows(&model, "", &chats, 8).unwrap();
+    assert_eq!(short.len(), 1);
+    assert_eq!(short[0][..], prefix[..8]);
+}
+
+#[test]
+fn background_refill_takes_over_with_the_native_cache() {
+    // After a Molt switch the destination re-reads the history natively in its own context,
+    // 32 tokens between every two generated tokens, and takes over the live cache once caught
+    // up: from then on the session's logits are those of a fresh native read of the history
+    // (up to batch-order rounding), while without the refill they stay the projection's.
+    let dir = tiny_projectors();
+    let l = common::tiny_ladder().clone();
+    let run = |refill: usize| {
+        let opts = SessionOptions {
+            projector_dirs: vec![dir.clone()],
+            refill_chunk: refill,
+            observe_footprint: false,
+            ..SessionOptions::default()
+        };
+        let mut s = Session::with_options(l.clone(), cfg(), "big", opts).unwrap();
+        let mut levers = Vec::new();
+        let g = s
+            .generate(
+                &Prompt::Text(TEXT.into()),
+                &GenerateOptions {
+                    max_tokens: 40,
+                    force_switch: Some((10, 2)),
+                    ..GenerateOptions::default()
+                },
+                &mut |e| {
+                    if let Event::Lever(x) = e {
+                        levers.push(x.clone());
+                    }
+                },
+            )
+            .unwrap();
+        let hist = s.history().to_vec();
+        let live = s.rung_mut(2).unwrap();
+        assert_eq!(live.ctx.n_past(), hist.len());
+        let mut fresh = Context::new(live.ctx.model().clone(), cfg()).unwrap();
+        fresh.decode(&hist).unwrap();
+        let d = max_abs(live.ctx.logits(), fresh.logits());
+        (g, levers, d)
+    };
+    let (g, levers, d_refill) = run(32);
+    assert_eq!(g.tokens.len(), 40, "the answer goes on through the refill");
+    assert_eq!(g.switches.len(), 1);
+    let r = levers
+        .iter()
+        .find(|l| l.lever == "refill")
+        .unwrap_or_else(|| panic!("no take-over: {levers:?}"));
+    assert!(r.at_token > 10 && r.at_token < 40, "{r:?}");
+    assert_eq!(r.rung, "small");
+    assert_eq!(r.tokens, g.prompt_tokens + r.at_token, "{r:?}");
+    assert!(r.cost_ms > 0.0);
+    assert_eq!(g.levers, levers, "the answer's record lists the take-over");
+    let (_, none, d_plain) = run(0);
+    assert!(none.is_empty(), "off by default: {none:?}");
+    assert!(
+        d_refill < 1e-2 && d_plain > 10.0 * d_refill.max(1e-4),
+        "native after the take-over: {d_refill}, projected without it: {d_plain}"
     );
 }

@@ -137,6 +137,14 @@ pub struct ArmSpec {
     /// switch (0: every position projected).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub tail: usize,
+    /// Head re-read: the first n history tokens decoded natively on the destination at a
+    /// switch, their K/V replacing the projected rows (0: every position projected).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub head: usize,
+    /// Background refill: after a switch the destination re-reads the history natively, n
+    /// tokens between two generated tokens, and takes over once caught up (0: off).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub refill: usize,
 }
 
 #[allow(clippy::trivially_copy_pass_by_ref)]
@@ -157,6 +165,32 @@ impl ArmSpec {
             built: true,
             topk: None,
             tail: 0,
+            head: 0,
+            refill: 0,
+        }
+    }
+
+    fn refill(n: usize) -> Self {
+        Self {
+            refill: n,
+            ..Self::ablation(
+                &format!("D-refill{n}"),
+                &format!("with a background native refill of {n} tokens per step"),
+                Variant::Auto,
+                Variant::Auto,
+            )
+        }
+    }
+
+    fn head(n: usize) -> Self {
+        Self {
+            head: n,
+            ..Self::ablation(
+                &format!("D-head{n}"),
+                &format!("with the first {n} tokens re-read natively over the projection"),
+                Variant::Auto,
+                Variant::Auto,
+            )
         }
     }
 
@@ -172,11 +206,11 @@ impl ArmSpec {
         }
     }
 
-    /// An option arm: one of D's off-by-default options turned on (top-k or tail recompute),
-    /// selected by id only.
+    /// An option arm: one of D's off-by-default options turned on (top-k recompute, tail
+    /// recompute, head re-read, background refill), selected by id only.
     #[must_use]
     pub fn is_option(&self) -> bool {
-        self.topk.is_some() || self.tail > 0
+        self.topk.is_some() || self.tail > 0 || self.head > 0 || self.refill > 0
     }
 
     fn topk(k: usize) -> Self {
@@ -293,11 +327,15 @@ pub fn all_arms() -> Vec<ArmSpec> {
         ArmSpec::topk(6),
         ArmSpec::tail(8),
         ArmSpec::tail(32),
+        ArmSpec::head(4),
+        ArmSpec::head(32),
+        ArmSpec::refill(8),
+        ArmSpec::refill(32),
     ]
 }
 
 /// `all` (every arm but the option arms, which are selected by id: `D-topk2,D-topk4,D-topk6`,
-/// `D-tail8,D-tail32`),
+/// `D-tail8,D-tail32`, `D-head4,D-head32`, `D-refill8,D-refill32`),
 /// or a comma-separated list of arm ids (case-insensitive). Unbuilt slots are listed but never
 /// run.
 ///
@@ -948,6 +986,8 @@ fn generate_once(
         observe_footprint: false,
         topk_recompute: arm.topk,
         tail_recompute: arm.tail,
+        head_reread: arm.head,
+        refill_chunk: arm.refill,
         ..SessionOptions::default()
     };
     let mut session = Session::with_options(ladder.clone(), cfg, ladder.rungs[start].name(), opts)?;

@@ -16,7 +16,7 @@ use serde::Serialize;
 use super::speed::Rate;
 use crate::engine::{ContextConfig, Token};
 use crate::ladder::Ladder;
-use crate::session::migrate::{prefill_flops, reprefill, transplant, transplant_with};
+use crate::session::migrate::{Reread, prefill_flops, reprefill, transplant, transplant_with};
 use crate::session::routes::{RouteKind, Routes, binding, route_kind};
 use crate::session::{LiveRung, SessionError, jsd};
 
@@ -196,7 +196,10 @@ pub fn run(
                             &mut dst.ctx,
                             &projector,
                             None,
-                            &history[n - w..],
+                            Reread {
+                                head: &[],
+                                tail: &history[n - w..],
+                            },
                             last,
                         )?;
                         let v = seam(&mut dst.ctx, &reference, &follow[1..])

@@ -204,6 +204,7 @@ impl Session {
         budget: Budget,
     ) -> Result<LeverInfo, SessionError> {
         let t0 = Instant::now();
+        self.drop_refill();
         let rss_before = rss();
         let from = self.current;
         // Export before anything is freed: if llama.cpp refuses, the session stays as it was.

@@ -43,6 +43,13 @@ pub struct SwitchTimings {
     /// import, inside `first_decode_ms` (0: every position kept as projected).
     #[serde(default)]
     pub tail: usize,
+    /// Head re-read: the first positions computed natively on the destination and spliced
+    /// over their projected cells (0: none).
+    #[serde(default)]
+    pub head: usize,
+    /// Time of the head re-read (decode, export, parse), inside `cost_ms`.
+    #[serde(default)]
+    pub head_ms: f64,
     /// The whole switch, decision to first logits.
     pub cost_ms: f64,
     /// Cells carried (transplant) or tokens re-read (re-prefill).
@@ -81,20 +88,24 @@ pub fn project_blob(
     projector: &Projector,
     dst_cache: EngineCacheType,
 ) -> Result<(Vec<u8>, f64, usize), String> {
-    project_blob_with(blob, projector, dst_cache, None)
+    project_blob_with(blob, projector, dst_cache, None, None)
 }
 
 /// [`project_blob`], with the destination's last layers taken from `recomputed` (a blob of
-/// the last-k model's state, see [`recompute_top`]) instead of being projected. Rows are
-/// matched by position, so the two caches may hold their cells in any slot order.
+/// the last-k model's state, see [`recompute_top`]) instead of being projected, and the rows
+/// of the positions in `native_head` (a blob of the destination's own state over the
+/// history's first tokens) taken from it at every layer. Rows are matched by position, so
+/// the caches may hold their cells in any slot order.
 ///
 /// # Errors
-/// As [`project_blob`]; also when `recomputed` does not hold exactly the source's positions.
+/// As [`project_blob`]; also when `recomputed` does not hold exactly the source's positions,
+/// or `native_head` holds a position the source does not or has other shapes.
 pub fn project_blob_with(
     blob: &[u8],
     projector: &Projector,
     dst_cache: EngineCacheType,
     recomputed: Option<&[u8]>,
+    native_head: Option<&[u8]>,
 ) -> Result<(Vec<u8>, f64, usize), String> {
     let snap = KvSnapshot::parse(
         blob,
@@ -117,6 +128,9 @@ pub fn project_blob_with(
         project(projector, &views, &positions).map_err(|e| format!("projection: {e}"))?;
     if let Some(rb) = recomputed {
         splice_recomputed(&mut layers, rb, &positions)?;
+    }
+    if let Some(hb) = native_head {
+        splice_head(&mut layers, hb, &positions)?;
     }
     let t = kv_type(dst_cache);
     let out = KvStream {
@@ -201,6 +215,83 @@ fn splice_recomputed(
     Ok(())
 }
 
+/// Overwrites, at every layer, the rows of the positions the destination's own state `blob`
+/// holds (the history's first tokens, decoded natively) — exact values, since under causal
+/// attention a prefix's K/V depend on the prefix alone.
+fn splice_head(
+    layers: &mut [(ndarray::Array2<f32>, ndarray::Array2<f32>)],
+    blob: &[u8],
+    positions: &[i32],
+) -> Result<(), String> {
+    let snap = KvSnapshot::parse(
+        blob,
+        ParseOptions {
+            sections: Some(1),
+            ..ParseOptions::default()
+        },
+    )
+    .map_err(|e| format!("native head state: {e}"))?;
+    let stream = snap
+        .single_stream()
+        .map_err(|e| format!("native head state: {e}"))?;
+    if stream.layers.len() != layers.len() {
+        return Err(format!(
+            "native head state has {} layers for a destination of {}",
+            stream.layers.len(),
+            layers.len()
+        ));
+    }
+    let row_of: std::collections::HashMap<i32, usize> =
+        positions.iter().enumerate().map(|(i, &p)| (p, i)).collect();
+    let rows: Vec<(usize, usize)> = stream
+        .positions()
+        .iter()
+        .enumerate()
+        .map(|(j, p)| {
+            row_of
+                .get(p)
+                .map(|&i| (j, i))
+                .ok_or_else(|| format!("native head holds position {p}, the source does not"))
+        })
+        .collect::<Result<_, _>>()?;
+    for ((dk, dv), l) in layers.iter_mut().zip(&stream.layers) {
+        if dk.ncols() != l.k.ncols() || dv.ncols() != l.v.ncols() {
+            return Err(format!(
+                "native head rows are {}/{} wide, the destination's {}/{}",
+                l.k.ncols(),
+                l.v.ncols(),
+                dk.ncols(),
+                dv.ncols()
+            ));
+        }
+        for &(j, i) in &rows {
+            dk.row_mut(i).assign(&l.k.row(j));
+            dv.row_mut(i).assign(&l.v.row(j));
+        }
+    }
+    Ok(())
+}
+
+/// The history a Molt switch re-reads natively on the destination, at both ends of the cache:
+/// `head` (the first tokens: the attention sink and, in a chat, the fixed system prompt —
+/// exact under causal attention, and where projection errors cost the most attention mass)
+/// and `tail` (the last tokens, nearest the next one). Empty slices: project every position.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Reread<'a> {
+    /// The history's first tokens (positions `0 .. head.len()`).
+    pub head: &'a [Token],
+    /// The history's last tokens.
+    pub tail: &'a [Token],
+}
+
+impl Reread<'_> {
+    /// Nothing re-read: every position projected.
+    pub const NONE: Reread<'static> = Reread {
+        head: &[],
+        tail: &[],
+    };
+}
+
 /// What selective top-k recompute needs at a switch: the source's boundary hidden states of
 /// every cached position, the map into the destination's residual stream, and where the
 /// destination's full model lives (its last-k cut is loaded from beside it).
@@ -260,10 +351,11 @@ pub fn transplant(
     projector: &Projector,
     last: Token,
 ) -> Result<SwitchTimings, SessionError> {
-    transplant_with(src, dst, projector, None, &[], last)
+    transplant_with(src, dst, projector, None, Reread::NONE, last)
 }
 
-/// [`transplant`] with selective top-k recompute of the destination's last layers.
+/// [`transplant`] with selective top-k recompute of the destination's last layers and the
+/// history's ends re-read natively (see [`transplant_exported`]).
 ///
 /// # Errors
 /// [`SessionError::Migration`] naming the step that failed.
@@ -272,7 +364,7 @@ pub fn transplant_with(
     dst: &mut Context,
     projector: &Projector,
     recompute: Option<&Recompute<'_>>,
-    tail: &[Token],
+    reread: Reread<'_>,
     last: Token,
 ) -> Result<SwitchTimings, SessionError> {
     let t0 = Instant::now();
@@ -290,7 +382,7 @@ pub fn transplant_with(
         dst,
         projector,
         recompute,
-        tail,
+        reread,
         last,
     )
 }
@@ -310,10 +402,12 @@ pub struct Exported<'a> {
 
 /// The rest of a transplant once the source's state is exported: project (recomputing the
 /// destination's last k layers natively when `recompute` is given), import into `dst`, decode
-/// `last` there. `tail` — the history's last tokens, empty for none — is re-read natively
-/// first: their projected cells are dropped and the destination decodes them with `last` in
-/// one batch, so the positions nearest the next token carry the destination's own K/V at
-/// every layer (tail recompute). On failure `dst` is left empty.
+/// `last` there. `reread.head` — the history's first tokens, empty for none — is decoded on
+/// the destination first and its own K/V replace the projected rows of those positions at
+/// every layer (head re-read). `reread.tail` — the history's last tokens, empty for none — is
+/// re-read natively after the import: their projected cells are dropped and the destination
+/// decodes them with `last` in one batch, so the positions nearest the next token carry the
+/// destination's own K/V at every layer (tail recompute). On failure `dst` is left empty.
 ///
 /// # Errors
 /// [`SessionError::Migration`] naming the step that failed.
@@ -322,9 +416,10 @@ pub fn transplant_exported(
     dst: &mut Context,
     projector: &Projector,
     recompute: Option<&Recompute<'_>>,
-    tail: &[Token],
+    reread: Reread<'_>,
     last: Token,
 ) -> Result<SwitchTimings, SessionError> {
+    let Reread { head, tail } = reread;
     let fail = |dst: &Context, message: String| SessionError::Migration {
         from: src.from.to_string(),
         to: dst.model().name().to_string(),
@@ -340,21 +435,46 @@ pub fn transplant_exported(
             ),
         ));
     }
+    if head.len() > src.n_past {
+        return Err(fail(
+            dst,
+            format!(
+                "head re-read of {} tokens, but the cache holds {}",
+                head.len(),
+                src.n_past
+            ),
+        ));
+    }
     let t1 = Instant::now();
+    let native_head = if head.is_empty() {
+        None
+    } else {
+        dst.clear();
+        let blob = dst
+            .decode(head)
+            .map_err(|e| format!("head re-read: {e}"))
+            .and_then(|()| dst.export_state().map_err(|e| format!("head export: {e}")));
+        dst.clear();
+        Some(blob.map_err(|m| fail(dst, m))?)
+    };
+    let head_ms = if native_head.is_some() { ms(t1) } else { 0.0 };
+    let tr = Instant::now();
     let recomputed = match recompute {
         Some(r) => Some(recompute_top(r, dst.config()).map_err(|m| fail(dst, m))?),
         None => None,
     };
-    let recompute_ms = if recomputed.is_some() { ms(t1) } else { 0.0 };
+    let recompute_ms = if recomputed.is_some() { ms(tr) } else { 0.0 };
     let tp = Instant::now();
     let (bytes, flops, cells) = project_blob_with(
         src.blob,
         projector,
         dst.config().cache_type,
         recomputed.as_deref(),
+        native_head.as_deref(),
     )
     .map_err(|m| fail(dst, m))?;
     drop(recomputed);
+    drop(native_head);
     let project_ms = ms(tp);
     let t2 = Instant::now();
     dst.import_state(&bytes)
@@ -389,6 +509,8 @@ pub fn transplant_exported(
         recompute_ms,
         topk: recompute.map(|r| r.k),
         tail: tail.len(),
+        head: head.len(),
+        head_ms,
         cost_ms: src.export_ms + ms(t1),
         cells,
         flops,

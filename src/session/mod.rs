@@ -9,6 +9,7 @@ mod condition;
 mod events;
 mod levers;
 pub mod migrate;
+mod refill;
 pub mod routes;
 mod rung;
 
@@ -184,6 +185,19 @@ pub struct SessionOptions {
     /// (off) by default; each token re-read costs what a prefill token costs on the
     /// destination (the conditions benchmark's `D-tail*` arms weigh it against the seam).
     pub tail_recompute: usize,
+    /// Head re-read: at a Molt switch, decode the history's first `n` tokens natively on the
+    /// destination and use its own K/V for those positions instead of projected ones. The
+    /// prefix carries the attention sink (most of every head's attention mass) and, in a chat,
+    /// the fixed system prompt; under causal attention its native K/V are exact. 0 (off) by
+    /// default; costs `n` prefill tokens on the destination at the switch (the conditions
+    /// benchmark's `D-head*` arms weigh it against the seam).
+    pub head_reread: usize,
+    /// Background refill: after a Molt switch, re-read the history natively on the destination
+    /// in a context of its own, this many tokens between every two generated tokens, and let
+    /// it take over the live cache once caught up (the projection's error then lasts only until
+    /// then; the compute is a re-prefill's, spread out instead of stalling). 0 (off) by
+    /// default; the extra context costs the destination's KV once more while it runs.
+    pub refill_chunk: usize,
 }
 
 impl Default for SessionOptions {
@@ -199,6 +213,8 @@ impl Default for SessionOptions {
             observe_footprint: true,
             topk_recompute: None,
             tail_recompute: 0,
+            head_reread: 0,
+            refill_chunk: 0,
         }
     }
 }
@@ -237,6 +253,8 @@ pub struct Session {
     stall_ms: f64,
     /// `RssAnon` before the session loaded anything: what it holds itself is the growth above.
     anon_base: u64,
+    /// A background refill in progress ([`SessionOptions::refill_chunk`]).
+    refill: Option<refill::Refill>,
 }
 
 /// The inputs of one top-k recompute, gathered from the source before it may be freed.
@@ -312,6 +330,7 @@ impl Session {
             answer_levers: Vec::new(),
             stall_ms: 0.0,
             anon_base,
+            refill: None,
         };
         s.ensure_loaded(current)?;
         Ok(s)
@@ -450,11 +469,17 @@ impl Session {
         Ok(())
     }
 
-    /// The history's last tokens a Molt switch re-reads natively
-    /// ([`SessionOptions::tail_recompute`]), never more than the `n_past` cells the cache holds.
-    fn tail_tokens(&self, n_past: usize) -> &[Token] {
-        let n = self.opts.tail_recompute.min(n_past).min(self.history.len());
-        &self.history[self.history.len() - n..]
+    /// The history's first and last tokens a Molt switch re-reads natively
+    /// ([`SessionOptions::head_reread`], [`SessionOptions::tail_recompute`]), never more than
+    /// the `n_past` cells the cache holds.
+    fn reread(&self, n_past: usize) -> migrate::Reread<'_> {
+        let avail = n_past.min(self.history.len());
+        let n = self.opts.tail_recompute.min(avail);
+        let h = self.opts.head_reread.min(avail);
+        migrate::Reread {
+            head: &self.history[..h],
+            tail: &self.history[self.history.len() - n..],
+        }
     }
 
     /// The rung this session started on and never goes above.
@@ -807,8 +832,8 @@ impl Session {
                         None
                     });
                     let rc = topk.as_ref().map(|t| self.recompute_for(to, t));
-                    let tail = self.tail_tokens(src.ctx.n_past());
-                    migrate::transplant_with(&src.ctx, &mut dst.ctx, &p, rc.as_ref(), tail, last)
+                    let reread = self.reread(src.ctx.n_past());
+                    migrate::transplant_with(&src.ctx, &mut dst.ctx, &p, rc.as_ref(), reread, last)
                         .map(|t| (t, "molt"))
                 }
                 Err(e) => {
@@ -916,7 +941,7 @@ impl Session {
                         &mut dst.ctx,
                         p,
                         rc.as_ref(),
-                        self.tail_tokens(n_past),
+                        self.reread(n_past),
                         last,
                     )
                     .map(|t| (t, "molt")),
@@ -1104,6 +1129,11 @@ impl Session {
                 match self.between_tokens(i, tok, t0, opts, sink)? {
                     Between::Switched(info) => {
                         sink(&Event::Switch((*info).clone()));
+                        if info.method == "molt" {
+                            self.start_refill();
+                        } else {
+                            self.drop_refill();
+                        }
                         switches.push(*info);
                     }
                     Between::Decoded => {}
@@ -1125,6 +1155,7 @@ impl Session {
                     }
                 }
                 self.history.push(tok);
+                self.refill_step(i, sink);
             }
             let tok = {
                 let live = self.live();
@@ -1155,6 +1186,9 @@ impl Session {
                 latency_ms,
             });
         }
+        // A refill still behind when the answer ends is dropped with its context: the next
+        // answer starts from the cache as it stands.
+        self.drop_refill();
         let tail = stream.finish();
         if !tail.is_empty() {
             text.push_str(&tail);

@@ -103,6 +103,73 @@ pub fn read_corpus(dir: &Path) -> Result<String, TrainError> {
     Ok(text)
 }
 
+/// One conversation of the fitting corpus: a user prompt and the answer the largest rung gave
+/// (`chats.jsonl` in the corpus directory, one JSON object per line).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatSample {
+    /// The user turn.
+    pub prompt: String,
+    /// The assistant's answer.
+    pub answer: String,
+}
+
+/// Reads `chats.jsonl` under `dir` (absent: no chats).
+///
+/// # Errors
+/// [`TrainError::Corpus`] naming the line that is not a `{"prompt", "answer"}` object.
+pub fn read_chats(dir: &Path) -> Result<Vec<ChatSample>, TrainError> {
+    let path = dir.join("chats.jsonl");
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(TrainError::Corpus(format!("{}: {e}", path.display()))),
+    };
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| {
+            serde_json::from_str(l).map_err(|e| {
+                TrainError::Corpus(format!(
+                    "{} line {}: not a {{\"prompt\", \"answer\"}} object: {e}",
+                    path.display(),
+                    i + 1
+                ))
+            })
+        })
+        .collect()
+}
+
+/// The fitting windows of a corpus: the raw text cut into windows of `window` tokens, then
+/// one window per chat — the conversation rendered with `model`'s chat template exactly as a
+/// session renders a prompt (system turn included), followed by the answer, cut at `window`
+/// tokens. The chats put the attention sink and the template's fixed tokens where a real
+/// conversation has them.
+///
+/// # Errors
+/// [`TrainError::Corpus`] if the template cannot be rendered or the text tokenized.
+pub fn corpus_windows(
+    model: &crate::engine::Model,
+    text: &str,
+    chats: &[ChatSample],
+    window: usize,
+) -> Result<Vec<Vec<Token>>, TrainError> {
+    let err = |e: crate::engine::EngineError| TrainError::Corpus(e.to_string());
+    let tokens = model.tokenize(text, false).map_err(err)?;
+    let mut out: Vec<Vec<Token>> = windows(&tokens, window)
+        .into_iter()
+        .map(<[Token]>::to_vec)
+        .collect();
+    for c in chats {
+        let conv = [crate::engine::ChatMessage::new("user", &c.prompt)];
+        let mut rendered = model.apply_chat_template(&conv, true).map_err(err)?;
+        rendered.push_str(&c.answer);
+        let mut t = model.tokenize(&rendered, true).map_err(err)?;
+        t.truncate(window.max(1));
+        out.push(t);
+    }
+    Ok(out)
+}
+
 /// Cuts `tokens` into windows of `window` tokens (the last partial window is dropped if it
 /// is shorter than a quarter window).
 #[must_use]
@@ -269,6 +336,13 @@ pub struct TrainOptions {
     pub dtype: TensorDtype,
     /// Where to write: `<out>/<ladder>/<file>`.
     pub out_dir: PathBuf,
+    /// Rows of each window's first `skip_head` positions are left out of the fit (and of the
+    /// held-out residuals): the attention sink's outsized K/V would otherwise weigh on every
+    /// map, and a switch with a head re-read of at least this many tokens never projects them.
+    pub skip_head: usize,
+    /// Widen every fitted map's output heads to the destination's spread
+    /// ([`FitOptions::restore_spread`]).
+    pub restore_spread: bool,
 }
 
 /// Fits every ordered pair of rungs of `ladder` for every variant in `opts`, writes the
@@ -283,11 +357,32 @@ pub fn fit_ladder(
     opts: &TrainOptions,
     progress: &mut dyn FnMut(&str),
 ) -> Result<TrainReport, TrainError> {
-    let wins = windows(tokens, opts.window);
+    fit_ladder_windows(
+        ladder,
+        config,
+        &windows(tokens, opts.window),
+        opts,
+        progress,
+    )
+}
+
+/// [`fit_ladder`] on windows already cut (see [`corpus_windows`]), each decoded from
+/// position 0.
+///
+/// # Errors
+/// As [`fit_ladder`].
+pub fn fit_ladder_windows(
+    ladder: &Ladder,
+    config: ContextConfig,
+    wins: &[&[Token]],
+    opts: &TrainOptions,
+    progress: &mut dyn FnMut(&str),
+) -> Result<TrainReport, TrainError> {
+    let n_tokens: usize = wins.iter().map(|w| w.len()).sum();
     if wins.len() < opts.held_out_every.max(2) {
         return Err(TrainError::Corpus(format!(
             "{} tokens make {} windows of {}; need at least {}",
-            tokens.len(),
+            n_tokens,
             wins.len(),
             opts.window,
             opts.held_out_every.max(2)
@@ -302,17 +397,19 @@ pub fn fit_ladder(
             wins.len(),
             opts.window
         ));
-        let a = collect(r, config, &wins)?;
+        let a = collect(r, config, wins)?;
         collect_ms.push((r.name().to_string(), a.elapsed_ms));
         acts.push(a);
     }
     let n_rows = acts[0].positions.len();
-    let (train, held_out) = split_windows_by_rows(&acts[0].positions, opts.held_out_every)
-        .map_err(|source| TrainError::Fit {
-            route: "*".into(),
-            variant: "split".into(),
-            source,
-        })?;
+    let (train, held_out) =
+        split_windows_by_rows(&acts[0].positions, opts.held_out_every, opts.skip_head).map_err(
+            |source| TrainError::Fit {
+                route: "*".into(),
+                variant: "split".into(),
+                source,
+            },
+        )?;
     let dir = opts.out_dir.join(ladder.name());
     std::fs::create_dir_all(&dir).map_err(|source| ProjectorError::Io {
         file: dir.clone(),
@@ -327,9 +424,10 @@ pub fn fit_ladder(
             let (sb, db) = (binding(s), binding(d));
             let kind = route_kind(&sb, &db);
             for &variant in &opts.variants {
-                let Some(fo) = fit_options(variant, kind) else {
+                let Some(mut fo) = fit_options(variant, kind) else {
                     continue;
                 };
+                fo.restore_spread = opts.restore_spread;
                 // On the size route the shipped choice *is* the dense map: fit it once.
                 if variant == Variant::Dense
                     && kind == RouteKind::Size
@@ -393,7 +491,7 @@ pub fn fit_ladder(
         }
     }
     Ok(TrainReport {
-        corpus_tokens: tokens.len(),
+        corpus_tokens: n_tokens,
         window: opts.window,
         held_out_every: opts.held_out_every,
         collect_ms,
@@ -403,9 +501,11 @@ pub fn fit_ladder(
 }
 
 /// Train / held-out row ranges by window: a window starts where the position returns to 0.
+/// The first `skip_head` rows of every window are left out of both.
 fn split_windows_by_rows(
     positions: &[i32],
     held_out_every: usize,
+    skip_head: usize,
 ) -> Result<Split, TransplantError> {
     let starts: Vec<usize> = positions
         .iter()
@@ -425,6 +525,7 @@ fn split_windows_by_rows(
     let mut held = Vec::new();
     for (w, &st) in starts.iter().enumerate() {
         let end = starts.get(w + 1).copied().unwrap_or(positions.len());
+        let st = (st + skip_head).min(end);
         if w % held_out_every == held_out_every - 1 {
             held.push(st..end);
         } else {
@@ -437,4 +538,46 @@ fn split_windows_by_rows(
         held.push(last);
     }
     Ok((train, held))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[allow(clippy::single_range_in_vec_init)] // vectors of row ranges, one per window
+    fn skip_head_leaves_each_windows_first_rows_out() {
+        let positions: Vec<i32> = (0..3).flat_map(|_| 0..10).collect();
+        let (train, held) = split_windows_by_rows(&positions, 3, 4).unwrap();
+        assert_eq!(train, vec![4..10, 14..20]);
+        assert_eq!(held, vec![24..30]);
+        let (train, _) = split_windows_by_rows(&positions, 3, 0).unwrap();
+        assert_eq!(train, vec![0..10, 10..20]);
+        // A skip longer than a window leaves it empty rather than reaching into the next.
+        let (train, held) = split_windows_by_rows(&positions, 3, 99).unwrap();
+        assert_eq!((train, held), (vec![10..10, 20..20], vec![30..30]));
+    }
+
+    #[test]
+    fn chats_are_read_line_by_line_and_a_bad_line_is_named() {
+        let dir = std::env::temp_dir().join(format!("molt-chats-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        assert!(read_chats(&dir).unwrap().is_empty(), "no file: no chats");
+        std::fs::write(
+            dir.join("chats.jsonl"),
+            "{\"prompt\": \"p1\", \"answer\": \"a1\"}\n\n{\"prompt\": \"p2\", \"answer\": \"a2\"}\n",
+        )
+        .unwrap();
+        let c = read_chats(&dir).unwrap();
+        assert_eq!(c.len(), 2);
+        assert_eq!((c[1].prompt.as_str(), c[1].answer.as_str()), ("p2", "a2"));
+        std::fs::write(
+            dir.join("chats.jsonl"),
+            "{\"prompt\": \"p1\", \"answer\": \"a1\"}\n{\"prompt\": \"p2\"}\n",
+        )
+        .unwrap();
+        let e = read_chats(&dir).unwrap_err().to_string();
+        assert!(e.contains("line 2") && e.contains("answer"), "{e}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
 }

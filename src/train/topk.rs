@@ -105,6 +105,28 @@ pub fn fit_topk_maps(
     ks: &[usize],
     progress: &mut dyn FnMut(&str),
 ) -> Result<Vec<TopkResult>, TrainError> {
+    fit_topk_maps_windows(
+        ladder,
+        config,
+        &windows(tokens, opts.window),
+        opts,
+        ks,
+        progress,
+    )
+}
+
+/// [`fit_topk_maps`] on windows already cut (see [`super::corpus_windows`]).
+///
+/// # Errors
+/// As [`fit_topk_maps`].
+pub fn fit_topk_maps_windows(
+    ladder: &Ladder,
+    config: ContextConfig,
+    wins: &[&[Token]],
+    opts: &TrainOptions,
+    ks: &[usize],
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<TopkResult>, TrainError> {
     let min_layers = ladder
         .rungs
         .iter()
@@ -116,7 +138,6 @@ pub fn fit_topk_maps(
             "top-k recompute with k = {bad}: every rung needs more than k blocks (the smallest has {min_layers})"
         )));
     }
-    let wins = windows(tokens, opts.window);
     let mut states = Vec::new();
     for (i, r) in ladder.rungs.iter().enumerate() {
         let layers = needed_layers(ladder, i, ks);
@@ -125,7 +146,7 @@ pub fn fit_topk_maps(
             r.name(),
             wins.len()
         ));
-        let h = collect_hidden(r, config, &wins, &layers)?;
+        let h = collect_hidden(r, config, wins, &layers)?;
         states.push(layers.into_iter().zip(h).collect::<Vec<_>>());
     }
     let n_rows = states[0].first().map_or(0, |(_, a)| a.nrows());
@@ -134,13 +155,11 @@ pub fn fit_topk_maps(
         .flat_map(|w| (0..i32::try_from(w.len()).unwrap_or(i32::MAX)).collect::<Vec<_>>())
         .collect();
     debug_assert_eq!(positions.len(), n_rows);
-    let (train, held) =
-        split_windows_by_rows(&positions, opts.held_out_every).map_err(|source| {
-            TrainError::Fit {
-                route: "*".into(),
-                variant: "topk split".into(),
-                source,
-            }
+    let (train, held) = split_windows_by_rows(&positions, opts.held_out_every, opts.skip_head)
+        .map_err(|source| TrainError::Fit {
+            route: "*".into(),
+            variant: "topk split".into(),
+            source,
         })?;
     let dir = opts.out_dir.join(ladder.name()).join("ablations");
     std::fs::create_dir_all(&dir).map_err(|source| ProjectorError::Io {

@@ -220,6 +220,13 @@ pub struct FitOptions {
     /// A candidate reading more source layers must beat the best smaller one by this
     /// relative margin of held-out score, or the smaller is kept (it has fewer parameters).
     pub multi_layer_margin: f64,
+    /// Undo the ridge's shrinkage: after the fit, widen each output head around the
+    /// prediction's mean so its spread on the training rows matches the destination's
+    /// (`alpha = sqrt(Σ(y−ȳ)² / Σ(ŷ−mean ŷ)²)` per KV head, clamped to [1, 3]), folded into the
+    /// map. A regression's prediction is narrower than its target; attention logits built
+    /// from narrowed keys are flatter than the destination's own.
+    #[serde(default)]
+    pub restore_spread: bool,
 }
 
 /// `10^lo, 10^(lo+1), …, 10^hi`.
@@ -238,6 +245,7 @@ impl FitOptions {
             lambdas: log_grid(-6, 2),
             depth: DepthPolicy::Search(DepthSearch::default()),
             multi_layer_margin: 0.02,
+            restore_spread: false,
         }
     }
 
@@ -259,6 +267,7 @@ impl FitOptions {
             lambdas: log_grid(-6, 2),
             depth: DepthPolicy::Uniform,
             multi_layer_margin: 0.02,
+            restore_spread: false,
         }
     }
 
@@ -271,6 +280,7 @@ impl FitOptions {
             lambdas: Vec::new(),
             depth: DepthPolicy::Index,
             multi_layer_margin: 0.0,
+            restore_spread: false,
         }
     }
 }
@@ -316,6 +326,21 @@ pub struct LayerFitReport {
     pub k: Residual,
     /// V residuals.
     pub v: Residual,
+    /// Held-out spread of the K prediction against the destination's:
+    /// `sqrt(Σ(ŷ−mean ŷ)² / Σ(y−ȳ)²)` (1: as wide; below 1: shrunk toward the mean).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub k_spread: Option<f64>,
+    /// The same for V.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub v_spread: Option<f64>,
+    /// Held-out K error relative to the destination's centred spread,
+    /// `sqrt(Σ(ŷ−y)² / Σ(y−ȳ)²)`: the residual with the channel means (large for keys with a
+    /// bias) taken out of the denominator.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub k_centred_held_out: Option<f64>,
+    /// The same for V.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub v_centred_held_out: Option<f64>,
     /// Every candidate tried, in search order.
     pub candidates: Vec<CandidateScore>,
 }
@@ -451,6 +476,13 @@ pub fn fit_route(
                 rows: 0,
                 needed: 1,
             })?;
+        let (mut kf, mut vf) = (kf, vf);
+        if opts.restore_spread && fitted {
+            ctx.restore_spread(&mut kf, &src_k, dst_k[j], cand, dst.head_dim)?;
+            ctx.restore_spread(&mut vf, &src_v, dst_v[j], cand, dst.head_dim)?;
+        }
+        let ks = ctx.spread(&kf.map, &src_k, dst_k[j], cand)?;
+        let vs = ctx.spread(&vf.map, &src_v, dst_v[j], cand)?;
         let k_train = ctx.sq_err_on(&kf.map, &src_k, dst_k[j], cand, &ctx.train_idx)?;
         let v_train = ctx.sq_err_on(&vf.map, &src_v, dst_v[j], cand, &ctx.train_idx)?;
         for (slot, e) in pooled.iter_mut().zip([k_train, kf.val, v_train, vf.val]) {
@@ -485,6 +517,10 @@ pub fn fit_route(
             lambda_v: vf.lambda,
             k,
             v,
+            k_spread: Some(ks.0),
+            v_spread: Some(vs.0),
+            k_centred_held_out: Some(ks.1),
+            v_centred_held_out: Some(vs.1),
             candidates: scores,
         });
     }
@@ -664,6 +700,78 @@ fn gather(src: &[&Array2<f32>], cand: &[usize], idx: &[usize]) -> Array2<f32> {
 }
 
 impl Ctx<'_> {
+    /// Widens a fitted side's map per output head to the destination's spread on the
+    /// training rows (see [`FitOptions::restore_spread`]) and re-measures its held-out error.
+    fn restore_spread(
+        &self,
+        side: &mut SideFit,
+        src: &[&Array2<f32>],
+        dst: &Array2<f32>,
+        cand: &[usize],
+        head_dim: usize,
+    ) -> Result<(), TransplantError> {
+        let x = gather(src, cand, &self.train_idx);
+        let y = dst.select(Axis(0), &self.train_idx);
+        let p = side.map.apply(x.view())?;
+        let n = p.ncols();
+        let mean = |a: &Array2<f32>| -> Vec<f64> {
+            let rows = a.nrows().max(1) as f64;
+            a.axis_iter(Axis(1))
+                .map(|c| c.iter().map(|&v| f64::from(v)).sum::<f64>() / rows)
+                .collect()
+        };
+        let (pm, ym) = (mean(&p), mean(&y));
+        let mut alpha = ndarray::Array1::<f32>::ones(n);
+        for h0 in (0..n).step_by(head_dim.max(1)) {
+            let cols = h0..(h0 + head_dim).min(n);
+            let (mut num, mut den) = (0f64, 0f64);
+            for c in cols.clone() {
+                num += y
+                    .column(c)
+                    .iter()
+                    .map(|&v| (f64::from(v) - ym[c]).powi(2))
+                    .sum::<f64>();
+                den += p
+                    .column(c)
+                    .iter()
+                    .map(|&v| (f64::from(v) - pm[c]).powi(2))
+                    .sum::<f64>();
+            }
+            #[allow(clippy::cast_possible_truncation)] // a clamped ratio
+            let a = if den > 0.0 {
+                (num / den).sqrt().clamp(1.0, 3.0) as f32
+            } else {
+                1.0
+            };
+            for c in cols {
+                alpha[c] = a;
+            }
+        }
+        #[allow(clippy::cast_possible_truncation)] // means of f32 data
+        let centre = ndarray::Array1::from_iter(pm.iter().map(|&m| m as f32));
+        side.map.rescale_outputs(&alpha, &centre)?;
+        side.val = self.sq_err_on(&side.map, src, dst, cand, &self.val_idx)?;
+        Ok(())
+    }
+
+    /// Held-out `(spread, centred error)` of a map: the prediction's centred spread over the
+    /// destination's, and the error over the destination's centred spread.
+    fn spread(
+        &self,
+        map: &LayerMap,
+        src: &[&Array2<f32>],
+        dst: &Array2<f32>,
+        cand: &[usize],
+    ) -> Result<(f64, f64), TransplantError> {
+        let x = gather(src, cand, &self.val_idx);
+        let y = dst.select(Axis(0), &self.val_idx);
+        let p = map.apply(x.view())?;
+        let centred = |a: &Array2<f32>| centred_sum_sq(a.view()) * a.ncols() as f64;
+        let (sy, sp) = (centred(&y), centred(&p));
+        let (err, _) = sq_err(p.view(), y.view())?;
+        Ok((ratio(sp, sy), ratio(err, sy)))
+    }
+
     fn sq_err_on(
         &self,
         map: &LayerMap,
@@ -1049,6 +1157,97 @@ mod tests {
         assert!(json.contains("\"held_out\""));
         let back: FitReport = serde_json::from_str(&json).unwrap();
         assert_eq!(back.layers.len(), 4);
+    }
+
+    #[test]
+    fn restore_spread_undoes_the_shrinkage_of_a_noisy_fit() {
+        // Most of the destination's centred variance unpredictable: the ridge's prediction is narrower
+        // than the target. Restoring the spread widens it back (to ~1 on the training rows,
+        // so near 1 held out) at a bounded cost in squared error.
+        let noisy = planted(
+            binding("big", 6, 2, 16, 1e4),
+            binding("small", 4, 2, 8, 1e6),
+            &[1, 2, 4, 5],
+            false,
+            0.2,
+            31,
+        );
+        let plain = FitOptions {
+            depth: DepthPolicy::Uniform,
+            ..FitOptions::size_route()
+        };
+        let (_, shrunk) = fit_route(&noisy.samples, &plain).unwrap();
+        let (_, widened) = fit_route(
+            &noisy.samples,
+            &FitOptions {
+                restore_spread: true,
+                ..plain
+            },
+        )
+        .unwrap();
+        for (a, b) in shrunk.layers.iter().zip(&widened.layers) {
+            let (sa, sb) = (a.v_spread.unwrap(), b.v_spread.unwrap());
+            assert!(
+                sa < 0.95,
+                "layer {}: noisy fit not shrunk: {sa}",
+                a.dst_layer
+            );
+            assert!(
+                (sb - 1.0).abs() < 0.1,
+                "layer {}: widened {sb} from {sa}",
+                b.dst_layer
+            );
+            assert!(
+                b.v.held_out >= a.v.held_out - 1e-9,
+                "ridge is the MSE optimum"
+            );
+            assert!(b.v.held_out < 1.5 * a.v.held_out, "{:?} vs {:?}", b.v, a.v);
+            assert!(b.v_centred_held_out.unwrap() > 0.0);
+        }
+    }
+
+    #[test]
+    fn rescaled_outputs_fold_into_the_map() {
+        use ndarray::Array1;
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let n = Normal::new(0.0f32, 1.0).unwrap();
+        let x = Array2::from_shape_fn((7, 3), |_| n.sample(&mut rng));
+        let alpha = Array1::from(vec![1.0f32, 2.0, 0.5, 3.0]);
+        let centre = Array1::from(vec![0.1f32, -0.2, 0.3, 1.0]);
+        let expect = |m: &LayerMap| {
+            let y = m.apply(x.view()).unwrap();
+            Array2::from_shape_fn(y.dim(), |(r, c)| {
+                centre[c] + alpha[c] * (y[(r, c)] - centre[c])
+            })
+        };
+        let affine = LayerMap::Affine(Affine {
+            w: Array2::from_shape_fn((3, 4), |_| n.sample(&mut rng)),
+            b: Array1::from_shape_fn(4, |_| n.sample(&mut rng)),
+        });
+        let x4 = Array2::from_shape_fn((7, 4), |_| n.sample(&mut rng));
+        let diagonal = LayerMap::Diagonal {
+            scale: Array1::from_shape_fn(4, |_| n.sample(&mut rng)),
+            offset: Array1::from_shape_fn(4, |_| n.sample(&mut rng)),
+        };
+        let want = expect(&affine);
+        let mut m = affine;
+        m.rescale_outputs(&alpha, &centre).unwrap();
+        let got = m.apply(x.view()).unwrap();
+        assert!((&got - &want).iter().all(|d| d.abs() < 1e-5));
+        let y = diagonal.apply(x4.view()).unwrap();
+        let mut d = diagonal;
+        d.rescale_outputs(&alpha, &centre).unwrap();
+        let got = d.apply(x4.view()).unwrap();
+        for ((r, c), v) in got.indexed_iter() {
+            let w = centre[c] + alpha[c] * (y[(r, c)] - centre[c]);
+            assert!((v - w).abs() < 1e-5);
+        }
+        let mut id = LayerMap::Identity { dim: 4 };
+        assert!(id.rescale_outputs(&alpha, &centre).is_err());
+        assert!(
+            m.rescale_outputs(&alpha.slice(ndarray::s![..3]).to_owned(), &centre)
+                .is_err()
+        );
     }
 
     #[test]

@@ -156,6 +156,62 @@ pub enum LayerMap {
 }
 
 impl LayerMap {
+    /// Widens (or narrows) the map's output around `centre`, column by column:
+    /// `y'_j = centre_j + alpha_j (y_j − centre_j)`, folded into the map's own weights, so the
+    /// result is the same kind of map and applies at the same cost. Used to undo the shrinkage
+    /// of a ridge prediction toward its mean (see `FitOptions::restore_spread`).
+    ///
+    /// # Errors
+    /// [`TransplantError::ShapeMismatch`] if `alpha` or `centre` is not `out_dim` long;
+    /// [`TransplantError::Unsupported`] for the unfitted kinds (identity, truncate).
+    pub fn rescale_outputs(
+        &mut self,
+        alpha: &Array1<f32>,
+        centre: &Array1<f32>,
+    ) -> Result<(), TransplantError> {
+        let out = self.out_dim();
+        for (what, n) in [
+            ("rescale alpha", alpha.len()),
+            ("rescale centre", centre.len()),
+        ] {
+            if n != out {
+                return Err(TransplantError::ShapeMismatch {
+                    what,
+                    expected: out,
+                    actual: n,
+                });
+            }
+        }
+        let fold = |a: &mut Affine, first: usize| {
+            for j in 0..a.d_out() {
+                let (al, c) = (alpha[first + j], centre[first + j]);
+                a.w.column_mut(j).mapv_inplace(|w| w * al);
+                a.b[j] = al * a.b[j] + (1.0 - al) * c;
+            }
+        };
+        match self {
+            Self::Affine(a) => fold(a, 0),
+            Self::PerHead { blocks, .. } => {
+                for b in blocks {
+                    fold(&mut b.affine, b.output_offset);
+                }
+            }
+            Self::Diagonal { scale, offset } => {
+                for j in 0..out {
+                    scale[j] *= alpha[j];
+                    offset[j] = alpha[j] * offset[j] + (1.0 - alpha[j]) * centre[j];
+                }
+            }
+            Self::Identity { .. } | Self::Truncate { .. } => {
+                return Err(TransplantError::Unsupported {
+                    kind: self.kind_name(),
+                    reason: "an unfitted map has no weights to rescale".into(),
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// Short kind name for errors and reports.
     #[must_use]
     pub fn kind_name(&self) -> &'static str {

@@ -68,7 +68,7 @@ pub struct Args {
     pub out_dir: PathBuf,
     /// The conditions benchmark: `all`, or arm ids separated by commas (A, B, C, D,
     /// D-no-sandwich, D-no-remap, D-truncate, D-no-diagonal, D-dense, D-per-head; and by id
-    /// only, top-k recompute: D-topk2, D-topk4, D-topk6; tail recompute: D-tail8, D-tail32).
+    /// only, top-k recompute: D-topk2, D-topk4, D-topk6; tail recompute: D-tail8, D-tail32; head re-read: D-head4, D-head32; background refill: D-refill8, D-refill32).
     #[arg(long, value_name = "ARMS")]
     pub conditions: Option<String>,
     /// Prompts of the conditions benchmark (JSONL: id, kind, prompt).

@@ -69,6 +69,16 @@ pub struct Args {
     /// natively on the destination instead of keeping their projected cache.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub tail_recompute: usize,
+    /// Head re-read (0, off, by default): at a molt switch, decode the first N tokens of the
+    /// history natively on the destination and keep its own K/V for them instead of the
+    /// projected ones (the attention sink and, in a chat, the system prompt).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub head_reread: usize,
+    /// Background refill (0, off, by default): after a molt switch, re-read the history
+    /// natively on the destination, N tokens between every two generated tokens, in a context
+    /// of its own, and take over the live cache once caught up.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub refill: usize,
     /// Write JSONL results here instead of stdout (text is then streamed to stdout).
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -194,6 +204,8 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         projector_dirs: routes::search_dirs(a.projectors.as_deref()),
         topk_recompute: a.topk_recompute,
         tail_recompute: a.tail_recompute,
+        head_reread: a.head_reread,
+        refill_chunk: a.refill,
         ..SessionOptions::default()
     };
     let mut session = Session::with_options(ladder, config, &start, opts)?;

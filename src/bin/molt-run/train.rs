@@ -3,21 +3,25 @@
 //! to `results/projector_residuals.json`.
 //!
 //! The corpus is text the team wrote (`notes.txt`, `code.txt`) plus answers tier0 generated
-//! from the team's own seed prompts (`seeds.txt` → `generated.txt`, produced here once with
-//! `--generate-corpus` and committed, so fitting is reproducible without regenerating).
+//! from the team's own seed prompts (`seeds.txt` → `generated.txt` as raw text, and
+//! `chat-seeds.txt` → `chats.jsonl` as whole conversations fitted in their chat-template form),
+//! produced here once with `--generate-corpus` and committed, so fitting is reproducible
+//! without regenerating.
 
 use crate::common::GlobalArgs;
 use anyhow::{Context as _, Result, bail};
 use molt::engine::SamplingParams;
 use molt::session::{GenerateOptions, Prompt, Routes, Session, Variant};
-use molt::train::{TrainOptions, fit_ladder, read_corpus};
+use molt::train::{
+    ChatSample, TrainOptions, corpus_windows, fit_ladder_windows, read_chats, read_corpus,
+};
 use molt::transplant::projector::TensorDtype;
 use std::path::PathBuf;
 
 /// Options.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Corpus directory (every *.txt in it).
+    /// Corpus directory (every *.txt in it as raw text, and `chats.jsonl` as conversations).
     #[arg(long, default_value = "projectors/corpus")]
     pub corpus: PathBuf,
     /// Where projectors are written (`<out>/<ladder>/`).
@@ -37,6 +41,15 @@ pub struct Args {
     /// e.g. `2,4,6`), written under `<out>/<ladder>/ablations/`.
     #[arg(long, value_delimiter = ',', value_name = "K,...")]
     pub topk: Vec<usize>,
+    /// Leave each window's first N positions out of the fit: the attention sink's outsized
+    /// K/V would weigh on every map, and a switch re-reads them natively (`--head-reread`).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub skip_head: usize,
+    /// Widen each fitted map's output heads to the destination's spread on the training rows
+    /// (undoes the ridge's shrinkage toward the mean; keys that are too narrow flatten the
+    /// destination's attention).
+    #[arg(long)]
+    pub restore_spread: bool,
     /// Store maps as f32 instead of f16.
     #[arg(long)]
     pub f32: bool,
@@ -90,13 +103,17 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         generate_corpus(&ladder, config, a)?;
     }
     let text = read_corpus(&a.corpus)?;
-    let tokens = {
+    let chats = read_chats(&a.corpus)?;
+    let wins = {
         let live = molt::session::LiveRung::load(&ladder.rungs[0], config)?;
-        live.model().tokenize(&text, false)?
+        corpus_windows(live.model(), &text, &chats, a.window)?
     };
+    let wins: Vec<&[molt::engine::Token]> = wins.iter().map(Vec::as_slice).collect();
     eprintln!(
-        "corpus: {} tokens from {}",
-        tokens.len(),
+        "corpus: {} tokens in {} windows ({} of them chats) from {}",
+        wins.iter().map(|w| w.len()).sum::<usize>(),
+        wins.len(),
+        chats.len(),
         a.corpus.display()
     );
     let variants = if a.ablations {
@@ -122,13 +139,19 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
             TensorDtype::F16
         },
         out_dir: a.out.clone(),
+        skip_head: a.skip_head,
+        restore_spread: a.restore_spread,
     };
-    let mut report = fit_ladder(&ladder, config, &tokens, &opts, &mut |s| eprintln!("{s}"))?;
+    let mut report = fit_ladder_windows(&ladder, config, &wins, &opts, &mut |s| eprintln!("{s}"))?;
     if !a.topk.is_empty() {
-        report.topk =
-            molt::train::topk::fit_topk_maps(&ladder, config, &tokens, &opts, &a.topk, &mut |s| {
-                eprintln!("{s}")
-            })?;
+        report.topk = molt::train::topk::fit_topk_maps_windows(
+            &ladder,
+            config,
+            &wins,
+            &opts,
+            &a.topk,
+            &mut |s| eprintln!("{s}"),
+        )?;
     }
     println!(
         "{:<16} {:<18} {:>9} {:>9} {:>9} {:>9}",
@@ -160,6 +183,7 @@ fn generate_corpus(
     config: molt::engine::ContextConfig,
     a: &Args,
 ) -> Result<()> {
+    generate_chats(ladder, config, a)?;
     let out = a.corpus.join("generated.txt");
     if out.exists() {
         eprintln!("{} exists; not regenerating", out.display());
@@ -183,6 +207,44 @@ fn generate_corpus(
     }
     let tmp = out.with_extension("txt.partial");
     std::fs::write(&tmp, &text)?;
+    std::fs::rename(&tmp, &out)?;
+    Ok(())
+}
+
+/// `chat-seeds.txt` → `chats.jsonl`: the largest rung's greedy answer to every seed prompt, kept
+/// with its prompt so the fit sees the whole conversation in its chat-template form.
+fn generate_chats(
+    ladder: &molt::ladder::Ladder,
+    config: molt::engine::ContextConfig,
+    a: &Args,
+) -> Result<()> {
+    let out = a.corpus.join("chats.jsonl");
+    let seeds_path = a.corpus.join("chat-seeds.txt");
+    if out.exists() || !seeds_path.exists() {
+        return Ok(());
+    }
+    let seeds = std::fs::read_to_string(&seeds_path)
+        .with_context(|| format!("reading {}", seeds_path.display()))?;
+    let mut session = Session::new(ladder.clone(), config, ladder.rungs[0].name())?;
+    let mut lines = String::new();
+    for (i, seed) in seeds.lines().filter(|l| !l.trim().is_empty()).enumerate() {
+        session.reset();
+        let opts = GenerateOptions {
+            max_tokens: a.seed_tokens,
+            sampling: SamplingParams::greedy(),
+            force_switch: None,
+        };
+        let g = session.generate(&Prompt::User(seed.to_string()), &opts, &mut |_| {})?;
+        eprintln!("chat seed {}: {} tokens", i + 1, g.tokens.len());
+        let c = ChatSample {
+            prompt: seed.to_string(),
+            answer: g.text,
+        };
+        lines.push_str(&serde_json::to_string(&c)?);
+        lines.push('\n');
+    }
+    let tmp = out.with_extension("jsonl.partial");
+    std::fs::write(&tmp, &lines)?;
     std::fs::rename(&tmp, &out)?;
     Ok(())
 }
