@@ -1791,7 +1791,7 @@ mod tests {
             all.iter().filter(|a| !a.is_option()).count(),
             "all but the option arms"
         );
-        assert_eq!(all.iter().filter(|a| a.is_option()).count(), 5);
+        assert_eq!(all.iter().filter(|a| a.is_option()).count(), 9);
         let s = select_arms("a, D ,d-truncate").unwrap();
         assert_eq!(
             s.iter().map(|a| a.id.as_str()).collect::<Vec<_>>(),
@@ -1820,6 +1820,8 @@ mod tests {
         assert!(all.iter().all(|a| a.built));
         assert_eq!(select_arms("d-topk4").unwrap()[0].topk, Some(4));
         assert_eq!(select_arms("d-tail32").unwrap()[0].tail, 32);
+        assert_eq!(select_arms("d-head4").unwrap()[0].head, 4);
+        assert_eq!(select_arms("d-refill32").unwrap()[0].refill, 32);
         assert!(select_arms("all").unwrap().iter().all(|a| !a.is_option()));
     }
 

@@ -255,7 +255,7 @@ fn ablations(r: &ConditionsReport) -> String {
         let differs = |x: &super::conditions::ArmSpec, d: &super::conditions::ArmSpec, k| {
             x.variant(k).tag(k) != d.variant(k).tag(k)
         };
-        // An option arm (top-k or tail recompute) adds a mechanism to D on every route.
+        // An option arm (top-k, tail, head re-read, refill) adds a mechanism to D on every route.
         let option = spec.is_some_and(super::conditions::ArmSpec::is_option);
         let (prec, size) = match (spec, d_spec) {
             (Some(x), Some(d)) if !option => (
@@ -309,6 +309,19 @@ fn ablations(r: &ConditionsReport) -> String {
                     "outside the noise"
                 }
             ));
+        }
+        // An option may move its cost out of the switch (a background refill runs between
+        // the tokens after it): its whole-answer time and longest stall say what it cost.
+        if option && let Some(d) = r.summary.iter().find(|x| x.arm == "D") {
+            if let (Some(x), Some(y)) = (&a.max_stall_excl_load_ms, &d.max_stall_excl_load_ms) {
+                parts.push(format!(
+                    "max stall excl. load {:.0} vs {:.0} ms",
+                    x.median, y.median
+                ));
+            }
+            if let (Some(x), Some(y)) = (&a.total_ms, &d.total_ms) {
+                parts.push(format!("total {:.0} vs {:.0} ms", x.median, y.median));
+            }
         }
         let verdict = match (parts.is_empty(), worse.is_empty(), better.is_empty()) {
             (true, _, _) => "no quality difference could be measured on this run".to_string(),

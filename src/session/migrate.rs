@@ -273,7 +273,7 @@ fn splice_head(
 }
 
 /// The history a Molt switch re-reads natively on the destination, at both ends of the cache:
-/// `head` (the first tokens: the attention sink and, in a chat, the fixed system prompt —
+/// `head` (the first tokens: the attention sink and, in a chat, the template's opening —
 /// exact under causal attention, and where projection errors cost the most attention mass)
 /// and `tail` (the last tokens, nearest the next one). Empty slices: project every position.
 #[derive(Debug, Clone, Copy, Default)]

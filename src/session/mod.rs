@@ -188,9 +188,9 @@ pub struct SessionOptions {
     /// Head re-read: at a Molt switch, decode the history's first `n` tokens natively on the
     /// destination and use its own K/V for those positions instead of projected ones. The
     /// prefix carries the attention sink (most of every head's attention mass) and, in a chat,
-    /// the fixed system prompt; under causal attention its native K/V are exact. 0 (off) by
-    /// default; costs `n` prefill tokens on the destination at the switch (the conditions
-    /// benchmark's `D-head*` arms weigh it against the seam).
+    /// the chat template's opening (and a system prompt, if any); under causal attention its
+    /// native K/V are exact. 0 (off) by default; costs `n` prefill tokens on the destination at
+    /// the switch (the conditions benchmark's `D-head*` arms weigh it against the seam).
     pub head_reread: usize,
     /// Background refill: after a Molt switch, re-read the history natively on the destination
     /// in a context of its own, this many tokens between every two generated tokens, and let

@@ -46,8 +46,8 @@ pub struct Args {
     pub lengths: Vec<usize>,
     /// Tail recompute lengths the cost sweep measures beside the plain transplant (the last N
     /// tokens re-read natively on the destination); `--tails ''` for none.
-    #[arg(long, value_delimiter = ',', default_values_t = vec![8usize, 32])]
-    pub tails: Vec<usize>,
+    #[arg(long, value_delimiter = ',', value_parser = parse_tail, default_values = ["8", "32"])]
+    pub tails: Vec<Option<usize>>,
     /// Corpus for the cost sweep's contexts.
     #[arg(long, default_value = "projectors/corpus")]
     pub corpus: PathBuf,
@@ -159,7 +159,7 @@ fn run_cost_sweep(g: &GlobalArgs, a: &Args) -> Result<()> {
         &molt::bench::cost_sweep::SweepOptions {
             lengths: a.lengths.clone(),
             reps: a.reps,
-            tails: a.tails.clone(),
+            tails: a.tails.iter().flatten().copied().collect(),
         },
         &mut |s| eprintln!("{s}"),
     )?;
@@ -385,4 +385,15 @@ fn run_qos(g: &GlobalArgs, a: &Args) -> Result<()> {
     std::fs::write(&path, serde_json::to_string_pretty(&doc)?)?;
     eprintln!("wrote {}", path.display());
     Ok(())
+}
+
+/// One `--tails` item: a token count, or nothing (`--tails ''` measures no tail).
+fn parse_tail(s: &str) -> Result<Option<usize>, String> {
+    if s.trim().is_empty() {
+        return Ok(None);
+    }
+    s.trim()
+        .parse()
+        .map(Some)
+        .map_err(|e| format!("{s:?} is not a token count: {e}"))
 }

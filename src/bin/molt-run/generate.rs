@@ -71,7 +71,7 @@ pub struct Args {
     pub tail_recompute: usize,
     /// Head re-read (0, off, by default): at a molt switch, decode the first N tokens of the
     /// history natively on the destination and keep its own K/V for them instead of the
-    /// projected ones (the attention sink and, in a chat, the system prompt).
+    /// projected ones (the attention sink and the chat template's opening tokens).
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub head_reread: usize,
     /// Background refill (0, off, by default): after a molt switch, re-read the history

@@ -42,13 +42,15 @@ pub struct Args {
     #[arg(long, value_delimiter = ',', value_name = "K,...")]
     pub topk: Vec<usize>,
     /// Leave each window's first N positions out of the fit: the attention sink's outsized
-    /// K/V would weigh on every map, and a switch re-reads them natively (`--head-reread`).
-    #[arg(long, value_name = "N", default_value_t = 0)]
+    /// K/V would weigh on every map (and `--head-reread` re-reads them natively). The shipped
+    /// maps were fitted with the default.
+    #[arg(long, value_name = "N", default_value_t = 4)]
     pub skip_head: usize,
     /// Widen each fitted map's output heads to the destination's spread on the training rows
     /// (undoes the ridge's shrinkage toward the mean; keys that are too narrow flatten the
-    /// destination's attention).
-    #[arg(long)]
+    /// destination's attention). On by default, as the shipped maps were fitted;
+    /// `--restore-spread false` for the plain ridge maps.
+    #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set)]
     pub restore_spread: bool,
     /// Store maps as f32 instead of f16.
     #[arg(long)]
