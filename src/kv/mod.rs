@@ -378,6 +378,32 @@ impl KvSnapshot {
         }
     }
 
+    /// Parses the blob of one sequence of a plain single-stream context (what
+    /// `llama_state_seq_get_data_ext` writes) and takes out its only stream, with the sequence
+    /// id it was exported from.
+    ///
+    /// # Errors
+    /// A parse error, or [`KvError::NotSingleStream`] as for
+    /// [`single_stream`](Self::single_stream).
+    pub fn parse_single_stream(bytes: &[u8]) -> Result<(i32, KvStream), KvError> {
+        let mut snap = Self::parse(
+            bytes,
+            ParseOptions {
+                sections: Some(1),
+                ..ParseOptions::default()
+            },
+        )?;
+        let err = snap.not_single_stream();
+        match (snap.sections.pop(), snap.sections.is_empty()) {
+            (Some(KvSection { streams }), true) => match <[Option<KvStream>; 1]>::try_from(streams)
+            {
+                Ok([Some(s)]) => Ok((snap.seq_id, s)),
+                _ => Err(err),
+            },
+            _ => Err(err),
+        }
+    }
+
     /// Mutable [`single_stream`](Self::single_stream).
     ///
     /// # Errors

@@ -12,7 +12,7 @@
 use std::time::Instant;
 
 use crate::engine::{CacheType as EngineCacheType, Context, ContextConfig, PartialForward, Token};
-use crate::kv::{CacheType, KvSnapshot, KvStream, LayerKv, ParseOptions};
+use crate::kv::{CacheType, KvSnapshot, KvStream, LayerKv};
 use crate::transplant::hidden::HiddenMap;
 use crate::transplant::project::project;
 use crate::transplant::projector::Projector;
@@ -107,17 +107,8 @@ pub fn project_blob_with(
     recomputed: Option<&[u8]>,
     native_head: Option<&[u8]>,
 ) -> Result<(Vec<u8>, f64, usize), String> {
-    let snap = KvSnapshot::parse(
-        blob,
-        ParseOptions {
-            sections: Some(1),
-            ..ParseOptions::default()
-        },
-    )
-    .map_err(|e| format!("source state: {e}"))?;
-    let stream = snap
-        .single_stream()
-        .map_err(|e| format!("source state: {e}"))?;
+    let (seq_id, stream) =
+        KvSnapshot::parse_single_stream(blob).map_err(|e| format!("source state: {e}"))?;
     let positions = stream.positions();
     let views: Vec<_> = stream
         .layers
@@ -134,7 +125,7 @@ pub fn project_blob_with(
     }
     let t = kv_type(dst_cache);
     let out = KvStream {
-        cells: stream.cells.clone(),
+        cells: stream.cells,
         v_trans: stream.v_trans,
         n_rot_k: 0,
         n_rot_v: 0,
@@ -149,7 +140,7 @@ pub fn project_blob_with(
             })
             .collect(),
     };
-    let bytes = KvSnapshot::from_single_stream(snap.seq_id, out)
+    let bytes = KvSnapshot::from_single_stream(seq_id, out)
         .to_bytes()
         .map_err(|e| format!("destination state: {e}"))?;
     #[allow(clippy::cast_precision_loss)] // FLOP counts far below 2^52
@@ -163,17 +154,8 @@ fn splice_recomputed(
     blob: &[u8],
     positions: &[i32],
 ) -> Result<(), String> {
-    let snap = KvSnapshot::parse(
-        blob,
-        ParseOptions {
-            sections: Some(1),
-            ..ParseOptions::default()
-        },
-    )
-    .map_err(|e| format!("recomputed state: {e}"))?;
-    let stream = snap
-        .single_stream()
-        .map_err(|e| format!("recomputed state: {e}"))?;
+    let (_, stream) =
+        KvSnapshot::parse_single_stream(blob).map_err(|e| format!("recomputed state: {e}"))?;
     let k = stream.layers.len();
     if k == 0 || k > layers.len() {
         return Err(format!(
@@ -223,17 +205,8 @@ fn splice_head(
     blob: &[u8],
     positions: &[i32],
 ) -> Result<(), String> {
-    let snap = KvSnapshot::parse(
-        blob,
-        ParseOptions {
-            sections: Some(1),
-            ..ParseOptions::default()
-        },
-    )
-    .map_err(|e| format!("native head state: {e}"))?;
-    let stream = snap
-        .single_stream()
-        .map_err(|e| format!("native head state: {e}"))?;
+    let (_, stream) =
+        KvSnapshot::parse_single_stream(blob).map_err(|e| format!("native head state: {e}"))?;
     if stream.layers.len() != layers.len() {
         return Err(format!(
             "native head state has {} layers for a destination of {}",
