@@ -25,7 +25,7 @@ if [[ "${1:-}" == "--quick" ]]; then
     reps=1
     prompts=(--prompts 3)
 fi
-arms=A,B,C,D,D-no-sandwich,D-no-remap,D-truncate,D-no-diagonal,D-dense,D-per-head,D-topk2,D-topk4,D-topk6,D-tail8,D-head4,D-refill32
+arms=A,B,C,D,D-no-sandwich,D-no-remap,D-truncate,D-no-diagonal,D-dense,D-per-head,D-topk2,D-topk4,D-topk6,D-tail8,D-no-head,D-refill32
 $run bench --conditions "$arms" --reps "$reps" "${prompts[@]}"
 $run bench --cost-sweep --reps "$reps" --tails 8,32
 $run bench --speed --reps "$reps"

@@ -215,30 +215,49 @@ fn conditions_pipeline_on_tiny_ladder() {
         read_corpus(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("projectors/corpus")).unwrap();
     let model = Model::load(&l.rungs[0].path, "big", ModelOptions::default()).unwrap();
     let tokens = model.tokenize(&corpus, false).unwrap();
+    let need = 64 + 1 + molt::bench::cost_sweep::SEAM;
+    // The sweep's default contexts: conversations in the chat form a session holds.
+    let chats = molt::train::read_chats(
+        &PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("projectors/corpus"),
+    )
+    .unwrap();
+    let contexts = molt::bench::cost_sweep::chat_contexts(&model, &chats, need, 2).unwrap();
+    assert_eq!(contexts.len(), 2);
+    assert_ne!(
+        contexts[0], contexts[1],
+        "each repetition opens another conversation"
+    );
+    assert!(contexts.iter().all(|c| c.len() >= need));
     let mut routes =
         molt::session::Routes::new(l, vec![dir.path().join("projectors")], Variant::Auto);
     let points = molt::bench::cost_sweep::run(
         l,
         cfg(),
         &mut routes,
-        &tokens,
+        &contexts,
         &molt::bench::cost_sweep::SweepOptions {
             lengths: vec![32, 64],
             reps: 2,
+            head: 4,
             tails: vec![8, 48],
+            heads: vec![0],
+            routes: vec![],
         },
         &mut |_| {},
     )
     .unwrap();
-    // A tail longer than the context is skipped at that length, measured where it fits.
+    // A tail that does not fit beside the head is skipped at that length, measured where it
+    // fits; the other head re-read (0: the projection alone) follows the tails. The measured
+    // switch re-reads the head, the anchor-less tiny projectors decoding all of it.
     for p in &points {
-        let tails: Vec<usize> = p.tails.iter().map(|t| t.tail).collect();
+        assert_eq!((p.head, p.head_anchored), (4, 0), "{p:?}");
+        let rereads: Vec<(usize, usize)> = p.tails.iter().map(|t| (t.head, t.tail)).collect();
         assert_eq!(
-            tails,
-            if p.context_tokens >= 48 {
-                vec![8, 48]
+            rereads,
+            if p.context_tokens >= 52 {
+                vec![(4, 8), (4, 48), (0, 0)]
             } else {
-                vec![8]
+                vec![(4, 8), (0, 0)]
             }
         );
         for t in &p.tails {
@@ -248,6 +267,28 @@ fn conditions_pipeline_on_tiny_ladder() {
             );
         }
     }
+    // A route filter measures only the routes it names.
+    let (a, b) = (l.rungs[1].name().to_string(), l.rungs[0].name().to_string());
+    let only = molt::bench::cost_sweep::run(
+        l,
+        cfg(),
+        &mut routes,
+        &molt::bench::cost_sweep::raw_contexts(&tokens, 32 + 1 + molt::bench::cost_sweep::SEAM, 1),
+        &molt::bench::cost_sweep::SweepOptions {
+            lengths: vec![32],
+            reps: 1,
+            head: 0,
+            tails: vec![],
+            heads: vec![],
+            routes: vec![(a.clone(), b.clone())],
+        },
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!(
+        only.iter().map(|p| p.route.as_str()).collect::<Vec<_>>(),
+        [format!("{a}→{b}")]
+    );
     std::fs::write(
         out.join("cost_sweep.json"),
         serde_json::to_string(&serde_json::json!({ "reps": 2, "points": points })).unwrap(),

@@ -13,6 +13,7 @@ use molt::session::migrate::{Reread, reprefill, transplant, transplant_with};
 use molt::session::routes::{Routes, Variant, binding};
 use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions, Strategy, jsd};
 use molt::train::{TrainOptions, fit_ladder, read_corpus};
+use molt::transplant::anchor::Anchor;
 use molt::transplant::project::identity_projector;
 use molt::transplant::projector::TensorDtype;
 use std::path::PathBuf;
@@ -335,6 +336,7 @@ fn tail_recompute_rereads_the_last_tokens_natively() {
         Reread {
             head: &[],
             tail: &toks,
+            anchor: None,
         },
         next,
     )
@@ -358,6 +360,7 @@ fn tail_recompute_rereads_the_last_tokens_natively() {
         Reread {
             head: &[],
             tail: &toks[toks.len() - w..],
+            anchor: None,
         },
         next,
     )
@@ -385,6 +388,7 @@ fn tail_recompute_rereads_the_last_tokens_natively() {
         Reread {
             head: &[],
             tail: &longer,
+            anchor: None,
         },
         next,
     )
@@ -414,6 +418,7 @@ fn head_reread_splices_the_destinations_own_prefix() {
         Reread {
             head: &toks,
             tail: &[],
+            anchor: None,
         },
         next,
     )
@@ -435,6 +440,7 @@ fn head_reread_splices_the_destinations_own_prefix() {
         Reread {
             head: &toks[..h],
             tail: &toks[h..],
+            anchor: None,
         },
         next,
     )
@@ -457,6 +463,7 @@ fn head_reread_splices_the_destinations_own_prefix() {
         Reread {
             head: &toks[..h],
             tail: &[],
+            anchor: None,
         },
         next,
     )
@@ -479,6 +486,7 @@ fn head_reread_splices_the_destinations_own_prefix() {
         Reread {
             head: &longer,
             tail: &[],
+            anchor: None,
         },
         next,
     )
@@ -519,6 +527,12 @@ fn real_ladder_migration_mid_answer_scores_within_bound() {
         (s, g)
     };
     let (s, molt) = run(Strategy::Molt);
+    let sw = &molt.switches[0];
+    assert_eq!(
+        (sw.head, sw.head_anchored),
+        (molt::session::DEFAULT_HEAD_REREAD, 3),
+        "the shipped anchor covers ChatML's opening, the user's first token is decoded: {sw:?}"
+    );
     let (_, base) = run(Strategy::Reprefill);
     let judge = |g: &molt::session::Generation| {
         let model = Model::load(&l.rungs[0].path, "tier0", ModelOptions::default()).unwrap();
@@ -646,4 +660,125 @@ fn background_refill_takes_over_with_the_native_cache() {
         d_refill < 1e-2 && d_plain > 10.0 * d_refill.max(1e-4),
         "native after the take-over: {d_refill}, projected without it: {d_plain}"
     );
+}
+
+#[test]
+fn an_anchor_supplies_the_head_it_covers() {
+    // An anchor is the destination's own state over the history's first tokens, so splicing
+    // it gives the same cache as decoding them at the switch, to the bit, whether it covers
+    // part of the head (the rest decoded), all of it, or more (cut to the head). An anchor of
+    // other tokens is not used.
+    let TinyRoute {
+        p,
+        src,
+        mut dst,
+        toks,
+        next,
+    } = tiny_big_to_small();
+    let h = 4;
+    let switch = |dst: &mut Context, anchor: Option<&Anchor>| {
+        let t = transplant_with(
+            &src,
+            dst,
+            &p,
+            None,
+            Reread {
+                head: &toks[..h],
+                tail: &[],
+                anchor,
+            },
+            next,
+        )
+        .unwrap();
+        assert_eq!(t.head, h);
+        assert_eq!(dst.n_past(), toks.len() + 1);
+        (t.head_anchored, dst.logits().to_vec())
+    };
+    let (none, decoded) = switch(&mut dst, None);
+    assert_eq!(none, 0);
+    let anchor_of = |dst: &mut Context, n: usize| {
+        dst.clear();
+        dst.decode(&toks[..n]).unwrap();
+        Anchor {
+            rung: "small".into(),
+            file: "small.gguf".into(),
+            sha256: String::new(),
+            tokens: toks[..n].to_vec(),
+            state: dst.export_state().unwrap(),
+        }
+    };
+    for (n, covered) in [(3, 3), (h, h), (h + 2, h)] {
+        let a = anchor_of(&mut dst, n);
+        let (anchored, logits) = switch(&mut dst, Some(&a));
+        assert_eq!(anchored, covered, "anchor of {n} tokens");
+        assert_eq!(max_abs(&logits, &decoded), 0.0, "anchor of {n} tokens");
+    }
+    let mut other = anchor_of(&mut dst, 3);
+    other.tokens[0] += 1;
+    let (anchored, logits) = switch(&mut dst, Some(&other));
+    assert_eq!(anchored, 0, "an anchor of other tokens is not spliced");
+    assert_eq!(max_abs(&logits, &decoded), 0.0);
+    // A state this context cannot import (here: not a state at all) costs the anchor, not the
+    // switch: the head is decoded whole.
+    let mut broken = anchor_of(&mut dst, 3);
+    broken.state.truncate(16);
+    let (anchored, logits) = switch(&mut dst, Some(&broken));
+    assert_eq!(anchored, 0, "an unimportable anchor is not spliced");
+    assert_eq!(max_abs(&logits, &decoded), 0.0);
+}
+
+#[test]
+fn anchors_are_fitted_on_the_template_opening_and_bound_to_their_rung() {
+    // `write_anchors` stores each rung's own state over the tokens every rendered chat opens
+    // with; Routes finds them beside the projectors and refuses one of another file; a chat
+    // session's default switch splices the anchor into its head re-read.
+    let l = common::tiny_ladder().clone();
+    let dir = tempfile::tempdir().unwrap();
+    let written = molt::train::write_anchors(&l, cfg(), dir.path()).unwrap();
+    assert_eq!(written.len(), l.rungs.len());
+    let model = Model::load(&l.rungs[2].path, "small", ModelOptions::default()).unwrap();
+    let opening = molt::train::template_opening(&model).unwrap();
+    let rendered = model
+        .apply_chat_template(&[molt::engine::ChatMessage::new("user", "hello")], true)
+        .unwrap();
+    let chat = model.tokenize(&rendered, true).unwrap();
+    assert!(
+        !opening.is_empty() && chat.starts_with(&opening) && opening.len() < chat.len(),
+        "opening {opening:?} of {chat:?}"
+    );
+    let mut routes = Routes::new(&l, vec![dir.path().to_path_buf()], Variant::Auto);
+    let a = routes.anchor(2).unwrap().expect("anchor written");
+    assert_eq!(a.tokens, opening);
+    assert_eq!(a.sha256, l.rungs[2].sha256);
+    let path = &written[2];
+    let e = Anchor::load(path, &"0".repeat(64)).unwrap_err();
+    assert!(e.to_string().contains("bound to other model files"), "{e}");
+    let empty = tempfile::tempdir().unwrap();
+    let mut none = Routes::new(&l, vec![empty.path().to_path_buf()], Variant::Auto);
+    assert!(none.anchor(2).unwrap().is_none(), "no file: no anchor");
+
+    let opts = SessionOptions {
+        projector_dirs: vec![tiny_projectors().clone(), dir.path().to_path_buf()],
+        observe_footprint: false,
+        ..SessionOptions::default()
+    };
+    assert_eq!(opts.head_reread, molt::session::DEFAULT_HEAD_REREAD);
+    let mut s = Session::with_options(l.clone(), cfg(), "big", opts).unwrap();
+    let g = s
+        .generate(
+            &Prompt::User(TEXT.into()),
+            &GenerateOptions {
+                max_tokens: 12,
+                force_switch: Some((4, 2)),
+                ..GenerateOptions::default()
+            },
+            &mut |_| {},
+        )
+        .unwrap();
+    assert_eq!(g.tokens.len(), 12);
+    let sw = &g.switches[0];
+    assert_eq!(sw.method, "molt");
+    assert_eq!(sw.head, molt::session::DEFAULT_HEAD_REREAD);
+    assert_eq!(sw.head_anchored, opening.len().min(sw.head), "{sw:?}");
+    assert!(sw.head_ms > 0.0 && sw.head_ms <= sw.cost_ms, "{sw:?}");
 }

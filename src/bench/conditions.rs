@@ -39,9 +39,10 @@ use crate::pressure::{Trace, TraceBudget, TraceStep, process_rss_bytes};
 use crate::sched::{Policy, RungCost};
 use crate::session::routes::{RouteKind, Routes, binding, route_kind};
 use crate::session::{
-    Event, GenerateOptions, Generation, Prompt, Session, SessionOptions, StopReason, Strategy,
-    SwitchInfo, Variant,
+    DEFAULT_HEAD_REREAD, Event, GenerateOptions, Generation, Prompt, Session, SessionOptions,
+    StopReason, Strategy, SwitchInfo, Variant,
 };
+use crate::transplant::anchor::Anchor;
 use crate::transplant::hidden::HiddenMap;
 use crate::transplant::projector::Projector;
 
@@ -137,9 +138,10 @@ pub struct ArmSpec {
     /// switch (0: every position projected).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub tail: usize,
-    /// Head re-read: the first n history tokens decoded natively on the destination at a
-    /// switch, their K/V replacing the projected rows (0: every position projected).
-    #[serde(default, skip_serializing_if = "is_zero")]
+    /// Head re-read: the first n history positions given the destination's own K/V at a
+    /// switch (anchor, then decode) instead of projected rows (0: every position projected;
+    /// [`DEFAULT_HEAD_REREAD`] in every Molt arm but the `D-head*` and `D-no-head` ones).
+    #[serde(default)]
     pub head: usize,
     /// Background refill: after a switch the destination re-reads the history natively, n
     /// tokens between two generated tokens, and takes over once caught up (0: off).
@@ -165,7 +167,7 @@ impl ArmSpec {
             built: true,
             topk: None,
             tail: 0,
-            head: 0,
+            head: DEFAULT_HEAD_REREAD,
             refill: 0,
         }
     }
@@ -182,15 +184,23 @@ impl ArmSpec {
         }
     }
 
+    /// Molt with a head re-read of `n` tokens instead of the default's
+    /// ([`DEFAULT_HEAD_REREAD`]); `n = 0` is `D-no-head`, every position projected.
     fn head(n: usize) -> Self {
+        let (id, removes) = if n == 0 {
+            (
+                "D-no-head".to_string(),
+                "without the head re-read (every position projected)".to_string(),
+            )
+        } else {
+            (
+                format!("D-head{n}"),
+                format!("with the first {n} tokens re-read natively (not {DEFAULT_HEAD_REREAD})"),
+            )
+        };
         Self {
             head: n,
-            ..Self::ablation(
-                &format!("D-head{n}"),
-                &format!("with the first {n} tokens re-read natively over the projection"),
-                Variant::Auto,
-                Variant::Auto,
-            )
+            ..Self::ablation(&id, &removes, Variant::Auto, Variant::Auto)
         }
     }
 
@@ -207,10 +217,15 @@ impl ArmSpec {
     }
 
     /// An option arm: one of D's off-by-default options turned on (top-k recompute, tail
-    /// recompute, head re-read, background refill), selected by id only.
+    /// recompute, background refill) or a head re-read of another length than the default's,
+    /// selected by id only. `D-no-head` (no head re-read) is an ablation, like the others
+    /// that remove one mechanism.
     #[must_use]
     pub fn is_option(&self) -> bool {
-        self.topk.is_some() || self.tail > 0 || self.head > 0 || self.refill > 0
+        self.topk.is_some()
+            || self.tail > 0
+            || self.refill > 0
+            || (self.head != 0 && self.head != DEFAULT_HEAD_REREAD)
     }
 
     fn topk(k: usize) -> Self {
@@ -327,7 +342,8 @@ pub fn all_arms() -> Vec<ArmSpec> {
         ArmSpec::topk(6),
         ArmSpec::tail(8),
         ArmSpec::tail(32),
-        ArmSpec::head(4),
+        ArmSpec::head(0),
+        ArmSpec::head(3),
         ArmSpec::head(32),
         ArmSpec::refill(8),
         ArmSpec::refill(32),
@@ -335,7 +351,7 @@ pub fn all_arms() -> Vec<ArmSpec> {
 }
 
 /// `all` (every arm but the option arms, which are selected by id: `D-topk2,D-topk4,D-topk6`,
-/// `D-tail8,D-tail32`, `D-head4,D-head32`, `D-refill8,D-refill32`),
+/// `D-tail8,D-tail32`, `D-no-head,D-head3,D-head32`, `D-refill8,D-refill32`),
 /// or a comma-separated list of arm ids (case-insensitive). Unbuilt slots are listed but never
 /// run.
 ///
@@ -564,6 +580,10 @@ pub struct SeamRecord {
     pub kind: RouteKind,
     /// JSD (nats) of the destination's first distribution against the source's own.
     pub handoff_jsd: Option<f64>,
+    /// The same JSD for the destination with a native cache of the same history, at this
+    /// very switch (a re-prefill's: the floor `handoff_jsd` is compared with, pairwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handoff_floor_jsd: Option<f64>,
     /// Mean attention entropy (nats) of the destination's first decode after the switch.
     pub entropy_migrated: Option<f64>,
     /// The same on a cache the destination built itself from the same tokens.
@@ -660,6 +680,20 @@ pub struct ArmSummary {
     pub handoff_jsd_precision: Option<f64>,
     /// Mean handoff JSD on size-route switches.
     pub handoff_jsd_size: Option<f64>,
+    /// Mean re-prefill floor of the same precision-route switches (each read at the switch
+    /// itself on a native cache of the same history).
+    #[serde(default)]
+    pub handoff_floor_precision: Option<f64>,
+    /// Mean re-prefill floor of the same size-route switches.
+    #[serde(default)]
+    pub handoff_floor_size: Option<f64>,
+    /// Paired seam ratio on the size route: mean handoff JSD / mean floor over the switches
+    /// where both were read (the "at most 2× the re-prefill floor", like for like).
+    #[serde(default)]
+    pub seam_ratio_size: Option<f64>,
+    /// The same on the precision route.
+    #[serde(default)]
+    pub seam_ratio_precision: Option<f64>,
     /// Mean attention flatness on precision-route switches.
     pub flatness_precision: Option<f64>,
     /// Mean attention flatness on size-route switches.
@@ -802,6 +836,7 @@ pub struct ConditionsOptions {
 struct RouteSet {
     projectors: Vec<(usize, usize, Arc<Projector>)>,
     hidden: Vec<(usize, usize, Arc<HiddenMap>)>,
+    anchors: Vec<(usize, Arc<Anchor>)>,
 }
 
 fn route_kind_of(ladder: &Ladder, s: usize, d: usize) -> RouteKind {
@@ -841,6 +876,17 @@ fn projectors_for(
                     return Err(BenchError::Config(format!("arm {}: {e}", arm.id)));
                 }
                 Err(_) => {}
+            }
+        }
+    }
+    // A head re-read splices each destination's shipped anchor where it covers the head.
+    if arm.head > 0 {
+        let mut routes = Routes::new(ladder, dirs.to_vec(), Variant::Auto);
+        for i in 0..n {
+            match routes.anchor(i) {
+                Ok(Some(a)) => out.anchors.push((i, a)),
+                Ok(None) => {}
+                Err(e) => return Err(BenchError::Config(format!("arm {}: {e}", arm.id))),
             }
         }
     }
@@ -998,6 +1044,11 @@ fn generate_once(
     }
     for (s, d, m) in &routes.hidden {
         session.install_hidden_map(*s, *d, HiddenMap::clone(m));
+    }
+    for (i, a) in &routes.anchors {
+        session
+            .routes_mut()
+            .insert_anchor(*i, Some(Anchor::clone(a)));
     }
     if quality {
         for i in (0..n).filter(|&i| i != start) {
@@ -1301,6 +1352,7 @@ pub fn run(
                         to: sw.to.clone(),
                         kind: route_kind_of(ladder, s, d),
                         handoff_jsd: sw.handoff_jsd,
+                        handoff_floor_jsd: sw.handoff_floor_jsd,
                         entropy_migrated: migrated,
                         entropy_native: native_e,
                         flatness: migrated.zip(native_e).map(|(m, n)| m / n),
@@ -1503,6 +1555,14 @@ fn summarize(ladder: &Ladder, arms: &[ArmSpec], cells: &[Cell], reps: usize) -> 
                     seams(RouteKind::Precision).filter_map(|s| s.handoff_jsd),
                 ),
                 handoff_jsd_size: mean(seams(RouteKind::Size).filter_map(|s| s.handoff_jsd)),
+                handoff_floor_precision: mean(
+                    seams(RouteKind::Precision).filter_map(|s| s.handoff_floor_jsd),
+                ),
+                handoff_floor_size: mean(
+                    seams(RouteKind::Size).filter_map(|s| s.handoff_floor_jsd),
+                ),
+                seam_ratio_size: paired_ratio(seams(RouteKind::Size)),
+                seam_ratio_precision: paired_ratio(seams(RouteKind::Precision)),
                 flatness_precision: mean(seams(RouteKind::Precision).filter_map(|s| s.flatness)),
                 flatness_size: mean(seams(RouteKind::Size).filter_map(|s| s.flatness)),
                 judge_ppl: pooled_perplexity(&scores),
@@ -1565,6 +1625,18 @@ fn timing_comparisons(summary: &[ArmSummary]) -> Vec<TimingComparison> {
     out
 }
 
+/// Mean handoff JSD over mean floor, over the seams where both were read (`None` without any,
+/// or with a zero floor).
+fn paired_ratio<'a>(seams: impl Iterator<Item = &'a SeamRecord>) -> Option<f64> {
+    let pairs: Vec<(f64, f64)> = seams
+        .filter_map(|s| s.handoff_jsd.zip(s.handoff_floor_jsd))
+        .collect();
+    let (j, f) = pairs
+        .iter()
+        .fold((0.0, 0.0), |(a, b), &(x, y)| (a + x, b + y));
+    (!pairs.is_empty() && f > 0.0).then(|| j / f)
+}
+
 fn per_prompt(cells: &[Cell], arm: &str, metric: &str) -> HashMap<String, f64> {
     cells
         .iter()
@@ -1600,7 +1672,11 @@ pub const PAIRED_METRICS: [&str; 6] = [
     "flatness_size",
 ];
 
-fn paired_comparisons(arms: &[ArmSpec], cells: &[Cell]) -> Vec<PairedComparison> {
+/// Every option or ablation arm against D, prompt by prompt, on [`PAIRED_METRICS`]. A
+/// prompt counts as worse (better) when the arm's value exceeds (falls below) D's by more than
+/// 1% — except attention flatness, which is best at 1 (the destination's own attention), where
+/// the distance `|ln flatness|` is compared, by more than 0.01.
+pub(crate) fn paired_comparisons(arms: &[ArmSpec], cells: &[Cell]) -> Vec<PairedComparison> {
     let mut out = Vec::new();
     let others = arms
         .iter()
@@ -1616,7 +1692,14 @@ fn paired_comparisons(arms: &[ArmSpec], cells: &[Cell]) -> Vec<PairedComparison>
             if pairs.is_empty() {
                 continue;
             }
-            let rel = |x: f64, y: f64| (x - y) / y.abs().max(1e-12);
+            let flat = metric.starts_with("flatness");
+            let rel = |x: f64, y: f64| {
+                if flat {
+                    x.ln().abs() - y.ln().abs()
+                } else {
+                    (x - y) / y.abs().max(1e-12)
+                }
+            };
             out.push(PairedComparison {
                 metric: metric.into(),
                 a: arm.id.clone(),
@@ -1812,7 +1895,7 @@ mod tests {
                 .iter()
                 .filter(|&&k| a.variant(k).tag(k) != d.variant(k).tag(k))
                 .count();
-            assert!(changed >= 1, "{} changes nothing", a.id);
+            assert!(changed >= 1 || a.head != d.head, "{} changes nothing", a.id);
             assert_eq!(a.strategy, Strategy::Molt);
         }
         let topk: Vec<_> = all.iter().filter_map(|a| a.topk).collect();
@@ -1820,7 +1903,9 @@ mod tests {
         assert!(all.iter().all(|a| a.built));
         assert_eq!(select_arms("d-topk4").unwrap()[0].topk, Some(4));
         assert_eq!(select_arms("d-tail32").unwrap()[0].tail, 32);
-        assert_eq!(select_arms("d-head4").unwrap()[0].head, 4);
+        assert_eq!(select_arms("d-head32").unwrap()[0].head, 32);
+        assert_eq!(select_arms("d-no-head").unwrap()[0].head, 0);
+        assert_eq!(select_arms("D").unwrap()[0].head, DEFAULT_HEAD_REREAD);
         assert_eq!(select_arms("d-refill32").unwrap()[0].refill, 32);
         assert!(select_arms("all").unwrap().iter().all(|a| !a.is_option()));
     }

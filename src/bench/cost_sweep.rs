@@ -2,21 +2,24 @@
 //! rungs warm, every route, measured side by side in one run (alternating, so the machine's
 //! drift hits both), with the handoff divergence of each beside its cost.
 //!
-//! For each route and length `n`, `reps` times, each time on its own window of `n` corpus
-//! tokens (spread over the corpus): the source reads the window; then, alternating, (a)
-//! [`transplant`] its cache into the destination and decode the next token there (and the same
-//! with each requested tail recompute), (b) [`reprefill`] the same `n` tokens plus the next one
-//! on the destination. All end at the destination's first logits; all are compared (JSD) with
-//! the source's own next-token distribution, at the switch step and over the next [`SEAM`]
-//! teacher-forced steps, averaged over the windows. The re-prefill's divergence is the floor:
-//! it is what the destination says with a perfect cache of its own.
+//! For each route and length `n`, `reps` times, each time on its own context (the first `n`
+//! tokens of one of the given token streams — by default multi-turn conversations rendered
+//! with the chat template, as a session holds them, see [`chat_contexts`]): the source reads
+//! them; then, alternating, (a) Molt's switch — [`transplant_with`] its cache into the
+//! destination with the default head re-read (the destination's anchor spliced where it
+//! covers the head) and decode the next token there — and the same with each requested
+//! variant (other head re-reads, tail recompute), (b) [`reprefill`] the same `n` tokens plus
+//! the next one on the destination. All end at the destination's first logits; all are
+//! compared (JSD) with the source's own next-token distribution, at the switch step and over
+//! the next [`SEAM`] teacher-forced steps, averaged over the contexts. The re-prefill's
+//! divergence is the floor: it is what the destination says with a perfect cache of its own.
 
 use serde::Serialize;
 
 use super::speed::Rate;
 use crate::engine::{ContextConfig, Token};
 use crate::ladder::Ladder;
-use crate::session::migrate::{Reread, prefill_flops, reprefill, transplant, transplant_with};
+use crate::session::migrate::{Reread, prefill_flops, reprefill, transplant_with};
 use crate::session::routes::{RouteKind, Routes, binding, route_kind};
 use crate::session::{LiveRung, SessionError, jsd};
 
@@ -29,6 +32,13 @@ pub struct SweepPoint {
     pub kind: RouteKind,
     /// Context tokens carried.
     pub context_tokens: usize,
+    /// Head re-read of the transplant (the history's first positions given the destination's
+    /// own K/V), and how many of them the destination's anchor supplied (the rest decoded).
+    #[serde(default)]
+    pub head: usize,
+    /// Of `head`, positions from the anchor.
+    #[serde(default)]
+    pub head_anchored: usize,
     /// Transplant cost (decision to first logits), ms.
     pub transplant_ms: Rate,
     /// Its parts (medians), ms: export, project, import, first decode.
@@ -58,16 +68,20 @@ pub struct SweepPoint {
     pub reprefill_jsd_mean: f64,
     /// transplant_jsd_mean / reprefill_jsd_mean.
     pub seam_mean_ratio: f64,
-    /// The transplant with tail recompute (the last `tail` tokens re-read natively on the
-    /// destination), one entry per requested tail length.
+    /// The transplant with part of the history re-read natively on the destination: tail
+    /// recompute (its last `tail` tokens) or head re-read (its first `head` tokens), one
+    /// entry per requested length.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub tails: Vec<TailPoint>,
 }
 
-/// The transplant with tail recompute at one sweep point.
+/// The transplant with a native re-read (tail recompute or head re-read) at one sweep point.
 #[derive(Debug, Clone, Serialize, serde::Deserialize)]
 pub struct TailPoint {
-    /// Tokens re-read natively.
+    /// The history's first tokens re-read natively (head re-read; 0 for none).
+    #[serde(default)]
+    pub head: usize,
+    /// The history's last tokens re-read natively (tail recompute; 0 for none).
     pub tail: usize,
     /// Cost, decision to first logits, ms.
     pub cost_ms: Rate,
@@ -110,8 +124,15 @@ pub struct SweepOptions {
     pub lengths: Vec<usize>,
     /// Repetitions per method.
     pub reps: usize,
-    /// Tail recompute lengths measured beside the plain transplant (empty: none).
+    /// The head re-read of the measured switch (a session's default:
+    /// [`crate::session::DEFAULT_HEAD_REREAD`]; 0 for the projection alone).
+    pub head: usize,
+    /// Tail recompute lengths measured beside it (with the same head re-read; empty: none).
     pub tails: Vec<usize>,
+    /// Other head re-read lengths measured beside it (empty: none).
+    pub heads: Vec<usize>,
+    /// Only the routes `src→dst` named here (empty: every ordered pair of rungs).
+    pub routes: Vec<(String, String)>,
 }
 
 fn med(v: &[f64]) -> f64 {
@@ -128,16 +149,17 @@ pub fn run(
     ladder: &Ladder,
     config: ContextConfig,
     routes: &mut Routes,
-    corpus: &[Token],
+    contexts: &[Vec<Token>],
     opts: &SweepOptions,
     progress: &mut dyn FnMut(&str),
 ) -> Result<Vec<SweepPoint>, SessionError> {
     let max_len = opts.lengths.iter().copied().max().unwrap_or(0);
-    if corpus.len() < max_len + 1 + SEAM {
+    let shortest = contexts.iter().map(Vec::len).min().unwrap_or(0);
+    if shortest < max_len + 1 + SEAM {
         return Err(SessionError::PromptTooLong {
-            prompt_tokens: corpus.len(),
+            prompt_tokens: shortest,
             n_ctx: config.n_ctx,
-            reserve: max_len + 1 + SEAM - corpus.len(),
+            reserve: max_len + 1 + SEAM - shortest,
         });
     }
     let mut rungs: Vec<LiveRung> = ladder
@@ -156,27 +178,45 @@ pub fn run(
                 continue;
             }
             let projector = routes.get(si, di)?;
+            let anchor = if opts.head > 0 || opts.heads.iter().any(|&h| h > 0) {
+                routes.anchor(di)?
+            } else {
+                None
+            };
             let kind = route_kind(&binding(&ladder.rungs[si]), &binding(&ladder.rungs[di]));
-            let route = format!("{}→{}", ladder.rungs[si].name(), ladder.rungs[di].name());
+            let (sn, dn) = (ladder.rungs[si].name(), ladder.rungs[di].name());
+            if !opts.routes.is_empty() && !opts.routes.iter().any(|(a, b)| a == sn && b == dn) {
+                continue;
+            }
+            let route = format!("{sn}→{dn}");
             for &n in &opts.lengths {
                 progress(&format!("{route} at {n} tokens"));
                 let (src, dst) = pair(&mut rungs, si, di);
                 let (mut t_ms, mut r_ms) = (Vec::new(), Vec::new());
                 let mut parts = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
                 let (mut t_seam, mut r_seam, mut t_flops) = ((0.0, 0.0), (0.0, 0.0), 0.0);
-                let tails: Vec<usize> = opts.tails.iter().copied().filter(|&w| w <= n).collect();
+                let mut anchored = 0;
+                let head = opts.head.min(n);
+                // (head, tail) of each re-read variant measured beside the plain transplant.
+                let tails: Vec<(usize, usize)> = opts
+                    .tails
+                    .iter()
+                    .filter(|&&w| w + head <= n)
+                    .map(|&w| (head, w))
+                    .chain(opts.heads.iter().filter(|&&h| h <= n).map(|&h| (h, 0)))
+                    .collect();
                 let mut tail_ms = vec![Vec::new(); tails.len()];
                 let mut tail_seam = vec![(0.0, 0.0); tails.len()];
                 let reps = opts.reps.max(1);
                 for rep in 0..reps {
-                    // Each repetition reads its own window of the corpus, so the seam is a
-                    // mean over `reps` contexts rather than one (a single window can be
-                    // near-certain for every model); the timings compare like with like, as
-                    // every window is `n` tokens long.
-                    let start = window_start(corpus.len(), n + 1 + SEAM, rep, reps);
-                    let history = &corpus[start..start + n];
-                    let last = corpus[start + n];
-                    let follow = &corpus[start + n..start + n + 1 + SEAM];
+                    // Each repetition reads its own context, so the seam is a mean over `reps`
+                    // contexts rather than one (a single one can be near-certain for every
+                    // model); the timings compare like with like, as every history is `n`
+                    // tokens long.
+                    let context = &contexts[rep % contexts.len()];
+                    let history = &context[..n];
+                    let last = context[n];
+                    let follow = &context[n..n + 1 + SEAM];
                     src.ctx.clear();
                     src.ctx.decode(history).map_err(engine(src.name()))?;
                     // The source's own distributions at the switch step and the next `SEAM`
@@ -190,16 +230,19 @@ pub fn run(
                         acc.0 += v.0 / reps as f64;
                         acc.1 += v.1 / reps as f64;
                     };
-                    for (k, &w) in tails.iter().enumerate() {
+                    // The history's first `h` and last `w` tokens re-read natively.
+                    let reread = |h: usize, w: usize| Reread {
+                        head: &history[..h],
+                        tail: &history[n - w..],
+                        anchor: anchor.as_deref(),
+                    };
+                    for (k, &(h, w)) in tails.iter().enumerate() {
                         let t = transplant_with(
                             &src.ctx,
                             &mut dst.ctx,
                             &projector,
                             None,
-                            Reread {
-                                head: &[],
-                                tail: &history[n - w..],
-                            },
+                            reread(h, w),
                             last,
                         )?;
                         let v = seam(&mut dst.ctx, &reference, &follow[1..])
@@ -207,7 +250,15 @@ pub fn run(
                         add(&mut tail_seam[k], v);
                         tail_ms[k].push(t.cost_ms);
                     }
-                    let t = transplant(&src.ctx, &mut dst.ctx, &projector, last)?;
+                    let t = transplant_with(
+                        &src.ctx,
+                        &mut dst.ctx,
+                        &projector,
+                        None,
+                        reread(head, 0),
+                        last,
+                    )?;
+                    anchored = t.head_anchored;
                     let v =
                         seam(&mut dst.ctx, &reference, &follow[1..]).map_err(engine(dst.name()))?;
                     add(&mut t_seam, v);
@@ -239,7 +290,7 @@ pub fn run(
                     0.0
                 };
                 progress(&format!(
-                    "  transplant {:.1} ms, re-prefill {:.1} ms ({speedup:.1}x); seam JSD {:.4} vs floor {:.4} (mean over {} steps {:.4} vs {:.4})",
+                    "  transplant (head {head}, {anchored} from the anchor) {:.1} ms, re-prefill {:.1} ms ({speedup:.1}x); seam JSD {:.4} vs floor {:.4} (mean over {} steps {:.4} vs {:.4})",
                     tm.median,
                     rm.median,
                     t_jsd,
@@ -252,14 +303,21 @@ pub fn run(
                     .iter()
                     .zip(tail_ms)
                     .zip(&tail_seam)
-                    .map(|((&tail, v), &(jsd, jsd_mean))| {
+                    .map(|((&(head, tail), v), &(jsd, jsd_mean))| {
                         let cost_ms = Rate::from(v);
+                        let what = if tail > 0 {
+                            format!("head {head} + tail {tail}")
+                        } else {
+                            format!("head {head}")
+                        };
                         progress(&format!(
-                            "  tail {tail}: {:.1} ms ({:.1}x); seam JSD {jsd:.4}, mean {jsd_mean:.4}",
+                            "  {what}: {:.1} ms ({:.1}x); seam JSD {jsd:.4}, mean {jsd_mean:.4} (ratio {:.2})",
                             cost_ms.median,
-                            rm.median / cost_ms.median
+                            rm.median / cost_ms.median,
+                            jsd_mean / r_seam.1
                         ));
                         TailPoint {
+                            head,
                             tail,
                             speedup: if cost_ms.median > 0.0 {
                                 rm.median / cost_ms.median
@@ -277,6 +335,8 @@ pub fn run(
                     route: route.clone(),
                     kind,
                     context_tokens: n,
+                    head,
+                    head_anchored: anchored,
                     transplant_parts_ms: [
                         med(&parts[0]),
                         med(&parts[1]),
@@ -307,8 +367,8 @@ pub fn run(
     Ok(out)
 }
 
-/// Where repetition `rep` of `reps` starts its window of `len` tokens: spread evenly over the
-/// corpus, the first at its start, the last at its end.
+/// Where window `rep` of `reps` of `len` tokens starts: spread evenly over the corpus, the
+/// first at its start, the last at its end.
 fn window_start(corpus_len: usize, len: usize, rep: usize, reps: usize) -> usize {
     let room = corpus_len.saturating_sub(len);
     if reps <= 1 {
@@ -316,6 +376,61 @@ fn window_start(corpus_len: usize, len: usize, rep: usize, reps: usize) -> usize
     } else {
         room * rep / (reps - 1)
     }
+}
+
+/// `count` windows of `len` tokens of a raw token stream, spread evenly over it (the sweep's
+/// contexts without the chat form: they open mid-text, so no anchor covers their head).
+#[must_use]
+pub fn raw_contexts(corpus: &[Token], len: usize, count: usize) -> Vec<Vec<Token>> {
+    (0..count.max(1))
+        .map(|r| {
+            let s = window_start(corpus.len(), len, r, count);
+            corpus[s..(s + len).min(corpus.len())].to_vec()
+        })
+        .collect()
+}
+
+/// `count` conversations of at least `len` tokens, as a session holds them: the chats taken
+/// in turn as user/assistant exchanges, rendered with `model`'s chat template and tokenized,
+/// conversation `r` starting at chat `r · chats / count` (so each opens with another user
+/// message) and adding chats, wrapping around, until it is long enough.
+///
+/// # Errors
+/// [`crate::engine::EngineError`] if the template cannot be rendered or the text tokenized;
+/// [`crate::engine::EngineError::ChatTemplate`] when there are no chats or all of them
+/// together are shorter than `len`.
+pub fn chat_contexts(
+    model: &crate::engine::Model,
+    chats: &[crate::train::ChatSample],
+    len: usize,
+    count: usize,
+) -> Result<Vec<Vec<Token>>, crate::engine::EngineError> {
+    use crate::engine::ChatMessage;
+    let mut out = Vec::new();
+    for r in 0..count.max(1) {
+        let first = r * chats.len() / count.max(1);
+        let mut conv = Vec::new();
+        let mut tokens = Vec::new();
+        for k in 0..chats.len() {
+            let c = &chats[(first + k) % chats.len()];
+            conv.push(ChatMessage::new("user", &c.prompt));
+            conv.push(ChatMessage::new("assistant", &c.answer));
+            let text = model.apply_chat_template(&conv, false)?;
+            tokens = model.tokenize(&text, true)?;
+            if tokens.len() >= len {
+                break;
+            }
+        }
+        if tokens.len() < len {
+            return Err(crate::engine::EngineError::ChatTemplate(format!(
+                "{} chats render to {} tokens; the sweep needs conversations of {len}",
+                chats.len(),
+                tokens.len()
+            )));
+        }
+        out.push(tokens);
+    }
+    Ok(out)
 }
 
 fn pair(v: &mut [LiveRung], a: usize, b: usize) -> (&mut LiveRung, &mut LiveRung) {

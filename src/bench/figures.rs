@@ -659,6 +659,12 @@ pub struct SweepDoc {
     /// Repetitions.
     #[serde(default)]
     pub reps: usize,
+    /// Where the contexts came from (`chat`, `raw`; absent in older files: raw windows).
+    #[serde(default)]
+    pub contexts: Option<String>,
+    /// Head re-read of the measured switch (absent in older files: none).
+    #[serde(default)]
+    pub head_reread: usize,
     /// Points.
     pub points: Vec<SweepPointDoc>,
 }

@@ -94,21 +94,21 @@ pub fn table(r: &ConditionsReport) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "| arm | what | killed | tokens delivered | TTFT ms | total ms | max stall ms | max stall excl. load ms | switch cost ms | load ms | FLOPs avoided | handoff JSD prec. / size | judge ppl | repeated 4-grams | attention flatness prec. / size | peak footprint MiB | max overshoot MiB |"
+        "| arm | what | killed | tokens delivered | TTFT ms | total ms | max stall ms | max stall excl. load ms | switch cost ms | load ms | FLOPs avoided | handoff JSD prec. / size | × paired floor prec. / size | judge ppl | repeated 4-grams | attention flatness prec. / size | peak footprint MiB | max overshoot MiB |"
     );
-    let _ = writeln!(s, "|{}", "---|".repeat(17));
+    let _ = writeln!(s, "|{}", "---|".repeat(18));
     for a in &r.summary {
         if !a.built {
             let _ = writeln!(
                 s,
-                "| {} | {} | not built | | | | | | | | | | | | | | |",
+                "| {} | {} | not built | | | | | | | | | | | | | | | |",
                 a.arm, a.label
             );
             continue;
         }
         let _ = writeln!(
             s,
-            "| {} | {} | {}/{} | {:.1} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {}/{} | {:.1} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             a.arm,
             a.label,
             a.killed,
@@ -122,6 +122,7 @@ pub fn table(r: &ConditionsReport) -> String {
             rate(a.load_ms.as_ref(), 0),
             pct(a.flops_avoided),
             pair(a.handoff_jsd_precision, a.handoff_jsd_size, 4),
+            pair(a.seam_ratio_precision, a.seam_ratio_size, 2),
             f(a.judge_ppl, 2),
             f(a.repetition, 3),
             pair(a.flatness_precision, a.flatness_size, 3),
@@ -186,15 +187,32 @@ fn tradeoff(r: &ConditionsReport) -> String {
                 f(c.load_ms.as_ref().map(|r| r.median), 0),
             );
         }
-        for (kind, dj, cj) in [
-            ("size", d.handoff_jsd_size, c.handoff_jsd_size),
+        for (kind, dj, cj, paired) in [
+            (
+                "size",
+                d.handoff_jsd_size,
+                c.handoff_jsd_size,
+                d.handoff_floor_size.zip(d.seam_ratio_size),
+            ),
             (
                 "precision",
                 d.handoff_jsd_precision,
                 c.handoff_jsd_precision,
+                d.handoff_floor_precision.zip(d.seam_ratio_precision),
             ),
         ] {
-            if let (Some(dj), Some(cj)) = (dj, cj) {
+            if let (Some(dj), Some((floor, ratio))) = (dj, paired) {
+                let verdict = if ratio <= 2.0 {
+                    "within the issue's 2× of the floor"
+                } else {
+                    "beyond the issue's 2× of the floor"
+                };
+                let _ = writeln!(
+                    s,
+                    "- **The seam, {kind} route.** Handoff JSD {dj:.4} nats for Molt; at the same switches a native cache of the same history (what a re-prefill gives) reaches {floor:.4} — the floor, since two different models simply disagree that much: {ratio:.2}× the floor, {verdict}. (The re-prefill arm's own handoff, {}, is read at other points of other texts, as its answers diverge from Molt's after the first switch.)",
+                    f(cj, 4)
+                );
+            } else if let (Some(dj), Some(cj)) = (dj, cj) {
                 let verdict = if dj <= cj {
                     "Molt reaches the floor here".to_string()
                 } else {
@@ -217,16 +235,18 @@ fn tradeoff(r: &ConditionsReport) -> String {
                 f(c.repetition, 3)
             );
         }
-        if let (Some(t), Some(dj), Some(cj)) = (
-            timing(r, "switch_cost_ms", "C", "D"),
-            d.handoff_jsd_size.or(d.handoff_jsd_precision),
-            c.handoff_jsd_size.or(c.handoff_jsd_precision),
-        ) {
+        let seam_ratio = d.seam_ratio_size.or(d.seam_ratio_precision).or_else(|| {
+            d.handoff_jsd_size
+                .or(d.handoff_jsd_precision)
+                .zip(c.handoff_jsd_size.or(c.handoff_jsd_precision))
+                .map(|(dj, cj)| dj / cj.max(1e-12))
+        });
+        if let (Some(t), Some(ratio)) = (timing(r, "switch_cost_ms", "C", "D"), seam_ratio) {
             let _ = writeln!(
                 s,
                 "\nSo the trade is a purchase, not a free lunch: a {:.1}× cheaper switch, bought with {:.1}× the re-prefill's divergence at the seam{}.",
                 t.noise.ratio,
-                dj / cj.max(1e-12),
+                ratio,
                 if d.handoff_jsd_size.is_some() {
                     " (size route)"
                 } else {
@@ -258,9 +278,10 @@ fn ablations(r: &ConditionsReport) -> String {
         // An option arm (top-k, tail, head re-read, refill) adds a mechanism to D on every route.
         let option = spec.is_some_and(super::conditions::ArmSpec::is_option);
         let (prec, size) = match (spec, d_spec) {
+            // Without the head re-read every route's switch changes.
             (Some(x), Some(d)) if !option => (
-                differs(x, d, RouteKind::Precision),
-                differs(x, d, RouteKind::Size),
+                differs(x, d, RouteKind::Precision) || x.head != d.head,
+                differs(x, d, RouteKind::Size) || x.head != d.head,
             ),
             _ => (true, true),
         };
@@ -400,22 +421,26 @@ fn sweep_section(doc: &SweepDoc) -> String {
     if doc.points.iter().any(|p| !p.tails.is_empty()) {
         let _ = writeln!(
             s,
-            "\n**Tail recompute** (the transplant, then the last N tokens re-read natively on the destination — `--tail-recompute N`, off by default): what it buys at the seam and what it costs.\n"
+            "\n**Native re-reads beside the projection** (head re-read: the history's first N tokens decoded on the destination, `--head-reread N`; tail recompute: its last N tokens, `--tail-recompute N`): what each buys at the seam and what it costs.\n"
         );
         let _ = writeln!(
             s,
-            "| route | context tokens | tail N | cost ms | speedup vs re-prefill | seam JSD | mean JSD over {} steps | mean seam ratio (plain transplant) |",
+            "| route | context tokens | re-read | cost ms | speedup vs re-prefill | seam JSD | mean JSD over {} steps | mean seam ratio (plain transplant) |",
             super::cost_sweep::SEAM + 1
         );
         let _ = writeln!(s, "|{}", "---|".repeat(8));
         for p in &doc.points {
             for t in &p.tails {
+                let what = if t.tail > 0 {
+                    format!("head {} + tail {}", t.head, t.tail)
+                } else {
+                    format!("head {}", t.head)
+                };
                 let _ = writeln!(
                     s,
-                    "| {} | {} | {} | {} | {:.1}× | {:.4} | {:.4} | {} ({}) |",
+                    "| {} | {} | {what} | {} | {:.1}× | {:.4} | {:.4} | {} ({}) |",
                     p.route,
                     p.context_tokens,
-                    t.tail,
                     rate(Some(&t.cost_ms), 1),
                     t.speedup,
                     t.jsd,
@@ -461,7 +486,10 @@ fn residual_section(doc: &ResidualDoc) -> String {
 #[allow(clippy::too_many_lines)]
 pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, BenchError> {
     let dir = &opts.results;
-    let r: ConditionsReport = read_json(&dir.join("conditions.json"))?;
+    let mut r: ConditionsReport = read_json(&dir.join("conditions.json"))?;
+    // The prompt-by-prompt comparisons are re-derived from the cells, so the page reads them
+    // the way this code does (a file written by an older build keeps its raw cells).
+    r.paired = super::conditions::paired_comparisons(&r.arms, &r.cells);
     let sweep: Option<SweepDoc> = optional(&dir.join("cost_sweep.json"))?;
     let resid: Option<ResidualDoc> = optional(&dir.join("projector_residuals.json"))?;
     let qos: Option<QosDoc> = optional(&dir.join("qos.json"))?;
@@ -615,8 +643,21 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
         let _ = writeln!(s, "\n## What a switch costs, by context length\n");
         let _ = writeln!(
             s,
-            "Both rungs warm, so this isolates the KV work from weight loading (which both strategies pay). Medians over {} repetitions with [min–max].\n",
-            doc.reps
+            "Both rungs warm, so this isolates the KV work from weight loading (which both strategies pay). Medians over {} repetitions with [min–max]. {} {}\n",
+            doc.reps,
+            match doc.contexts.as_deref() {
+                Some("chat") =>
+                    "Each repetition carries another multi-turn conversation of the corpus's chats, rendered with the chat template as a session holds it.",
+                _ => "Each repetition carries another window of the corpus's raw text.",
+            },
+            if doc.head_reread > 0 {
+                format!(
+                    "The transplant is Molt's default switch: the projection plus a head re-read of the first {} positions (the destination's anchor supplies the template's opening, the rest is decoded), as every session does; the projection alone is measured beside it (head 0) in the second table.",
+                    doc.head_reread
+                )
+            } else {
+                "The transplant is the projection alone (no head re-read).".to_string()
+            }
         );
         s.push_str(&sweep_section(doc));
         if let Some(h) = fig("cost_sweep") {

@@ -369,7 +369,18 @@ impl Context {
     /// [`EngineError::ContextOverflow`] when the tokens do not fit, [`EngineError::DecodeFailed`]
     /// when llama.cpp fails.
     pub fn decode(&mut self, tokens: &[Token]) -> Result<(), EngineError> {
-        self.decode_inner(tokens, false).map(|_| ())
+        self.decode_inner(tokens, Outputs::Last).map(|_| ())
+    }
+
+    /// Decodes `tokens` into the cache only: no logits are computed (llama.cpp skips the
+    /// output projection), so [`Context::logits`] is meaningless until the next decode. For
+    /// positions whose K/V are wanted and whose next-token distribution is not (the head
+    /// re-read of a switch).
+    ///
+    /// # Errors
+    /// As [`Context::decode`].
+    pub fn decode_cache_only(&mut self, tokens: &[Token]) -> Result<(), EngineError> {
+        self.decode_inner(tokens, Outputs::None).map(|_| ())
     }
 
     /// Like [`Context::decode`] but keeps the logits of every token, returned row by row
@@ -378,11 +389,15 @@ impl Context {
     /// # Errors
     /// As [`Context::decode`].
     pub fn decode_all_logits(&mut self, tokens: &[Token]) -> Result<Vec<Vec<f32>>, EngineError> {
-        self.decode_inner(tokens, true)
+        self.decode_inner(tokens, Outputs::All)
     }
 
-    fn decode_inner(&mut self, tokens: &[Token], all: bool) -> Result<Vec<Vec<f32>>, EngineError> {
-        let result = self.decode_chunks(tokens, all);
+    fn decode_inner(
+        &mut self,
+        tokens: &[Token],
+        outputs: Outputs,
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
+        let result = self.decode_chunks(tokens, outputs);
         if let Some(t) = &self.tap {
             tap::finish(t);
         }
@@ -488,7 +503,12 @@ impl Context {
         Ok(())
     }
 
-    fn decode_chunks(&mut self, tokens: &[Token], all: bool) -> Result<Vec<Vec<f32>>, EngineError> {
+    fn decode_chunks(
+        &mut self,
+        tokens: &[Token],
+        outputs: Outputs,
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
+        let all = outputs == Outputs::All;
         let needed = self.n_past + tokens.len();
         if needed > self.config.n_ctx as usize {
             return Err(EngineError::ContextOverflow {
@@ -518,7 +538,11 @@ impl Context {
                     *batch.pos.add(i) = pos0 + i32::try_from(i).unwrap_or(0);
                     *batch.n_seq_id.add(i) = 1;
                     *(*batch.seq_id.add(i)) = SEQ;
-                    *batch.logits.add(i) = i8::from(all || last);
+                    *batch.logits.add(i) = i8::from(match outputs {
+                        Outputs::All => true,
+                        Outputs::Last => last,
+                        Outputs::None => false,
+                    });
                 }
             }
             let mut b = batch;
@@ -652,4 +676,15 @@ impl Context {
             llama_cpp_sys_2::llama_memory_seq_pos_min(mem, SEQ)
         }
     }
+}
+
+/// Which tokens of a decode produce logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outputs {
+    /// The last token of each chunk (the sequence's next-token distribution).
+    Last,
+    /// Every token.
+    All,
+    /// None: the decode only fills the cache.
+    None,
 }

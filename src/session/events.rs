@@ -48,6 +48,15 @@ pub struct SwitchInfo {
     /// Destination blocks recomputed natively instead of projected (top-k recompute).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub topk: Option<usize>,
+    /// Head re-read: the history's first positions given the destination's own K/V (0: none).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub head: usize,
+    /// Of `head`, the positions spliced from the destination's anchor (the rest decoded).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub head_anchored: usize,
+    /// Time of the head re-read, inside `cost_ms`.
+    #[serde(default, skip_serializing_if = "is_zero_f")]
+    pub head_ms: f64,
     /// Cells carried across.
     pub cells: usize,
     /// FLOPs the transplant spent.
@@ -62,6 +71,10 @@ pub struct SwitchInfo {
     /// after the switch and the source's own at the same step (measured only when asked).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub handoff_jsd: Option<f64>,
+    /// The floor of `handoff_jsd` at this switch: the same JSD for the destination with a
+    /// native cache of the same history (read on a scratch context; measured with it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handoff_floor_jsd: Option<f64>,
     /// Why the switch did not go the usual way (e.g. the projector that was missing or bound
     /// to other files, when a transplant fell back to a re-prefill).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -273,4 +286,14 @@ impl Generation {
             (self.tokens.len() - 1) as f64 * 1e3 / gen_ms
         }
     }
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)]
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)]
+fn is_zero_f(x: &f64) -> bool {
+    *x == 0.0
 }

@@ -13,6 +13,7 @@ use std::time::Instant;
 
 use crate::engine::{CacheType as EngineCacheType, Context, ContextConfig, PartialForward, Token};
 use crate::kv::{CacheType, KvSnapshot, KvStream, LayerKv};
+use crate::transplant::anchor::Anchor;
 use crate::transplant::hidden::HiddenMap;
 use crate::transplant::project::project;
 use crate::transplant::projector::Projector;
@@ -47,7 +48,11 @@ pub struct SwitchTimings {
     /// over their projected cells (0: none).
     #[serde(default)]
     pub head: usize,
-    /// Time of the head re-read (decode, export, parse), inside `cost_ms`.
+    /// Of `head`, the positions taken from the destination's shipped anchor (its native state
+    /// of the template's opening) rather than decoded.
+    #[serde(default)]
+    pub head_anchored: usize,
+    /// Time of the head re-read (anchor import, decode, export), inside `cost_ms`.
     #[serde(default)]
     pub head_ms: f64,
     /// The whole switch, decision to first logits.
@@ -249,12 +254,16 @@ fn splice_head(
 /// `head` (the first tokens: the attention sink and, in a chat, the template's opening —
 /// exact under causal attention, and where projection errors cost the most attention mass)
 /// and `tail` (the last tokens, nearest the next one). Empty slices: project every position.
+/// The part of `head` that `anchor` (the destination's shipped native state of the template's
+/// opening) covers is spliced from it instead of decoded.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Reread<'a> {
     /// The history's first tokens (positions `0 .. head.len()`).
     pub head: &'a [Token],
     /// The history's last tokens.
     pub tail: &'a [Token],
+    /// The destination's anchor, if one is shipped.
+    pub anchor: Option<&'a Anchor>,
 }
 
 impl Reread<'_> {
@@ -262,7 +271,40 @@ impl Reread<'_> {
     pub const NONE: Reread<'static> = Reread {
         head: &[],
         tail: &[],
+        anchor: None,
     };
+}
+
+/// The destination's own state over `head` (positions `0 .. head.len()`), and how many of
+/// those positions came from `anchor`: the anchor's state imported and cut to the prefix it
+/// shares with `head`, the rest decoded after it with no logits; without a usable anchor (none,
+/// other tokens, or a state this context cannot import, e.g. another cache type), the whole
+/// head decoded. `dst` is left holding that state (the caller imports over it).
+fn native_head_state(
+    dst: &mut Context,
+    head: &[Token],
+    anchor: Option<&Anchor>,
+) -> Result<(Vec<u8>, usize), String> {
+    let mut covered = anchor.map_or(0, |a| a.covers(head));
+    match anchor {
+        Some(a) if covered == a.tokens.len() && covered == head.len() => {
+            return Ok((a.state.clone(), covered));
+        }
+        Some(a) if covered > 0 && dst.import_state(&a.state).is_ok() => dst.truncate(covered),
+        // Rewind rather than clear: the head's decode attends only to the cells of the
+        // positions it writes, so the old cells' data need not be zeroed (the import after
+        // the projection clears the cache anyway).
+        _ => {
+            covered = 0;
+            dst.truncate(0);
+        }
+    }
+    dst.decode_cache_only(&head[covered..])
+        .map_err(|e| format!("head re-read: {e}"))?;
+    let blob = dst
+        .export_state()
+        .map_err(|e| format!("head export: {e}"))?;
+    Ok((blob, covered))
 }
 
 /// What selective top-k recompute needs at a switch: the source's boundary hidden states of
@@ -392,7 +434,7 @@ pub fn transplant_exported(
     reread: Reread<'_>,
     last: Token,
 ) -> Result<SwitchTimings, SessionError> {
-    let Reread { head, tail } = reread;
+    let Reread { head, tail, anchor } = reread;
     let fail = |dst: &Context, message: String| SessionError::Migration {
         from: src.from.to_string(),
         to: dst.model().name().to_string(),
@@ -419,16 +461,16 @@ pub fn transplant_exported(
         ));
     }
     let t1 = Instant::now();
-    let native_head = if head.is_empty() {
-        None
+    let (native_head, head_anchored) = if head.is_empty() {
+        (None, 0)
     } else {
-        dst.clear();
-        let blob = dst
-            .decode(head)
-            .map_err(|e| format!("head re-read: {e}"))
-            .and_then(|()| dst.export_state().map_err(|e| format!("head export: {e}")));
-        dst.clear();
-        Some(blob.map_err(|m| fail(dst, m))?)
+        match native_head_state(dst, head, anchor) {
+            Ok((blob, covered)) => (Some(blob), covered),
+            Err(m) => {
+                dst.clear();
+                return Err(fail(dst, m));
+            }
+        }
     };
     let head_ms = if native_head.is_some() { ms(t1) } else { 0.0 };
     let tr = Instant::now();
@@ -483,6 +525,7 @@ pub fn transplant_exported(
         topk: recompute.map(|r| r.k),
         tail: tail.len(),
         head: head.len(),
+        head_anchored,
         head_ms,
         cost_ms: src.export_ms + ms(t1),
         cells,

@@ -16,6 +16,7 @@ use std::sync::Arc;
 use crate::gguf::RopeKind as GgufRopeKind;
 use crate::ladder::{Ladder, RungInfo};
 use crate::transplant::ProjectorError;
+use crate::transplant::anchor::{Anchor, file_name as anchor_file_name};
 use crate::transplant::hidden::{HiddenMap, file_name as hidden_file_name};
 use crate::transplant::map::LayerMap;
 use crate::transplant::project::identity_projector;
@@ -214,6 +215,7 @@ pub struct Routes {
     variant: Variant,
     cache: HashMap<(usize, usize), Arc<Projector>>,
     hidden: HashMap<(usize, usize, usize), Arc<HiddenMap>>,
+    anchors: HashMap<usize, Option<Arc<Anchor>>>,
 }
 
 impl Routes {
@@ -240,6 +242,7 @@ impl Routes {
             variant,
             cache: HashMap::new(),
             hidden: HashMap::new(),
+            anchors: HashMap::new(),
         }
     }
 
@@ -278,6 +281,39 @@ impl Routes {
         let m = Arc::new(HiddenMap::load(&path, &s.sha256, &d.sha256)?);
         self.hidden.insert((src, dst, k), Arc::clone(&m));
         Ok(m)
+    }
+
+    /// Rung `i`'s anchor (`anchors/<rung>.molt-anchor` beside the projectors): its native
+    /// state over the chat template's opening, spliced into a switch's head re-read. `None`
+    /// when no file is shipped (the head is then decoded).
+    ///
+    /// # Errors
+    /// [`RouteError::Projector`] when the file is bound to another GGUF file or damaged.
+    pub fn anchor(&mut self, i: usize) -> Result<Option<Arc<Anchor>>, RouteError> {
+        if let Some(a) = self.anchors.get(&i) {
+            return Ok(a.clone());
+        }
+        let b = &self.bindings[i];
+        let path = self
+            .dirs
+            .iter()
+            .map(|d| {
+                d.join(&self.ladder_name)
+                    .join("anchors")
+                    .join(anchor_file_name(&b.name))
+            })
+            .find(|p| p.exists());
+        let a = match path {
+            Some(p) => Some(Arc::new(Anchor::load(&p, &b.sha256)?)),
+            None => None,
+        };
+        self.anchors.insert(i, a.clone());
+        Ok(a)
+    }
+
+    /// Installs an anchor for rung `i` (tests, freshly fitted anchors; `None`: use none).
+    pub fn insert_anchor(&mut self, i: usize, anchor: Option<Anchor>) {
+        self.anchors.insert(i, anchor.map(Arc::new));
     }
 
     /// Installs a hidden map for a route (tests, freshly fitted maps).

@@ -170,6 +170,93 @@ pub fn corpus_windows(
     Ok(out)
 }
 
+/// The tokens every chat a session renders opens with: the common token prefix of the chat
+/// template rendered around two user messages that differ from their first character
+/// (`<|im_start|>user\n` for ChatML). Empty when the model has no template.
+///
+/// # Errors
+/// [`TrainError::Corpus`] if the text cannot be tokenized.
+pub fn template_opening(model: &crate::engine::Model) -> Result<Vec<Token>, TrainError> {
+    let err = |e: crate::engine::EngineError| TrainError::Corpus(e.to_string());
+    let render = |text: &str| {
+        model
+            .apply_chat_template(&[crate::engine::ChatMessage::new("user", text)], true)
+            .ok()
+    };
+    let (Some(a), Some(b)) = (render("Alpha"), render("0 zulu")) else {
+        return Ok(Vec::new());
+    };
+    let (ta, tb) = (
+        model.tokenize(&a, true).map_err(err)?,
+        model.tokenize(&b, true).map_err(err)?,
+    );
+    Ok(ta
+        .iter()
+        .zip(&tb)
+        .take_while(|(x, y)| x == y)
+        .map(|(x, _)| *x)
+        .collect())
+}
+
+/// Fits rung `info`'s anchor: its own state over its chat template's opening, decoded on a
+/// fresh context (see [`crate::transplant::anchor`]). `None` when the model has no template
+/// or the template has no fixed opening.
+///
+/// # Errors
+/// [`TrainError::Session`] if the rung cannot load or decode, [`TrainError::Cache`] if its
+/// state cannot be exported.
+pub fn fit_anchor(
+    info: &RungInfo,
+    config: ContextConfig,
+) -> Result<Option<crate::transplant::anchor::Anchor>, TrainError> {
+    let mut live = LiveRung::load(info, config)?;
+    let tokens = template_opening(live.model())?;
+    if tokens.is_empty() {
+        return Ok(None);
+    }
+    let engine = |source| {
+        TrainError::Session(SessionError::Engine {
+            rung: info.name().to_string(),
+            source,
+        })
+    };
+    live.ctx.clear();
+    live.ctx.decode_cache_only(&tokens).map_err(engine)?;
+    let state = live.ctx.export_state().map_err(|e| TrainError::Cache {
+        rung: info.name().to_string(),
+        detail: e.to_string(),
+    })?;
+    Ok(Some(crate::transplant::anchor::Anchor {
+        rung: info.name().to_string(),
+        file: info.spec.file.clone(),
+        sha256: info.sha256.clone(),
+        tokens,
+        state,
+    }))
+}
+
+/// Writes every rung's anchor to `<out_dir>/<ladder>/anchors/<rung>.molt-anchor`, returning
+/// the files written (a rung without a template opening gets none).
+///
+/// # Errors
+/// As [`fit_anchor`]; [`TrainError::Write`] if a file cannot be written.
+pub fn write_anchors(
+    ladder: &Ladder,
+    config: ContextConfig,
+    out_dir: &Path,
+) -> Result<Vec<PathBuf>, TrainError> {
+    let dir = out_dir.join(ladder.name()).join("anchors");
+    let mut written = Vec::new();
+    for info in &ladder.rungs {
+        if let Some(a) = fit_anchor(info, config)? {
+            let path = dir.join(crate::transplant::anchor::file_name(info.name()));
+            a.save(&path)?;
+            written.push(path);
+        }
+    }
+    Ok(written)
+}
+
 /// Cuts `tokens` into windows of `window` tokens (the last partial window is dropped if it
 /// is shorter than a quarter window).
 #[must_use]

@@ -204,6 +204,24 @@ pub enum ProjectorError {
         /// Destination GGUF file name recorded in the projector.
         found_dst_file: String,
     },
+    /// An anchor (a rung's native state of the template's opening) of another model file.
+    #[error(
+        "anchor file {} is bound to other model files: expected sha256 {expected_sha256}, \
+         found {found_sha256} ({found_name}, {found_file})",
+        file.display()
+    )]
+    AnchorBoundToOtherFile {
+        /// The anchor file.
+        file: PathBuf,
+        /// GGUF sha256 the caller expected.
+        expected_sha256: String,
+        /// GGUF sha256 recorded in the anchor.
+        found_sha256: String,
+        /// Rung name recorded in the anchor.
+        found_name: String,
+        /// GGUF file name recorded in the anchor.
+        found_file: String,
+    },
     /// The projector is internally inconsistent before saving.
     #[error("projector invalid: {0}")]
     Transplant(#[from] TransplantError),

@@ -179,13 +179,7 @@ impl HiddenMap {
                 reason: e.to_string(),
             })
         })?;
-        let mut out = Vec::with_capacity(20 + json.len() + data.len());
-        out.extend_from_slice(&MAGIC);
-        out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-        out.extend_from_slice(&(json.len() as u64).to_le_bytes());
-        out.extend_from_slice(&json);
-        out.extend_from_slice(&data);
-        Ok(out)
+        Ok(super::framed::frame(&MAGIC, FORMAT_VERSION, &json, &data))
     }
 
     /// Writes the file atomically (a temporary beside it, then renamed).
@@ -193,17 +187,7 @@ impl HiddenMap {
     /// # Errors
     /// [`ProjectorError::Io`].
     pub fn save(&self, path: &Path) -> Result<(), ProjectorError> {
-        let bytes = self.to_bytes()?;
-        let io = |source| ProjectorError::Io {
-            file: path.to_path_buf(),
-            source,
-        };
-        if let Some(d) = path.parent() {
-            fs::create_dir_all(d).map_err(io)?;
-        }
-        let tmp = path.with_extension(format!("{}.partial", std::process::id()));
-        fs::write(&tmp, bytes).map_err(io)?;
-        fs::rename(&tmp, path).map_err(io)
+        super::framed::write_atomic(path, &self.to_bytes()?)
     }
 
     /// Reads `path` and checks it binds the GGUF files with these sha256s.
@@ -232,31 +216,9 @@ impl HiddenMap {
                 needed: needed as u64,
                 available: available as u64,
             };
-        if bytes.len() < 20 {
-            return Err(short("prefix", 20, bytes.len()));
-        }
-        if bytes[..8] != MAGIC {
-            return Err(ProjectorError::BadMagic {
-                file,
-                found: bytes[..8].to_vec(),
-            });
-        }
-        let version = u32::from_le_bytes(bytes[8..12].try_into().unwrap_or_default());
-        if version != FORMAT_VERSION {
-            return Err(ProjectorError::UnsupportedVersion {
-                file,
-                found: version,
-                supported: FORMAT_VERSION,
-            });
-        }
-        let hlen = u64::from_le_bytes(bytes[12..20].try_into().unwrap_or_default());
-        let hlen = usize::try_from(hlen).unwrap_or(usize::MAX);
-        let rest = &bytes[20..];
-        if rest.len() < hlen {
-            return Err(short("header", hlen, rest.len()));
-        }
+        let (head, data) = super::framed::unframe(bytes, &MAGIC, FORMAT_VERSION, &file)?;
         let header: HiddenHeader =
-            serde_json::from_slice(&rest[..hlen]).map_err(|source| ProjectorError::Header {
+            serde_json::from_slice(head).map_err(|source| ProjectorError::Header {
                 file: file.clone(),
                 source,
             })?;
@@ -273,7 +235,6 @@ impl HiddenMap {
                 found_dst_file: header.dst.file.clone(),
             });
         }
-        let data = &rest[hlen..];
         let n = header
             .d_in
             .checked_mul(header.d_out)

@@ -21,10 +21,14 @@
 //!   recompute (the destination's last k blocks computed natively), and its `.molt-hmap` file.
 //! - [`shift`]: [`shift::shed_stream`], dropping the oldest unpinned cells of an exported
 //!   cache and re-rotating the later keys to their new positions (shedding a parked rung).
+//! - [`anchor`]: [`anchor::Anchor`], a rung's own cache of the chat template's opening,
+//!   spliced into a switch's head re-read instead of decoded (`.molt-anchor` file).
 //! - [`error`]: [`TransplantError`] and [`ProjectorError`].
 
+pub mod anchor;
 pub mod error;
 pub mod fit;
+mod framed;
 pub mod hidden;
 pub mod map;
 pub mod project;

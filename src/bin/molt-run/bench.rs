@@ -48,6 +48,23 @@ pub struct Args {
     /// tokens re-read natively on the destination); `--tails ''` for none.
     #[arg(long, value_delimiter = ',', value_parser = parse_tail, default_values = ["8", "32"])]
     pub tails: Vec<Option<usize>>,
+    /// The head re-read of the switch the cost sweep measures (a session's default; 0: the
+    /// projection alone).
+    #[arg(long, value_name = "N", default_value_t = molt::session::DEFAULT_HEAD_REREAD)]
+    pub head_reread: usize,
+    /// Other head re-read lengths the cost sweep measures beside it (0: the projection
+    /// alone); `--heads ''` for none.
+    #[arg(long, value_delimiter = ',', value_parser = parse_tail, default_values = ["0"])]
+    pub heads: Vec<Option<usize>>,
+    /// The cost sweep's contexts: `chat` (multi-turn conversations of the corpus's
+    /// `chats.jsonl` rendered with the chat template, as a session holds them) or `raw`
+    /// (windows of the corpus's raw text, opening mid-text).
+    #[arg(long, value_enum, default_value_t = SweepContexts::Chat)]
+    pub contexts: SweepContexts,
+    /// Only these routes in the cost sweep, `src:dst` separated by commas (e.g.
+    /// `tier0:tier2,tier1:tier2`); every ordered pair of rungs by default.
+    #[arg(long, value_delimiter = ',', value_parser = parse_route)]
+    pub routes: Vec<(String, String)>,
     /// Corpus for the cost sweep's contexts.
     #[arg(long, default_value = "projectors/corpus")]
     pub corpus: PathBuf,
@@ -68,7 +85,7 @@ pub struct Args {
     pub out_dir: PathBuf,
     /// The conditions benchmark: `all`, or arm ids separated by commas (A, B, C, D,
     /// D-no-sandwich, D-no-remap, D-truncate, D-no-diagonal, D-dense, D-per-head; and by id
-    /// only, top-k recompute: D-topk2, D-topk4, D-topk6; tail recompute: D-tail8, D-tail32; head re-read: D-head4, D-head32; background refill: D-refill8, D-refill32).
+    /// only, top-k recompute: D-topk2, D-topk4, D-topk6; tail recompute: D-tail8, D-tail32; head re-read other than the default 4: D-no-head, D-head3, D-head32; background refill: D-refill8, D-refill32).
     #[arg(long, value_name = "ARMS")]
     pub conditions: Option<String>,
     /// Prompts of the conditions benchmark (JSONL: id, kind, prompt).
@@ -132,34 +149,59 @@ fn run_cost_sweep(g: &GlobalArgs, a: &Args) -> Result<()> {
     config.n_ctx = config
         .n_ctx
         .max(u32::try_from(max_len + 16).unwrap_or(u32::MAX));
-    let text = molt::train::read_corpus(&a.corpus)?;
-    let tokens = {
+    let need = max_len + 1 + molt::bench::cost_sweep::SEAM;
+    let contexts = {
         let live = molt::session::LiveRung::load(&ladder.rungs[0], config)?;
-        live.model().tokenize(&text, false)?
+        match a.contexts {
+            SweepContexts::Chat => {
+                let chats = molt::train::read_chats(&a.corpus)?;
+                if chats.is_empty() {
+                    bail!(
+                        "no chats.jsonl in {}: the chat-form sweep needs one (or pass --contexts raw)",
+                        a.corpus.display()
+                    );
+                }
+                molt::bench::cost_sweep::chat_contexts(live.model(), &chats, need, a.reps)?
+            }
+            SweepContexts::Raw => {
+                let text = molt::train::read_corpus(&a.corpus)?;
+                let tokens = live.model().tokenize(&text, false)?;
+                if tokens.len() < need {
+                    bail!(
+                        "the corpus in {} has {} tokens; the sweep needs {need}",
+                        a.corpus.display(),
+                        tokens.len(),
+                    );
+                }
+                molt::bench::cost_sweep::raw_contexts(&tokens, need, a.reps)
+            }
+        }
     };
-    if tokens.len() <= max_len + molt::bench::cost_sweep::SEAM {
-        bail!(
-            "the corpus in {} has {} tokens; the sweep needs {}",
-            a.corpus.display(),
-            tokens.len(),
-            max_len + 1 + molt::bench::cost_sweep::SEAM
-        );
-    }
     let mut routes = molt::session::Routes::new(
         &ladder,
         molt::session::routes::search_dirs(a.projectors.as_deref()),
         molt::session::Variant::Auto,
     );
+    for (src, dst) in &a.routes {
+        for name in [src, dst] {
+            if !ladder.rungs.iter().any(|r| r.name() == name) {
+                bail!("--routes names {name:?}, which is not a rung of this ladder");
+            }
+        }
+    }
     let info = RunInfo::now();
     let points = molt::bench::cost_sweep::run(
         &ladder,
         config,
         &mut routes,
-        &tokens,
+        &contexts,
         &molt::bench::cost_sweep::SweepOptions {
             lengths: a.lengths.clone(),
             reps: a.reps,
+            head: a.head_reread,
             tails: a.tails.iter().flatten().copied().collect(),
+            heads: a.heads.iter().flatten().copied().collect(),
+            routes: a.routes.clone(),
         },
         &mut |s| eprintln!("{s}"),
     )?;
@@ -191,7 +233,7 @@ fn run_cost_sweep(g: &GlobalArgs, a: &Args) -> Result<()> {
     }
     std::fs::create_dir_all(&a.out_dir)?;
     let path = a.out_dir.join("cost_sweep.json");
-    let doc = serde_json::json!({ "run": info, "threads": config.n_threads, "reps": a.reps, "lengths": a.lengths, "points": points });
+    let doc = serde_json::json!({ "run": info, "threads": config.n_threads, "reps": a.reps, "lengths": a.lengths, "contexts": a.contexts, "head_reread": a.head_reread, "points": points });
     std::fs::write(&path, serde_json::to_string_pretty(&doc)?)?;
     eprintln!("wrote {}", path.display());
     Ok(())
@@ -396,4 +438,26 @@ fn parse_tail(s: &str) -> Result<Option<usize>, String> {
         .parse()
         .map(Some)
         .map_err(|e| format!("{s:?} is not a token count: {e}"))
+}
+
+/// One `--routes` item: `src:dst`, two rung names.
+fn parse_route(s: &str) -> Result<(String, String), String> {
+    match s.trim().split_once(':') {
+        Some((a, b)) if !a.trim().is_empty() && !b.trim().is_empty() && a.trim() != b.trim() => {
+            Ok((a.trim().to_string(), b.trim().to_string()))
+        }
+        _ => Err(format!(
+            "{s:?} is not a route: write two different rung names as src:dst"
+        )),
+    }
+}
+
+/// Where the cost sweep's contexts come from.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SweepContexts {
+    /// Multi-turn conversations rendered with the chat template.
+    Chat,
+    /// Windows of the raw corpus text.
+    Raw,
 }

@@ -69,10 +69,11 @@ pub struct Args {
     /// natively on the destination instead of keeping their projected cache.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub tail_recompute: usize,
-    /// Head re-read (0, off, by default): at a molt switch, decode the first N tokens of the
-    /// history natively on the destination and keep its own K/V for them instead of the
-    /// projected ones (the attention sink and the chat template's opening tokens).
-    #[arg(long, value_name = "N", default_value_t = 0)]
+    /// Head re-read: at a molt switch, the first N tokens of the history get the
+    /// destination's own K/V instead of projected ones (the attention sink and the chat
+    /// template's opening): spliced from the destination's shipped anchor where it covers
+    /// them, decoded otherwise. 0 turns it off.
+    #[arg(long, value_name = "N", default_value_t = molt::session::DEFAULT_HEAD_REREAD)]
     pub head_reread: usize,
     /// Background refill (0, off, by default): after a molt switch, re-read the history
     /// natively on the destination, N tokens between every two generated tokens, in a context

@@ -13,6 +13,7 @@
 
 use molt::session::routes::{self, binding, file_name, route_kind};
 use molt::session::{Session, Strategy, Variant};
+use molt::transplant::anchor::{Anchor, file_name as anchor_file_name};
 use molt::transplant::projector::Projector;
 use std::path::Path;
 
@@ -77,6 +78,33 @@ pub fn install(session: &mut Session) -> Installed {
             }
         }
     }
+    // Anchors (each rung's own cache of the template's opening), likewise after the disk.
+    for (i, rung) in bindings.iter().enumerate() {
+        let file = anchor_file_name(&rung.name);
+        if dirs
+            .iter()
+            .any(|d| d.join(&ladder).join("anchors").join(&file).exists())
+        {
+            continue;
+        }
+        let Some((_, _, bytes)) = SHIPPED_ANCHORS
+            .iter()
+            .find(|(l, f, _)| *l == ladder && *f == file)
+        else {
+            continue;
+        };
+        let label = Path::new("<built-in>")
+            .join(&ladder)
+            .join("anchors")
+            .join(&file);
+        match Anchor::from_bytes(bytes, label, &rung.sha256) {
+            Ok(a) => {
+                session.routes_mut().insert_anchor(i, Some(a));
+                done.embedded.push(format!("anchor of {}", rung.name));
+            }
+            Err(e) => done.refused.push(e.to_string()),
+        }
+    }
     done
 }
 
@@ -125,5 +153,31 @@ mod tests {
         for (_, f, b) in &embedded {
             Projector::from_bytes(b, Path::new(f)).expect("embedded projector decodes");
         }
+    }
+
+    /// The same for the anchors under `projectors/<ladder>/anchors/`.
+    #[test]
+    fn embedded_anchors_match_the_source_tree() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("projectors");
+        let mut on_disk = Vec::new();
+        for ladder in std::fs::read_dir(&root).into_iter().flatten().flatten() {
+            let dir = ladder.path().join("anchors");
+            for f in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+                let name = f.file_name().to_string_lossy().into_owned();
+                if name.ends_with(".molt-anchor") {
+                    let l = ladder.file_name().to_string_lossy().into_owned();
+                    on_disk.push((l, name, std::fs::read(f.path()).unwrap()));
+                }
+            }
+        }
+        on_disk.sort();
+        let embedded: Vec<_> = SHIPPED_ANCHORS
+            .iter()
+            .map(|(l, f, b)| (l.to_string(), f.to_string(), b.to_vec()))
+            .collect();
+        assert!(
+            embedded == on_disk,
+            "embedded anchors differ from projectors/"
+        );
     }
 }

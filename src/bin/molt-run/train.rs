@@ -69,6 +69,10 @@ pub struct Args {
     /// Residual report.
     #[arg(long, default_value = "results/projector_residuals.json")]
     pub report: PathBuf,
+    /// Only write the rungs' anchors (each rung's own cache of the chat template's opening,
+    /// `<out>/<ladder>/anchors/`), which every fit also writes.
+    #[arg(long)]
+    pub anchors_only: bool,
 }
 
 pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
@@ -83,6 +87,9 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         .n_ctx
         .max(u32::try_from(a.window).unwrap_or(u32::MAX) + 8);
     let ladder = g.open_ladder()?;
+    if a.anchors_only {
+        return anchors(&ladder, config, a);
+    }
     if a.if_stale {
         let mut routes = Routes::new(&ladder, vec![a.out.clone()], Variant::Auto);
         let n = ladder.rungs.len();
@@ -91,10 +98,14 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
             .filter_map(|(i, j)| routes.get(i, j).err().map(|e| e.to_string()))
             .collect();
         if stale.is_empty() {
+            let anchors_ok = (0..n).all(|i| matches!(routes.anchor(i), Ok(Some(_))));
             eprintln!(
                 "projectors in {} match every rung; nothing to fit",
                 a.out.display()
             );
+            if !anchors_ok {
+                return anchors(&ladder, config, a);
+            }
             return Ok(());
         }
         for s in &stale {
@@ -145,6 +156,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         restore_spread: a.restore_spread,
     };
     let mut report = fit_ladder_windows(&ladder, config, &wins, &opts, &mut |s| eprintln!("{s}"))?;
+    anchors(&ladder, config, a)?;
     if !a.topk.is_empty() {
         report.topk = molt::train::topk::fit_topk_maps_windows(
             &ladder,
@@ -177,6 +189,18 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     std::fs::write(&a.report, serde_json::to_string_pretty(&doc)?)
         .with_context(|| format!("writing {}", a.report.display()))?;
     eprintln!("wrote {}", a.report.display());
+    Ok(())
+}
+
+/// Writes every rung's anchor under `<out>/<ladder>/anchors/`.
+fn anchors(
+    ladder: &molt::ladder::Ladder,
+    config: molt::engine::ContextConfig,
+    a: &Args,
+) -> Result<()> {
+    for path in molt::train::write_anchors(ladder, config, &a.out)? {
+        eprintln!("wrote {}", path.display());
+    }
     Ok(())
 }
 

@@ -1,0 +1,81 @@
+//! The layout the hidden-map (`.molt-hmap`) and anchor (`.molt-anchor`) files share: an
+//! 8-byte magic, a u32 format version, a u64 header length, the JSON header, then the data —
+//! and their atomic write (a temporary beside the file, then renamed).
+
+use std::fs;
+use std::path::Path;
+
+use super::error::ProjectorError;
+
+/// The file image of `json` and `data` under `magic` and `version`.
+pub(crate) fn frame(magic: &[u8; 8], version: u32, json: &[u8], data: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(20 + json.len() + data.len());
+    out.extend_from_slice(magic);
+    out.extend_from_slice(&version.to_le_bytes());
+    out.extend_from_slice(&(json.len() as u64).to_le_bytes());
+    out.extend_from_slice(json);
+    out.extend_from_slice(data);
+    out
+}
+
+/// Splits a file image into its JSON header and its data, checking magic, version and the
+/// declared header length.
+///
+/// # Errors
+/// [`ProjectorError::Truncated`], [`ProjectorError::BadMagic`],
+/// [`ProjectorError::UnsupportedVersion`], naming `file`.
+pub(crate) fn unframe<'a>(
+    bytes: &'a [u8],
+    magic: &[u8; 8],
+    version: u32,
+    file: &Path,
+) -> Result<(&'a [u8], &'a [u8]), ProjectorError> {
+    let short =
+        |section: &'static str, needed: usize, available: usize| ProjectorError::Truncated {
+            file: file.to_path_buf(),
+            section,
+            needed: needed as u64,
+            available: available as u64,
+        };
+    if bytes.len() < 20 {
+        return Err(short("prefix", 20, bytes.len()));
+    }
+    if bytes[..8] != magic[..] {
+        return Err(ProjectorError::BadMagic {
+            file: file.to_path_buf(),
+            found: bytes[..8].to_vec(),
+        });
+    }
+    let found = u32::from_le_bytes(bytes[8..12].try_into().unwrap_or_default());
+    if found != version {
+        return Err(ProjectorError::UnsupportedVersion {
+            file: file.to_path_buf(),
+            found,
+            supported: version,
+        });
+    }
+    let hlen = u64::from_le_bytes(bytes[12..20].try_into().unwrap_or_default());
+    let hlen = usize::try_from(hlen).unwrap_or(usize::MAX);
+    let rest = &bytes[20..];
+    if rest.len() < hlen {
+        return Err(short("header", hlen, rest.len()));
+    }
+    Ok(rest.split_at(hlen))
+}
+
+/// Writes `bytes` to `path` atomically, creating its directory.
+///
+/// # Errors
+/// [`ProjectorError::Io`].
+pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ProjectorError> {
+    let io = |source| ProjectorError::Io {
+        file: path.to_path_buf(),
+        source,
+    };
+    if let Some(d) = path.parent() {
+        fs::create_dir_all(d).map_err(io)?;
+    }
+    let tmp = path.with_extension(format!("{}.partial", std::process::id()));
+    fs::write(&tmp, bytes).map_err(io)?;
+    fs::rename(&tmp, path).map_err(io)
+}
