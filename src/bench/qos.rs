@@ -22,7 +22,7 @@
 //! cache is projected when it is demoted, and when it resumes on another rung than its
 //! layout. Shedding a running tenant uses llama.cpp's own position shift
 //! ([`Context::shed_and_decode`]); shedding a parked one re-rotates the exported keys
-//! ([`shed_stream`]).
+//! ([`shed_blob`]).
 //!
 //! Measured usage after enforcement = resident pages of every mapped rung file + the growth of
 //! `RssAnon` above the bench's own floor (taken after calibration, with every projector
@@ -39,7 +39,6 @@ use crate::engine::{
     ChatMessage, Context, ContextConfig, EngineError, Model, ModelOptions, Sampler, SamplingParams,
     Token, Utf8Stream,
 };
-use crate::kv::{KvSnapshot, ParseOptions};
 use crate::ladder::Ladder;
 use crate::pressure::{
     BudgetSource, PressureError, Tick, process_anon_rss_bytes, process_rss_bytes,
@@ -51,7 +50,7 @@ use crate::sched::{
 };
 use crate::session::migrate::project_blob;
 use crate::session::{RouteError, Routes, Variant, chat_pinned_prefix, routes};
-use crate::transplant::shift::shed_stream;
+use crate::transplant::shift::shed_blob;
 
 /// Errors of the `QoS` bench.
 #[derive(Debug, thiserror::Error)]
@@ -812,21 +811,8 @@ fn apply_on_engines(
                             tenant: id.0,
                             message: m,
                         };
-                        let mut snap = KvSnapshot::parse(
-                            blob,
-                            ParseOptions {
-                                sections: Some(1),
-                                ..ParseOptions::default()
-                            },
-                        )
-                        .map_err(|e| fail(format!("shed: {e}")))?;
-                        let stream = snap
-                            .single_stream_mut()
+                        *blob = shed_blob(blob, pinned, n, &rope)
                             .map_err(|e| fail(format!("shed: {e}")))?;
-                        let to_i32 = |v: usize| i32::try_from(v).unwrap_or(i32::MAX);
-                        shed_stream(stream, to_i32(pinned), to_i32(n), &rope)
-                            .map_err(|e| fail(format!("shed: {e}")))?;
-                        *blob = snap.to_bytes().map_err(|e| fail(format!("shed: {e}")))?;
                         t.history.drain(pinned..pinned + n);
                     }
                     _ => {}

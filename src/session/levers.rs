@@ -17,9 +17,8 @@ use super::migrate;
 use super::rung::ParkedRung;
 use super::{FootprintSample, LeverInfo, Session, SessionError, Strategy, routes};
 use crate::engine::Token;
-use crate::kv::{KvSnapshot, ParseOptions};
 use crate::pressure::{Budget, process_rss_bytes};
-use crate::transplant::shift::shed_stream;
+use crate::transplant::shift::shed_blob;
 
 /// A parked rung as the session holds it.
 pub(super) struct Parked {
@@ -323,25 +322,9 @@ impl Session {
                 to: self.ladder.rungs[layout].name().to_string(),
                 message,
             };
-            let mut snap = KvSnapshot::parse(
-                &p.rung.blob,
-                ParseOptions {
-                    sections: Some(1),
-                    ..ParseOptions::default()
-                },
-            )
-            .map_err(|e| fail(format!("shed: parked state: {e}")))?;
-            let stream = snap
-                .single_stream_mut()
-                .map_err(|e| fail(format!("shed: parked state: {e}")))?;
-            let to_i32 = |v: usize| i32::try_from(v).unwrap_or(i32::MAX);
-            shed_stream(stream, to_i32(pinned), to_i32(n), &rope)
+            p.rung.blob = shed_blob(&p.rung.blob, pinned, n, &rope)
                 .map_err(|e| fail(format!("shed: {e}")))?;
-            p.rung.blob = snap
-                .to_bytes()
-                .map_err(|e| fail(format!("shed: parked state: {e}")))?;
             p.rung.n_past -= n;
-            drop(snap);
             crate::pressure::trim_heap();
         }
         self.history.drain(pinned..pinned + n);
