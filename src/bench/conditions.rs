@@ -881,7 +881,9 @@ fn projectors_for(
     }
     // A head re-read splices each destination's shipped anchor where it covers the head.
     if arm.head > 0 {
-        let mut routes = Routes::new(ladder, dirs.to_vec(), Variant::Auto);
+        let routes = cache
+            .entry(Variant::Auto)
+            .or_insert_with(|| Routes::new(ladder, dirs.to_vec(), Variant::Auto));
         for i in 0..n {
             match routes.anchor(i) {
                 Ok(Some(a)) => out.anchors.push((i, a)),

@@ -9,6 +9,7 @@
 //! timing record, so the two are measured by the same clock from the same decision point.
 //! Both leave the source untouched: freeing or parking it is the caller's choice.
 
+use std::borrow::Cow;
 use std::time::Instant;
 
 use crate::engine::{CacheType as EngineCacheType, Context, ContextConfig, PartialForward, Token};
@@ -280,15 +281,15 @@ impl Reread<'_> {
 /// shares with `head`, the rest decoded after it with no logits; without a usable anchor (none,
 /// other tokens, or a state this context cannot import, e.g. another cache type), the whole
 /// head decoded. `dst` is left holding that state (the caller imports over it).
-fn native_head_state(
+fn native_head_state<'a>(
     dst: &mut Context,
     head: &[Token],
-    anchor: Option<&Anchor>,
-) -> Result<(Vec<u8>, usize), String> {
+    anchor: Option<&'a Anchor>,
+) -> Result<(Cow<'a, [u8]>, usize), String> {
     let mut covered = anchor.map_or(0, |a| a.covers(head));
     match anchor {
         Some(a) if covered == a.tokens.len() && covered == head.len() => {
-            return Ok((a.state.clone(), covered));
+            return Ok((Cow::Borrowed(&a.state), covered));
         }
         Some(a) if covered > 0 && dst.import_state(&a.state).is_ok() => dst.truncate(covered),
         // Rewind rather than clear: the head's decode attends only to the cells of the
@@ -304,7 +305,7 @@ fn native_head_state(
     let blob = dst
         .export_state()
         .map_err(|e| format!("head export: {e}"))?;
-    Ok((blob, covered))
+    Ok((Cow::Owned(blob), covered))
 }
 
 /// What selective top-k recompute needs at a switch: the source's boundary hidden states of

@@ -527,16 +527,16 @@ impl Session {
     }
 
     /// The destination's anchor for a head re-read (none when the head re-read is off or no
-    /// anchor is shipped); a damaged or foreign anchor is not used, and the returned note
-    /// says why (the head is then decoded whole).
-    fn anchor_for(&mut self, to: usize) -> (Option<Arc<Anchor>>, Option<String>) {
+    /// anchor is shipped); a damaged or foreign anchor is not used, and `note` says why (the
+    /// head is then decoded whole).
+    fn anchor_for(&mut self, to: usize, note: &mut Option<String>) -> Option<Arc<Anchor>> {
         if self.opts.head_reread == 0 {
-            return (None, None);
+            return None;
         }
-        match self.routes.anchor(to) {
-            Ok(a) => (a, None),
-            Err(e) => (None, Some(format!("anchor not used, head decoded: {e}"))),
-        }
+        self.routes.anchor(to).unwrap_or_else(|e| {
+            *note = Some(format!("anchor not used, head decoded: {e}"));
+            None
+        })
     }
 
     /// The rung this session started on and never goes above.
@@ -892,10 +892,7 @@ impl Session {
                         note = Some(why);
                         None
                     });
-                    let (anchor, why) = self.anchor_for(to);
-                    if why.is_some() {
-                        note = why;
-                    }
+                    let anchor = self.anchor_for(to, &mut note);
                     let rc = topk.as_ref().map(|t| self.recompute_for(to, t));
                     let reread = self.reread(src.ctx.n_past(), anchor.as_deref());
                     migrate::transplant_with(&src.ctx, &mut dst.ctx, &p, rc.as_ref(), reread, last)
@@ -918,17 +915,15 @@ impl Session {
         };
         let seam = if self.opts.measure_seam && src.ctx.decode(&[last]).is_ok() {
             let reference = src.ctx.logits();
+            let jsd = jsd(reference, dst.ctx.logits());
+            // A re-prefill switch is its own floor.
             let floor = if method == "molt" {
                 native_floor(&dst, &self.history, last, self.config, reference)
             } else {
-                None
+                Some(jsd)
             };
-            let jsd = jsd(reference, dst.ctx.logits());
             src.ctx.truncate(src.ctx.n_past().saturating_sub(1));
-            Some(SeamReading {
-                jsd,
-                floor: floor.or((method != "molt").then_some(jsd)),
-            })
+            Some(SeamReading { jsd, floor })
         } else {
             None
         };
@@ -1000,10 +995,7 @@ impl Session {
                     self.context_bytes[to] = Some(dst.context_bytes);
                 }
                 self.arm_hidden_tap(to, &mut dst.ctx);
-                let (anchor, why) = self.anchor_for(to);
-                if why.is_some() {
-                    note = why;
-                }
+                let anchor = self.anchor_for(to, &mut note);
                 let rc = topk.as_ref().map(|t| self.recompute_for(to, t));
                 // The load is reported apart (both strategies pay it): the switch's own cost
                 // is the export plus everything after the load.

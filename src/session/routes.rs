@@ -174,6 +174,14 @@ pub fn search_dirs(explicit: Option<&Path>) -> Vec<PathBuf> {
     v
 }
 
+/// The first of `dirs` holding `<dir>/<ladder>/anchors/<rung>.molt-anchor`.
+#[must_use]
+pub fn anchor_path(dirs: &[PathBuf], ladder: &str, rung: &str) -> Option<PathBuf> {
+    dirs.iter()
+        .map(|d| d.join(ladder).join("anchors").join(anchor_file_name(rung)))
+        .find(|p| p.exists())
+}
+
 /// Why a route has no usable projector.
 #[derive(Debug, thiserror::Error)]
 pub enum RouteError {
@@ -294,16 +302,7 @@ impl Routes {
             return Ok(a.clone());
         }
         let b = &self.bindings[i];
-        let path = self
-            .dirs
-            .iter()
-            .map(|d| {
-                d.join(&self.ladder_name)
-                    .join("anchors")
-                    .join(anchor_file_name(&b.name))
-            })
-            .find(|p| p.exists());
-        let a = match path {
+        let a = match anchor_path(&self.dirs, &self.ladder_name, &b.name) {
             Some(p) => Some(Arc::new(Anchor::load(&p, &b.sha256)?)),
             None => None,
         };

@@ -30,13 +30,7 @@ pub(crate) fn unframe<'a>(
     version: u32,
     file: &Path,
 ) -> Result<(&'a [u8], &'a [u8]), ProjectorError> {
-    let short =
-        |section: &'static str, needed: usize, available: usize| ProjectorError::Truncated {
-            file: file.to_path_buf(),
-            section,
-            needed: needed as u64,
-            available: available as u64,
-        };
+    let short = |section, needed, available| truncated(file, section, needed, available);
     if bytes.len() < 20 {
         return Err(short("prefix", 20, bytes.len()));
     }
@@ -61,6 +55,21 @@ pub(crate) fn unframe<'a>(
         return Err(short("header", hlen, rest.len()));
     }
     Ok(rest.split_at(hlen))
+}
+
+/// `file` ends inside `section`, which needs `needed` bytes where `available` are left.
+pub(crate) fn truncated(
+    file: &Path,
+    section: &'static str,
+    needed: usize,
+    available: usize,
+) -> ProjectorError {
+    ProjectorError::Truncated {
+        file: file.to_path_buf(),
+        section,
+        needed: needed as u64,
+        available: available as u64,
+    }
 }
 
 /// Writes `bytes` to `path` atomically, creating its directory.

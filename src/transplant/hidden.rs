@@ -209,13 +209,6 @@ impl HiddenMap {
         src_sha256: &str,
         dst_sha256: &str,
     ) -> Result<Self, ProjectorError> {
-        let short =
-            |section: &'static str, needed: usize, available: usize| ProjectorError::Truncated {
-                file: file.clone(),
-                section,
-                needed: needed as u64,
-                available: available as u64,
-            };
         let (head, data) = super::framed::unframe(bytes, &MAGIC, FORMAT_VERSION, &file)?;
         let header: HiddenHeader =
             serde_json::from_slice(head).map_err(|source| ProjectorError::Header {
@@ -246,7 +239,7 @@ impl HiddenMap {
             })?;
         if data.len() != n {
             return Err(if data.len() < n {
-                short("data", n, data.len())
+                super::framed::truncated(&file, "data", n, data.len())
             } else {
                 ProjectorError::TrailingBytes {
                     file,

@@ -80,13 +80,10 @@ pub fn install(session: &mut Session) -> Installed {
     }
     // Anchors (each rung's own cache of the template's opening), likewise after the disk.
     for (i, rung) in bindings.iter().enumerate() {
-        let file = anchor_file_name(&rung.name);
-        if dirs
-            .iter()
-            .any(|d| d.join(&ladder).join("anchors").join(&file).exists())
-        {
+        if routes::anchor_path(&dirs, &ladder, &rung.name).is_some() {
             continue;
         }
+        let file = anchor_file_name(&rung.name);
         let Some((_, _, bytes)) = SHIPPED_ANCHORS
             .iter()
             .find(|(l, f, _)| *l == ladder && *f == file)
