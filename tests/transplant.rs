@@ -337,6 +337,7 @@ fn tail_recompute_rereads_the_last_tokens_natively() {
             head: &[],
             tail: &toks,
             anchor: None,
+            spans: &[],
         },
         next,
     )
@@ -361,6 +362,7 @@ fn tail_recompute_rereads_the_last_tokens_natively() {
             head: &[],
             tail: &toks[toks.len() - w..],
             anchor: None,
+            spans: &[],
         },
         next,
     )
@@ -389,6 +391,7 @@ fn tail_recompute_rereads_the_last_tokens_natively() {
             head: &[],
             tail: &longer,
             anchor: None,
+            spans: &[],
         },
         next,
     )
@@ -419,6 +422,7 @@ fn head_reread_splices_the_destinations_own_prefix() {
             head: &toks,
             tail: &[],
             anchor: None,
+            spans: &[],
         },
         next,
     )
@@ -441,6 +445,7 @@ fn head_reread_splices_the_destinations_own_prefix() {
             head: &toks[..h],
             tail: &toks[h..],
             anchor: None,
+            spans: &[],
         },
         next,
     )
@@ -464,6 +469,7 @@ fn head_reread_splices_the_destinations_own_prefix() {
             head: &toks[..h],
             tail: &[],
             anchor: None,
+            spans: &[],
         },
         next,
     )
@@ -487,6 +493,7 @@ fn head_reread_splices_the_destinations_own_prefix() {
             head: &longer,
             tail: &[],
             anchor: None,
+            spans: &[],
         },
         next,
     )
@@ -686,6 +693,7 @@ fn an_anchor_supplies_the_head_it_covers() {
                 head: &toks[..h],
                 tail: &[],
                 anchor,
+                spans: &[],
             },
             next,
         )

@@ -235,6 +235,7 @@ pub fn run(
                         head: &history[..h],
                         tail: &history[n - w..],
                         anchor: anchor.as_deref(),
+                        spans: &[],
                     };
                     for (k, &(h, w)) in tails.iter().enumerate() {
                         let t = transplant_with(

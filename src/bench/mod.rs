@@ -19,6 +19,7 @@ pub mod footprint;
 pub mod metrics;
 pub mod page;
 pub mod qos;
+pub mod recall;
 pub mod speed;
 
 use std::path::PathBuf;

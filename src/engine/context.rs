@@ -115,6 +115,18 @@ impl Drop for Context {
 }
 
 const SEQ: i32 = 0;
+/// Scratch sequences one recompute batch may use (each holds one span).
+const SCRATCH_SEQS: u32 = 7;
+
+/// A run of consecutive cached positions to recompute natively: the tokens of positions
+/// `start .. start + tokens.len()`.
+#[derive(Debug, Clone, Copy)]
+pub struct Span<'a> {
+    /// First position.
+    pub start: usize,
+    /// The tokens at those positions (the history's own).
+    pub tokens: &'a [Token],
+}
 
 impl Context {
     /// Creates a context over `model`.
@@ -136,7 +148,12 @@ impl Context {
         // runs under a memory budget, so micro-batches stay at 128 tokens (74 MiB); prompts
         // still go in n_batch chunks, which llama.cpp splits.
         p.n_ubatch = p.n_batch.min(128);
-        p.n_seq_max = 1;
+        // Sequence 0 is the conversation; the others are scratch sequences of selective token
+        // recompute (see [`Context::recompute_spans`]). One unified cache holds them all, so a
+        // scratch sequence shares sequence 0's cells (a copy is a tag, not a copy of data) and
+        // sequence 0 keeps the whole window.
+        p.n_seq_max = SCRATCH_SEQS + 1;
+        p.kv_unified = true;
         p.n_threads = threads;
         p.n_threads_batch = threads;
         p.flash_attn_type = llama_cpp_sys_2::LLAMA_FLASH_ATTN_TYPE_DISABLED;
@@ -390,6 +407,188 @@ impl Context {
     /// As [`Context::decode`].
     pub fn decode_all_logits(&mut self, tokens: &[Token]) -> Result<Vec<Vec<f32>>, EngineError> {
         self.decode_inner(tokens, Outputs::All)
+    }
+
+    /// Decodes `tokens` like [`Context::decode`], and returns, for every position of the
+    /// sequence after it, the attention mass the last `window` tokens give it: their
+    /// post-softmax weights summed over query rows, heads and layers (the observation window of
+    /// SnapKV). `None` when the context has no tap. The earlier tokens are decoded first without
+    /// logits, the window in a decode of its own.
+    ///
+    /// Positions are read as cell indices, which they are for a sequence written in order into
+    /// an empty or truncated cache (the only way Molt fills one before a prompt).
+    ///
+    /// # Errors
+    /// As [`Context::decode`].
+    pub fn decode_observed(
+        &mut self,
+        tokens: &[Token],
+        window: usize,
+    ) -> Result<Option<Vec<f32>>, EngineError> {
+        if self.tap.is_none() || tokens.is_empty() {
+            self.decode(tokens)?;
+            return Ok(None);
+        }
+        let w = window.clamp(1, tokens.len());
+        let (early, late) = tokens.split_at(tokens.len() - w);
+        if !early.is_empty() {
+            self.decode_inner(early, Outputs::None)?;
+        }
+        if let Some(t) = &self.tap {
+            tap::arm_mass(t);
+        }
+        let r = self.decode_inner(late, Outputs::Last);
+        let mass = self.tap.as_ref().and_then(tap::take_mass);
+        r?;
+        #[allow(clippy::cast_possible_truncation)]
+        Ok(mass.map(|m| {
+            let mut v: Vec<f32> = m.iter().map(|&x| x as f32).collect();
+            v.resize(self.n_past, 0.0);
+            v
+        }))
+    }
+
+    /// Recomputes cached positions natively: each span's tokens are decoded again at their own
+    /// positions, attending to the cache before them (whatever it holds: imported, projected
+    /// cells) and to each other, and their new K/V replace the old cells of sequence 0. Nothing
+    /// else changes; `n_past` stays. Up to seven spans go in one `llama_decode`: each is decoded
+    /// in a scratch sequence that shares sequence 0's cells before the span (llama.cpp wants a
+    /// sequence's batch to continue right after its last cached position), and the new cells
+    /// are then handed to sequence 0 in place of the old ones. Spans are taken in position
+    /// order, so a later span sees the native cells of the earlier ones once their batch has
+    /// run. No logits are computed: decode the next token after it.
+    ///
+    /// # Errors
+    /// [`EngineError::OutOfRange`] for spans that overlap, are out of order or reach past the
+    /// cache; [`EngineError::ContextOverflow`] when the window has no room for a span's cells
+    /// beside the cache; [`EngineError::DecodeFailed`] when llama.cpp fails (sequence 0 is then
+    /// as it was before that batch).
+    pub fn recompute_spans(&mut self, spans: &[Span<'_>]) -> Result<usize, EngineError> {
+        let mut end = 0;
+        for s in spans {
+            if s.start < end || s.start + s.tokens.len() > self.n_past {
+                return Err(EngineError::OutOfRange {
+                    what: "recompute span start (spans must be ordered, apart, inside the cache)",
+                    value: s.start as u64,
+                });
+            }
+            end = s.start + s.tokens.len();
+        }
+        let chunk = self.config.n_batch.min(self.config.n_ctx).max(1) as usize;
+        let room = (self.config.n_ctx as usize).saturating_sub(self.n_past);
+        let cap = chunk.min(room);
+        if cap == 0 && spans.iter().any(|s| !s.tokens.is_empty()) {
+            return Err(EngineError::ContextOverflow {
+                needed: self.n_past + 1,
+                n_ctx: self.config.n_ctx,
+            });
+        }
+        // Pieces of at most `cap` tokens, grouped into batches of at most SCRATCH_SEQS pieces
+        // and `cap` tokens.
+        let mut pieces: Vec<(usize, &[Token])> = Vec::new();
+        for s in spans {
+            for (i, part) in s.tokens.chunks(cap.max(1)).enumerate() {
+                pieces.push((s.start + i * cap.max(1), part));
+            }
+        }
+        let mut done = 0;
+        let mut group: Vec<(usize, &[Token])> = Vec::new();
+        let mut group_tokens = 0;
+        for piece in pieces {
+            if group.len() == SCRATCH_SEQS as usize || group_tokens + piece.1.len() > cap {
+                done += self.recompute_group(&group)?;
+                group.clear();
+                group_tokens = 0;
+            }
+            // A later piece of the same span must see the earlier piece's new cells: the
+            // earlier piece's batch has to run first.
+            if group.last().is_some_and(|(s, t)| s + t.len() == piece.0) {
+                done += self.recompute_group(&group)?;
+                group.clear();
+                group_tokens = 0;
+            }
+            group_tokens += piece.1.len();
+            group.push(piece);
+        }
+        done += self.recompute_group(&group)?;
+        if let Some(t) = &self.tap {
+            tap::finish(t);
+        }
+        // The tap's hidden rows no longer describe the cache at the recomputed positions.
+        self.restart_hidden(self.n_past);
+        Ok(done)
+    }
+
+    /// One batch of [`Context::recompute_spans`]: piece `i` in scratch sequence `i + 1`.
+    fn recompute_group(&mut self, group: &[(usize, &[Token])]) -> Result<usize, EngineError> {
+        let n: usize = group.iter().map(|(_, t)| t.len()).sum();
+        if n == 0 {
+            return Ok(0);
+        }
+        let conv = |v: usize| {
+            i32::try_from(v).map_err(|_| EngineError::OutOfRange {
+                what: "position",
+                value: v as u64,
+            })
+        };
+        let n_i32 = conv(n)?;
+        // SAFETY: live context; memory handle for the sequence operations below.
+        let mem = unsafe { llama_cpp_sys_2::llama_get_memory(self.ptr.as_ptr()) };
+        for (i, &(start, _)) in group.iter().enumerate() {
+            let sid = conv(i + 1)?;
+            // SAFETY: live context; a scratch sequence id below n_seq_max shares sequence 0's
+            // cells of positions [0, start) (unified cache: a tag on the cells).
+            unsafe {
+                llama_cpp_sys_2::llama_memory_seq_rm(mem, sid, -1, -1);
+                llama_cpp_sys_2::llama_memory_seq_cp(mem, SEQ, sid, 0, conv(start)?);
+            }
+        }
+        // SAFETY: allocates a batch for n tokens, one sequence id each; freed below.
+        let batch = unsafe { llama_cpp_sys_2::llama_batch_init(n_i32, 0, 1) };
+        let mut k = 0usize;
+        for (i, &(start, tokens)) in group.iter().enumerate() {
+            for (j, &t) in tokens.iter().enumerate() {
+                // SAFETY: k < n entries; seq_id[k] points to an array of 1 seq id.
+                unsafe {
+                    *batch.token.add(k) = t;
+                    *batch.pos.add(k) = conv(start + j)?;
+                    *batch.n_seq_id.add(k) = 1;
+                    *(*batch.seq_id.add(k)) = conv(i + 1)?;
+                    *batch.logits.add(k) = 0;
+                }
+                k += 1;
+            }
+        }
+        let mut b = batch;
+        b.n_tokens = n_i32;
+        let _ = recent_llama_errors();
+        // SAFETY: live context; batch filled above.
+        let rc = unsafe { llama_cpp_sys_2::llama_decode(self.ptr.as_ptr(), b) };
+        // SAFETY: batch from llama_batch_init, freed once.
+        unsafe { llama_cpp_sys_2::llama_batch_free(batch) };
+        if rc != 0 {
+            for i in 0..group.len() {
+                // SAFETY: live context; dropping a scratch sequence leaves sequence 0 alone.
+                unsafe { llama_cpp_sys_2::llama_memory_seq_rm(mem, conv(i + 1)?, -1, -1) };
+            }
+            return Err(EngineError::DecodeFailed {
+                code: rc,
+                pos: conv(group[0].0)?,
+                detail: recent_llama_errors(),
+            });
+        }
+        for (i, &(start, tokens)) in group.iter().enumerate() {
+            let (sid, p0, p1) = (conv(i + 1)?, conv(start)?, conv(start + tokens.len())?);
+            // SAFETY: live context; sequence 0 lets go of its old cells of [p0, p1) (freed, no
+            // other sequence holds them), takes the scratch sequence's new cells of the same
+            // positions, and the scratch sequence is dropped.
+            unsafe {
+                llama_cpp_sys_2::llama_memory_seq_rm(mem, SEQ, p0, p1);
+                llama_cpp_sys_2::llama_memory_seq_cp(mem, sid, SEQ, p0, p1);
+                llama_cpp_sys_2::llama_memory_seq_rm(mem, sid, -1, -1);
+            }
+        }
+        Ok(n)
     }
 
     fn decode_inner(

@@ -23,12 +23,12 @@ mod sampling;
 pub mod tap;
 mod text;
 
-pub use context::{CacheType, Context, ContextConfig};
+pub use context::{CacheType, Context, ContextConfig, Span};
 pub use logs::recent_llama_errors;
 pub use model::{ChatMessage, Model, ModelOptions};
 pub use partial::PartialForward;
 pub use quantize::{QuantType, quantize};
-pub use sampling::{Sampler, SamplingParams, log_softmax, softmax};
+pub use sampling::{Sampler, SamplingParams, argmax, log_softmax, softmax};
 pub use tap::AttentionCapture;
 pub use text::Utf8Stream;
 

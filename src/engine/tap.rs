@@ -14,6 +14,12 @@
 //! aligned with the positions of its sequence. A boundary layer is never the model's last
 //! (whose `l_out` llama.cpp cuts down to the output rows), so every decoded token has a row.
 //!
+//! A third use, the *attention mass* of selective token recompute: while mass is armed
+//! ([`arm_mass`]), every softmax node adds, for every key cell, the attention weight it gets
+//! from every query row of the decode, summed over heads and layers. Decoding a prompt's last
+//! tokens (the question) armed says which earlier positions the model reads to answer it (as
+//! SnapKV's observation window does); a size switch re-reads those positions natively.
+//!
 //! Cost: installing the tap makes llama.cpp ask the callback about every graph node (a name
 //! comparison, microseconds per decode). While disarmed it asks for nothing, so the graph is
 //! computed in one piece as without a tap; only an armed decode splits the graph at the softmax
@@ -66,6 +72,8 @@ pub(crate) struct TapState {
     hidden_rows: Vec<Vec<f32>>,
     /// Row width seen (0 before the first row).
     hidden_width: usize,
+    /// Attention mass per key cell, summed over query rows, heads and layers, while armed.
+    mass: Option<Vec<f64>>,
 }
 
 /// The tap as a context owns it: boxed so the address handed to llama.cpp never moves.
@@ -94,6 +102,16 @@ pub(crate) fn finish(tap: &Tap) {
         let n_attended = s.n_attended;
         s.done = Some(AttentionCapture { layers, n_attended });
     }
+}
+
+/// Starts summing attention mass over key cells (dropping any sum not yet taken).
+pub(crate) fn arm_mass(tap: &Tap) {
+    tap.borrow_mut().mass = Some(Vec::new());
+}
+
+/// The mass summed since [`arm_mass`], one entry per key cell the decodes saw; disarms.
+pub(crate) fn take_mass(tap: &Tap) -> Option<Vec<f64>> {
+    tap.borrow_mut().mass.take()
 }
 
 pub(crate) fn take(tap: &Tap) -> Option<AttentionCapture> {
@@ -223,7 +241,7 @@ pub(crate) unsafe extern "C" fn callback(
     let Ok(mut s) = cell.try_borrow_mut() else {
         return !ask;
     };
-    if !s.armed && s.hidden_layers.is_empty() {
+    if !s.armed && s.mass.is_none() && s.hidden_layers.is_empty() {
         return !ask;
     }
     // SAFETY: t is a live tensor; its name is a NUL-terminated array inside the struct.
@@ -233,7 +251,7 @@ pub(crate) unsafe extern "C" fn callback(
     if let Some(answer) = hidden_node(&mut s, t, name, ask) {
         return answer;
     }
-    if !s.armed {
+    if !s.armed && s.mass.is_none() {
         return !ask;
     }
     let Some(layer) = layer_of(name) else {
@@ -241,6 +259,12 @@ pub(crate) unsafe extern "C" fn callback(
     };
     if ask {
         return tensor.type_ == llama_cpp_sys_2::GGML_TYPE_F32;
+    }
+    if s.mass.is_some() {
+        add_mass(&mut s, t);
+    }
+    if !s.armed {
+        return true;
     }
     let (Ok(n_kv), Ok(n_tok), Ok(n_head)) = (
         usize::try_from(tensor.ne[0]),
@@ -281,6 +305,50 @@ pub(crate) unsafe extern "C" fn callback(
         s.current.push((layer, heads));
     }
     true
+}
+
+/// Adds every query row of the softmax node `t` (`[n_kv, n_tok, n_head]`, F32) into the
+/// armed mass, cell by cell.
+fn add_mass(s: &mut TapState, t: *mut llama_cpp_sys_2::ggml_tensor) {
+    // SAFETY: t is a live tensor (checked non-null by the caller).
+    let tensor = unsafe { &*t };
+    let (Ok(n_kv), Ok(n_tok), Ok(n_head)) = (
+        usize::try_from(tensor.ne[0]),
+        usize::try_from(tensor.ne[1]),
+        usize::try_from(tensor.ne[2]),
+    ) else {
+        return;
+    };
+    if n_kv == 0 || n_tok == 0 {
+        return;
+    }
+    let mut row = std::mem::take(&mut s.row);
+    row.resize(n_kv, 0.0);
+    let Some(mass) = s.mass.as_mut() else {
+        return;
+    };
+    if mass.len() < n_kv {
+        mass.resize(n_kv, 0.0);
+    }
+    for h in 0..n_head {
+        for r in 0..n_tok {
+            let offset = h * tensor.nb[2] + r * tensor.nb[1];
+            // SAFETY: the row [offset, offset + n_kv * 4) lies inside the computed F32 tensor
+            // (ne/nb describe it); ggml_backend_tensor_get copies from whatever buffer holds it.
+            unsafe {
+                llama_cpp_sys_2::ggml_backend_tensor_get(
+                    t,
+                    row.as_mut_ptr().cast(),
+                    offset,
+                    n_kv * std::mem::size_of::<f32>(),
+                );
+            }
+            for (m, &x) in mass.iter_mut().zip(&row) {
+                *m += f64::from(x);
+            }
+        }
+    }
+    s.row = row;
 }
 
 #[cfg(test)]

@@ -57,6 +57,15 @@ pub struct SwitchInfo {
     /// Time of the head re-read, inside `cost_ms`.
     #[serde(default, skip_serializing_if = "is_zero_f")]
     pub head_ms: f64,
+    /// Selective token recompute: positions re-read natively over the imported cache (0: none).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub recomputed: usize,
+    /// The spans they formed.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub spans: usize,
+    /// Time of the selective recompute, inside `cost_ms`.
+    #[serde(default, skip_serializing_if = "is_zero_f")]
+    pub spans_ms: f64,
     /// Cells carried across.
     pub cells: usize,
     /// FLOPs the transplant spent.

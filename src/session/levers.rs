@@ -328,6 +328,8 @@ impl Session {
             crate::pressure::trim_heap();
         }
         self.history.drain(pinned..pinned + n);
+        // The attention mass was read over the positions before the shed.
+        self.observed = None;
         let mut info = self.lever(at_token, "shed", n, t0);
         info.rss_before = rss_before;
         info.budget_bytes = budget.bytes;
@@ -353,6 +355,8 @@ impl Session {
             .shed_and_decode(pinned, n, &[tok])
             .map_err(|source| SessionError::Engine { rung: name, source })?;
         self.history.drain(pinned..pinned + n);
+        // The attention mass was read over the positions before the shed.
+        self.observed = None;
         let mut info = self.lever(at_token, "shed", n, t0);
         info.rss_before = rss_before;
         info.budget_bytes = budget.bytes;

@@ -12,7 +12,9 @@
 use std::borrow::Cow;
 use std::time::Instant;
 
-use crate::engine::{CacheType as EngineCacheType, Context, ContextConfig, PartialForward, Token};
+use crate::engine::{
+    CacheType as EngineCacheType, Context, ContextConfig, PartialForward, Span, Token,
+};
 use crate::kv::{CacheType, KvSnapshot, KvStream, LayerKv};
 use crate::transplant::anchor::Anchor;
 use crate::transplant::hidden::HiddenMap;
@@ -56,6 +58,17 @@ pub struct SwitchTimings {
     /// Time of the head re-read (anchor import, decode, export), inside `cost_ms`.
     #[serde(default)]
     pub head_ms: f64,
+    /// Selective token recompute: positions re-read natively on the destination over the
+    /// imported cache, chosen by the source's attention (0: none).
+    #[serde(default)]
+    pub recomputed: usize,
+    /// The spans those positions formed.
+    #[serde(default)]
+    pub spans: usize,
+    /// Time of the selective recompute, inside `first_decode_ms`'s neighbour: after the import,
+    /// before the first decode; inside `cost_ms`.
+    #[serde(default)]
+    pub spans_ms: f64,
     /// The whole switch, decision to first logits.
     pub cost_ms: f64,
     /// Cells carried (transplant) or tokens re-read (re-prefill).
@@ -265,6 +278,9 @@ pub struct Reread<'a> {
     pub tail: &'a [Token],
     /// The destination's anchor, if one is shipped.
     pub anchor: Option<&'a Anchor>,
+    /// Positions in between re-read natively after the import (selective token recompute),
+    /// ordered and apart, none inside `head` or `tail`.
+    pub spans: &'a [Span<'a>],
 }
 
 impl Reread<'_> {
@@ -273,6 +289,7 @@ impl Reread<'_> {
         head: &[],
         tail: &[],
         anchor: None,
+        spans: &[],
     };
 }
 
@@ -435,7 +452,12 @@ pub fn transplant_exported(
     reread: Reread<'_>,
     last: Token,
 ) -> Result<SwitchTimings, SessionError> {
-    let Reread { head, tail, anchor } = reread;
+    let Reread {
+        head,
+        tail,
+        anchor,
+        spans,
+    } = reread;
     let fail = |dst: &Context, message: String| SessionError::Migration {
         from: src.from.to_string(),
         to: dst.model().name().to_string(),
@@ -505,6 +527,15 @@ pub fn transplant_exported(
             format!("imported cache ends at position {b}, the source's at {a}"),
         ));
     }
+    let ts = Instant::now();
+    let recomputed = match dst.recompute_spans(spans) {
+        Ok(n) => n,
+        Err(e) => {
+            dst.clear();
+            return Err(fail(dst, format!("selective recompute: {e}")));
+        }
+    };
+    let spans_ms = if spans.is_empty() { 0.0 } else { ms(ts) };
     let t3 = Instant::now();
     let mut next = Vec::with_capacity(tail.len() + 1);
     next.extend_from_slice(tail);
@@ -528,6 +559,9 @@ pub fn transplant_exported(
         head: head.len(),
         head_anchored,
         head_ms,
+        recomputed,
+        spans: spans.len(),
+        spans_ms,
         cost_ms: src.export_ms + ms(t1),
         cells,
         flops,

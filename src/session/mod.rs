@@ -20,12 +20,15 @@ pub use routes::{RouteError, RouteKind, Routes, Variant};
 pub use rung::{LiveRung, ParkedRung};
 
 use crate::engine::{
-    ChatMessage, ContextConfig, EngineError, Sampler, SamplingParams, Token, Utf8Stream, softmax,
+    ChatMessage, ContextConfig, EngineError, Sampler, SamplingParams, Span, Token, Utf8Stream,
+    softmax,
 };
 use crate::ladder::Ladder;
 use crate::pressure::{Budget, BudgetSource, PressureError, Tick};
 use crate::sched::{Decision, Policy, RungCost, TenantClass, TenantView, decide_one};
 use crate::transplant::anchor::Anchor;
+use crate::transplant::select::{SelectRule, TokenRecompute, select_spans};
+use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -202,6 +205,12 @@ pub struct SessionOptions {
     /// then; the compute is a re-prefill's, spread out instead of stalling). 0 (off) by
     /// default; the extra context costs the destination's KV once more while it runs.
     pub refill_chunk: usize,
+    /// Selective token recompute at a size-route switch: after the import, the destination
+    /// re-reads a share of the cached positions natively, chosen by the source's attention
+    /// from the prompt's last tokens (see [`crate::transplant::select`]). On by default
+    /// ([`TokenRecompute::default_size`]): without it a size switch keeps the answer fluent and
+    /// loses the context's facts (the recall benchmark). `None`: off.
+    pub token_recompute: Option<TokenRecompute>,
 }
 
 /// A switch's seam as the quality pass measures it.
@@ -258,6 +267,7 @@ impl Default for SessionOptions {
             tail_recompute: 0,
             head_reread: DEFAULT_HEAD_REREAD,
             refill_chunk: 0,
+            token_recompute: None,
         }
     }
 }
@@ -298,6 +308,10 @@ pub struct Session {
     anon_base: u64,
     /// A background refill in progress ([`SessionOptions::refill_chunk`]).
     refill: Option<refill::Refill>,
+    /// The attention mass the last prompt's final tokens gave each cached position (when
+    /// [`SessionOptions::token_recompute`] selects by attention); positions after it (the
+    /// answer's) count as 0.
+    observed: Option<Vec<f32>>,
 }
 
 /// The inputs of one top-k recompute, gathered from the source before it may be freed.
@@ -343,6 +357,9 @@ impl Session {
         opts: SessionOptions,
     ) -> Result<Self, SessionError> {
         config.hidden_tap |= opts.topk_recompute.is_some();
+        config.attention_tap |= opts
+            .token_recompute
+            .is_some_and(|t| t.rule == SelectRule::Attention);
         let current = ladder
             .rungs
             .iter()
@@ -374,6 +391,7 @@ impl Session {
             stall_ms: 0.0,
             anon_base,
             refill: None,
+            observed: None,
         };
         s.ensure_loaded(current)?;
         Ok(s)
@@ -515,7 +533,12 @@ impl Session {
     /// The history's first and last tokens a Molt switch re-reads natively
     /// ([`SessionOptions::head_reread`], [`SessionOptions::tail_recompute`]), never more than
     /// the `n_past` cells the cache holds; the head's anchored part comes from `anchor`.
-    fn reread<'a>(&'a self, n_past: usize, anchor: Option<&'a Anchor>) -> migrate::Reread<'a> {
+    fn reread<'a>(
+        &'a self,
+        n_past: usize,
+        anchor: Option<&'a Anchor>,
+        spans: &'a [Span<'a>],
+    ) -> migrate::Reread<'a> {
         let avail = n_past.min(self.history.len());
         let n = self.opts.tail_recompute.min(avail);
         let h = self.opts.head_reread.min(avail);
@@ -523,7 +546,40 @@ impl Session {
             head: &self.history[..h],
             tail: &self.history[self.history.len() - n..],
             anchor,
+            spans,
         }
+    }
+
+    /// The positions a switch `from → to` re-reads natively between the head and the tail
+    /// (selective token recompute): none unless it is on and the route is a size route (a
+    /// precision route keeps the context's facts without it).
+    fn recompute_ranges(&self, from: usize, to: usize, n_past: usize) -> Vec<Range<usize>> {
+        let Some(setting) = self.opts.token_recompute else {
+            return Vec::new();
+        };
+        let kind = routes::route_kind(self.routes.binding(from), self.routes.binding(to));
+        if kind != RouteKind::Size {
+            return Vec::new();
+        }
+        let avail = n_past.min(self.history.len());
+        let lo = self.opts.head_reread.min(avail);
+        let hi = avail - self.opts.tail_recompute.min(avail);
+        let scores = self.observed.as_deref().unwrap_or(&[]);
+        // The question (the observation window at the prompt's end) and the answer so far.
+        let prompt_end = if scores.is_empty() { hi } else { scores.len() };
+        let always = prompt_end.saturating_sub(setting.window);
+        select_spans(scores, lo, hi, always, &setting, avail as u64)
+    }
+
+    /// The history's tokens of `ranges`.
+    fn spans_of<'a>(&'a self, ranges: &[Range<usize>]) -> Vec<Span<'a>> {
+        ranges
+            .iter()
+            .map(|r| Span {
+                start: r.start,
+                tokens: &self.history[r.clone()],
+            })
+            .collect()
     }
 
     /// The destination's anchor for a head re-read (none when the head re-read is off or no
@@ -837,6 +893,9 @@ impl Session {
             head: timings.head,
             head_anchored: timings.head_anchored,
             head_ms: timings.head_ms,
+            recomputed: timings.recomputed,
+            spans: timings.spans,
+            spans_ms: timings.spans_ms,
             cells: timings.cells,
             flops,
             flops_reprefill,
@@ -894,7 +953,9 @@ impl Session {
                     });
                     let anchor = self.anchor_for(to, &mut note);
                     let rc = topk.as_ref().map(|t| self.recompute_for(to, t));
-                    let reread = self.reread(src.ctx.n_past(), anchor.as_deref());
+                    let ranges = self.recompute_ranges(from, to, src.ctx.n_past());
+                    let spans = self.spans_of(&ranges);
+                    let reread = self.reread(src.ctx.n_past(), anchor.as_deref(), &spans);
                     migrate::transplant_with(&src.ctx, &mut dst.ctx, &p, rc.as_ref(), reread, last)
                         .map(|t| (t, "molt"))
                 }
@@ -997,6 +1058,8 @@ impl Session {
                 self.arm_hidden_tap(to, &mut dst.ctx);
                 let anchor = self.anchor_for(to, &mut note);
                 let rc = topk.as_ref().map(|t| self.recompute_for(to, t));
+                let ranges = self.recompute_ranges(from, to, n_past);
+                let spans = self.spans_of(&ranges);
                 // The load is reported apart (both strategies pay it): the switch's own cost
                 // is the export plus everything after the load.
                 let r = match &projector {
@@ -1010,7 +1073,7 @@ impl Session {
                         &mut dst.ctx,
                         p,
                         rc.as_ref(),
-                        self.reread(n_past, anchor.as_deref()),
+                        self.reread(n_past, anchor.as_deref(), &spans),
                         last,
                     )
                     .map(|t| (t, "molt")),
@@ -1160,11 +1223,22 @@ impl Session {
             rung: rung_name.clone(),
             source,
         };
-        {
+        let window = self
+            .opts
+            .token_recompute
+            .filter(|t| t.rule == SelectRule::Attention)
+            .map(|t| t.window);
+        self.observed = {
             let live = self.live();
             live.ctx.truncate(keep);
-            live.ctx.decode(&tokens[keep..]).map_err(wrap)?;
-        }
+            match window {
+                Some(w) => live.ctx.decode_observed(&tokens[keep..], w).map_err(wrap)?,
+                None => {
+                    live.ctx.decode(&tokens[keep..]).map_err(wrap)?;
+                    None
+                }
+            }
+        };
         self.history = tokens.clone();
         self.pending = None;
         if keep == 0 {

@@ -35,6 +35,7 @@ pub mod project;
 pub mod projector;
 pub mod ridge;
 pub mod rope;
+pub mod select;
 pub mod shift;
 
 pub use error::{ProjectorError, TransplantError};

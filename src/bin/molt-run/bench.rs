@@ -107,12 +107,34 @@ pub struct Args {
     /// Skip the seam-measurement pass (handoff JSD, attention flatness).
     #[arg(long)]
     pub no_quality: bool,
+    /// The recall benchmark: context-QA items answered across a switch, scored by expected
+    /// strings beside the native destination's recall (results/recall.json).
+    #[arg(long)]
+    pub recall: bool,
+    /// Items of the recall benchmark (JSONL).
+    #[arg(long, default_value = "benches/recall/items.jsonl")]
+    pub recall_items: PathBuf,
+    /// Routes of the recall benchmark, `src:dst` separated by commas.
+    #[arg(long, value_delimiter = ',', value_parser = parse_route, default_values = ["tier0:tier2", "tier0:tier1"])]
+    pub recall_routes: Vec<(String, String)>,
+    /// Only these arms of the recall benchmark (by name, comma-separated; default: all).
+    #[arg(long, value_delimiter = ',')]
+    pub recall_arms: Vec<String>,
+    /// Precision routes run on every N-th item only (their destination is twice as slow).
+    #[arg(long, default_value_t = 2)]
+    pub recall_precision_every: usize,
+    /// A smoke check: one item per context length and switch point.
+    #[arg(long)]
+    pub quick: bool,
+    /// Run only the first N items of every context length and switch point.
+    #[arg(long)]
+    pub recall_sample: Option<usize>,
 }
 
 pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
-    if !a.speed && !a.cost_sweep && !a.footprint && !a.qos && a.conditions.is_none() {
+    if !a.speed && !a.cost_sweep && !a.footprint && !a.qos && !a.recall && a.conditions.is_none() {
         bail!(
-            "nothing to run: pass --conditions all, --cost-sweep, --speed, --footprint and/or --qos"
+            "nothing to run: pass --conditions all, --cost-sweep, --speed, --footprint, --recall and/or --qos"
         );
     }
     if a.real_hog && !a.qos {
@@ -132,6 +154,9 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     }
     if a.cost_sweep {
         run_cost_sweep(g, a)?;
+    }
+    if a.recall {
+        run_recall(g, a)?;
     }
     if a.speed {
         run_speed(g, a)?;
@@ -234,6 +259,120 @@ fn run_cost_sweep(g: &GlobalArgs, a: &Args) -> Result<()> {
     std::fs::create_dir_all(&a.out_dir)?;
     let path = a.out_dir.join("cost_sweep.json");
     let doc = serde_json::json!({ "run": info, "threads": config.n_threads, "reps": a.reps, "lengths": a.lengths, "contexts": a.contexts, "head_reread": a.head_reread, "points": points });
+    std::fs::write(&path, serde_json::to_string_pretty(&doc)?)?;
+    eprintln!("wrote {}", path.display());
+    Ok(())
+}
+
+fn run_recall(g: &GlobalArgs, a: &Args) -> Result<()> {
+    use molt::bench::recall;
+    let ladder = g.open_ladder()?;
+    let mut config = g.context_config()?;
+    config.n_ctx = config.n_ctx.max(4096);
+    let index = |name: &str| {
+        ladder
+            .rungs
+            .iter()
+            .position(|r| r.name() == name)
+            .ok_or_else(|| {
+                anyhow::anyhow!(
+                    "--recall-routes names {name:?}, which is not a rung of this ladder"
+                )
+            })
+    };
+    let mut routes = Vec::new();
+    for (s, d) in &a.recall_routes {
+        routes.push((index(s)?, index(d)?));
+    }
+    routes.sort_by_key(|r| r.0);
+    let (mut items, problems) = recall::read_items(&a.recall_items)?;
+    for p in &problems {
+        eprintln!(
+            "{}:{}: skipped: {}",
+            a.recall_items.display(),
+            p.line,
+            p.message
+        );
+    }
+    if a.quick {
+        items = recall::sample(&items, 1);
+    } else if let Some(n) = a.recall_sample {
+        items = recall::sample(&items, n);
+    }
+    if items.is_empty() {
+        bail!("no usable items in {}", a.recall_items.display());
+    }
+    let arms = recall::default_arms(&a.recall_arms);
+    for n in &a.recall_arms {
+        if !arms.iter().any(|x| &x.name == n) {
+            bail!("--recall-arms: no arm named {n:?}");
+        }
+    }
+    let precision_arms: Vec<_> = arms
+        .iter()
+        .filter(|x| {
+            matches!(
+                x.name.as_str(),
+                "native-source" | "native-destination" | "reprefill" | "projection" | "head4"
+            )
+        })
+        .cloned()
+        .collect();
+    let opts = recall::RecallOptions {
+        routes,
+        size_arms: arms,
+        precision_arms,
+        max_tokens_first: 40,
+        max_tokens_mid: 96,
+        mid_switch_at: 12,
+        precision_every: a.recall_precision_every,
+    };
+    let info = RunInfo::now();
+    let t0 = std::time::Instant::now();
+    let (rows, answers) = recall::run(
+        &ladder,
+        config,
+        molt::session::routes::search_dirs(a.projectors.as_deref()),
+        &items,
+        &opts,
+        &mut |s| eprintln!("{s}"),
+    )?;
+    println!(
+        "{:<18} {:<12} {:>6} {:>5} {:>6} {:>7} {:>9} {:>10} {:>8}",
+        "arm", "route", "ctx", "at", "items", "recall", "dst rec.", "cost ms", "reprefill"
+    );
+    for r in &rows {
+        println!(
+            "{:<18} {:<12} {:>6} {:>5} {:>6} {:>7.2} {:>9.2} {:>10.1} {:>8.1}{}",
+            r.arm,
+            r.route,
+            r.context_tokens,
+            format!("{:?}", r.switch_at).to_lowercase(),
+            r.items,
+            r.recall,
+            r.destination_recall,
+            r.cost_ms.median,
+            r.reprefill_ms.median,
+            if r.default { "  (default)" } else { "" }
+        );
+    }
+    let doc = recall::RecallDoc {
+        items_file: a.recall_items.display().to_string(),
+        n_items: items.len(),
+        problems,
+        options: opts,
+        rows,
+        answers,
+        seconds: t0.elapsed().as_secs_f64(),
+        run: serde_json::to_value(info)?,
+    };
+    std::fs::create_dir_all(&a.out_dir)?;
+    let name = if a.quick {
+        "recall-quick.json"
+    } else {
+        "recall.json"
+    };
+    let path = a.out_dir.join(name);
     std::fs::write(&path, serde_json::to_string_pretty(&doc)?)?;
     eprintln!("wrote {}", path.display());
     Ok(())

@@ -1,0 +1,834 @@
+//! The recall benchmark: does the answer still know what the context said after a switch?
+//!
+//! Fluency proxies (handoff JSD, judge perplexity) rate a size-route answer well while it
+//! confabulates the port number it was given. This benchmark asks what a user checks by hand:
+//! context-QA items (a fact inside ~256–1,800 tokens of notes, then a question), a switch
+//! before answer token 1 or mid-answer (after a preamble the item asks for), and an automatic
+//! score — every expected string present, case-insensitive — beside the native destination's
+//! recall on the same items.
+//!
+//! Affordable on 2 cores: the source reads each item once, generates up to the switch point
+//! and exports its sequence state; that one blob seeds every arm of every route out of that
+//! source (exactly what a shed-first switch carries), and the source then finishes its own
+//! native answer. Each arm runs the library's own switch ([`migrate::transplant_exported`],
+//! [`migrate::reprefill_from`]) on a loaded destination, so `cost_ms` is the switch without
+//! the destination's load (reported apart by the session; the stall benchmark's business).
+//!
+//! Main items: [`RecallItem`] / [`read_items`], [`Arm`] / [`default_arms`], [`run`] →
+//! [`RecallDoc`] (`results/recall.json`).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+use super::BenchError;
+use crate::engine::{ChatMessage, Context, ContextConfig, Span, Token, argmax};
+use crate::ladder::Ladder;
+use crate::session::migrate::{self, Exported, Reread};
+use crate::session::routes::{RouteKind, Routes, Variant, route_kind};
+use crate::session::{DEFAULT_HEAD_REREAD, LiveRung, SessionOptions};
+use crate::transplant::select::{SelectRule, TokenRecompute, select_spans};
+
+/// Where the switch falls in the answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SwitchPoint {
+    /// Before answer token 1: the whole answer after its first token is the destination's.
+    First,
+    /// Mid-answer: after a preamble the item asks for, before the fact is written.
+    Mid,
+}
+
+/// One context-QA item (a line of `benches/recall/items.jsonl`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RecallItem {
+    /// Unique id.
+    pub id: String,
+    /// Kind of fact (number, identifier, name, string, two-part).
+    pub kind: String,
+    /// Intended context length in tokens (the row's bucket; the measured length is reported).
+    pub length: usize,
+    /// Where the fact sits: start, middle, end.
+    pub position: String,
+    /// Switch point.
+    pub switch: SwitchPoint,
+    /// The notes.
+    pub context: String,
+    /// The question (and, for mid items, the preamble it asks for first).
+    pub question: String,
+    /// Strings that must all appear in a correct answer.
+    pub expected: Vec<String>,
+}
+
+impl RecallItem {
+    /// The user message: the notes, then the question.
+    #[must_use]
+    pub fn message(&self) -> String {
+        format!("{}\n\n{}", self.context.trim_end(), self.question.trim())
+    }
+
+    /// Whether `answer` holds every expected string (case-insensitive; a comma between two
+    /// digits is ignored, so "44,172" is 44172, as a reader would take it).
+    #[must_use]
+    pub fn scores(&self, answer: &str) -> bool {
+        let chars: Vec<char> = answer.to_lowercase().chars().collect();
+        let a: String = chars
+            .iter()
+            .enumerate()
+            .filter(|&(i, &c)| {
+                !(c == ','
+                    && i > 0
+                    && chars[i - 1].is_ascii_digit()
+                    && chars.get(i + 1).is_some_and(char::is_ascii_digit))
+            })
+            .map(|(_, &c)| c)
+            .collect();
+        self.expected.iter().all(|e| a.contains(&e.to_lowercase()))
+    }
+}
+
+/// A line of the item file that could not be used, and why.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ItemProblem {
+    /// 1-based line.
+    pub line: usize,
+    /// What is wrong.
+    pub message: String,
+}
+
+/// Reads an item file: one JSON object per line, blank lines and `#` comments skipped. A
+/// malformed line is reported with its number and the rest still run; an item without
+/// expected strings (or with an empty one) is refused by its id, and so is a repeated id.
+///
+/// # Errors
+/// [`BenchError::Io`] when the file cannot be read.
+pub fn read_items(path: &Path) -> Result<(Vec<RecallItem>, Vec<ItemProblem>), BenchError> {
+    let bytes = std::fs::read(path).map_err(|source| BenchError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let mut items: Vec<RecallItem> = Vec::new();
+    let mut problems = Vec::new();
+    for (i, raw) in bytes.split(|&b| b == b'\n').enumerate() {
+        let line = i + 1;
+        let Ok(text) = std::str::from_utf8(raw) else {
+            problems.push(ItemProblem {
+                line,
+                message: "not valid UTF-8".into(),
+            });
+            continue;
+        };
+        let text = text.trim();
+        if text.is_empty() || text.starts_with('#') {
+            continue;
+        }
+        match serde_json::from_str::<RecallItem>(text) {
+            Err(e) => problems.push(ItemProblem {
+                line,
+                message: format!("not a recall item: {e}"),
+            }),
+            Ok(item) if item.expected.is_empty() || item.expected.iter().any(String::is_empty) => {
+                problems.push(ItemProblem {
+                    line,
+                    message: format!(
+                        "item {:?} has no expected strings (or an empty one): it could never be scored",
+                        item.id
+                    ),
+                });
+            }
+            Ok(item) if items.iter().any(|x| x.id == item.id) => problems.push(ItemProblem {
+                line,
+                message: format!("item id {:?} repeats an earlier line's", item.id),
+            }),
+            Ok(item) => items.push(item),
+        }
+    }
+    Ok((items, problems))
+}
+
+/// How an arm continues the answer on the destination.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "method", rename_all = "kebab-case")]
+pub enum ArmMethod {
+    /// No switch: the source answers alone.
+    NativeSource,
+    /// No switch: the destination reads the prompt itself and answers alone.
+    NativeDestination,
+    /// Condition C: the destination re-reads prompt + generated text at the switch.
+    Reprefill,
+    /// A Molt switch: projection, head re-read, optional tail and selective token recompute.
+    Transplant {
+        /// Head positions re-read natively.
+        head: usize,
+        /// Tail positions re-read natively.
+        tail: usize,
+        /// Selective token recompute.
+        recompute: Option<TokenRecompute>,
+    },
+}
+
+/// One arm of the benchmark.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Arm {
+    /// Its name in the results.
+    pub name: String,
+    /// What it does.
+    #[serde(flatten)]
+    pub method: ArmMethod,
+}
+
+impl Arm {
+    fn transplant(name: &str, head: usize, tail: usize, recompute: Option<TokenRecompute>) -> Self {
+        Self {
+            name: name.into(),
+            method: ArmMethod::Transplant {
+                head,
+                tail,
+                recompute,
+            },
+        }
+    }
+
+    /// Whether this arm is what a session does on `kind` when nothing is set.
+    #[must_use]
+    pub fn is_default(&self, kind: RouteKind) -> bool {
+        let d = SessionOptions::default();
+        let recompute = d.token_recompute.filter(|_| kind == RouteKind::Size);
+        match self.method {
+            ArmMethod::Transplant {
+                head,
+                tail,
+                recompute: r,
+            } => head == d.head_reread && tail == d.tail_recompute && r == recompute,
+            _ => false,
+        }
+    }
+}
+
+/// The arm catalogue: natives, re-prefill, the projection alone, the head re-read, tail
+/// recompute, and selective token recompute at three fractions by attention and two by chance
+/// (the control). `names` picks by name (empty: all).
+#[must_use]
+pub fn default_arms(names: &[String]) -> Vec<Arm> {
+    let h = DEFAULT_HEAD_REREAD;
+    let follow = |r: f64| TokenRecompute {
+        follow: 8,
+        ..TokenRecompute::attention(r)
+    };
+    let wide = |r: f64| TokenRecompute {
+        neighbours: 8,
+        ..TokenRecompute::attention(r)
+    };
+    let random = |r: f64| TokenRecompute {
+        rule: SelectRule::Random,
+        ..TokenRecompute::attention(r)
+    };
+    let all = vec![
+        Arm {
+            name: "native-source".into(),
+            method: ArmMethod::NativeSource,
+        },
+        Arm {
+            name: "native-destination".into(),
+            method: ArmMethod::NativeDestination,
+        },
+        Arm {
+            name: "reprefill".into(),
+            method: ArmMethod::Reprefill,
+        },
+        Arm::transplant("projection", 0, 0, None),
+        Arm::transplant("head4", h, 0, None),
+        Arm::transplant("head4+tail32", h, 32, None),
+        Arm::transplant("attn-r05", h, 0, Some(TokenRecompute::attention(0.05))),
+        Arm::transplant("attn-r10", h, 0, Some(TokenRecompute::attention(0.10))),
+        Arm::transplant("attn-r20", h, 0, Some(TokenRecompute::attention(0.20))),
+        Arm::transplant("attn-r15", h, 0, Some(TokenRecompute::attention(0.15))),
+        Arm::transplant("attn-r05-f8", h, 0, Some(follow(0.05))),
+        Arm::transplant("attn-r10-f8", h, 0, Some(follow(0.10))),
+        Arm::transplant("attn-r05-w8", h, 0, Some(wide(0.05))),
+        Arm::transplant("attn-r10-w8", h, 0, Some(wide(0.10))),
+        Arm::transplant("random-r10", h, 0, Some(random(0.10))),
+        Arm::transplant("random-r20", h, 0, Some(random(0.20))),
+    ];
+    if names.is_empty() {
+        return all;
+    }
+    all.into_iter()
+        .filter(|a| names.iter().any(|n| n == &a.name))
+        .collect()
+}
+
+/// Settings of one run.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RecallOptions {
+    /// Routes `(source, destination)` by rung index.
+    pub routes: Vec<(usize, usize)>,
+    /// Arms for size routes.
+    pub size_arms: Vec<Arm>,
+    /// Arms for precision routes.
+    pub precision_arms: Vec<Arm>,
+    /// Tokens per answer for items switched before token 1.
+    pub max_tokens_first: usize,
+    /// Tokens per answer for mid-answer items.
+    pub max_tokens_mid: usize,
+    /// The generated-token index a mid item switches before.
+    pub mid_switch_at: usize,
+    /// Run the precision routes on every `n`-th item only (1: all): their destination reads
+    /// cost twice a size route's.
+    pub precision_every: usize,
+}
+
+/// One item's answer in one arm.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RecallAnswer {
+    /// Item id.
+    pub id: String,
+    /// Arm name.
+    pub arm: String,
+    /// Route `src→dst`.
+    pub route: String,
+    /// Prompt tokens.
+    pub context_tokens: usize,
+    /// Generated-token index of the switch (0 for the natives).
+    pub switch_at: usize,
+    /// The answer's text.
+    pub answer: String,
+    /// Every expected string present.
+    pub ok: bool,
+    /// Switch cost, ms (0 for the natives).
+    pub cost_ms: f64,
+    /// Positions re-read by selective token recompute.
+    pub recomputed: usize,
+    /// Their text, span by span (what the selection chose), before the always-read question.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reread: Vec<String>,
+}
+
+/// A `{median, min, max}` summary.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq)]
+pub struct Spread {
+    /// Median.
+    pub median: f64,
+    /// Minimum.
+    pub min: f64,
+    /// Maximum.
+    pub max: f64,
+}
+
+impl Spread {
+    fn of(xs: &[f64]) -> Self {
+        if xs.is_empty() {
+            return Self::default();
+        }
+        let mut v = xs.to_vec();
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        let median = if n % 2 == 1 {
+            v[n / 2]
+        } else {
+            f64::midpoint(v[n / 2 - 1], v[n / 2])
+        };
+        Self {
+            median,
+            min: v[0],
+            max: v[n - 1],
+        }
+    }
+}
+
+/// One row: an arm on a route at one context length and switch point.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RecallRow {
+    /// Arm name.
+    pub arm: String,
+    /// Whether it is what a session does when nothing is set.
+    pub default: bool,
+    /// Route `src→dst`.
+    pub route: String,
+    /// `precision` or `size`.
+    pub route_kind: String,
+    /// The items' intended context length (bucket).
+    pub context_tokens: usize,
+    /// Measured prompt tokens, median over the row's items.
+    pub measured_tokens: usize,
+    /// `first` or `mid`.
+    pub switch_at: SwitchPoint,
+    /// Items in the row.
+    pub items: usize,
+    /// Share answered correctly.
+    pub recall: f64,
+    /// The native destination's recall on the same items.
+    pub destination_recall: f64,
+    /// Switch cost, ms.
+    pub cost_ms: Spread,
+    /// The re-prefill's cost at the same points, ms.
+    pub reprefill_ms: Spread,
+    /// Positions re-read by selective recompute, median.
+    pub recomputed: f64,
+}
+
+/// `results/recall.json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RecallDoc {
+    /// The item file.
+    pub items_file: String,
+    /// Items run.
+    pub n_items: usize,
+    /// Lines of the item file that were not run, and why.
+    pub problems: Vec<ItemProblem>,
+    /// The run's settings.
+    pub options: RecallOptions,
+    /// One row per arm × route × length × switch point.
+    pub rows: Vec<RecallRow>,
+    /// Every answer.
+    pub answers: Vec<RecallAnswer>,
+    /// Wall time of the run, s.
+    pub seconds: f64,
+    /// Machine and versions ([`super::RunInfo`]).
+    #[serde(default)]
+    pub run: serde_json::Value,
+}
+
+/// A subset: the first `per` items of every length × switch point (1 for a smoke check).
+#[must_use]
+pub fn sample(items: &[RecallItem], per: usize) -> Vec<RecallItem> {
+    let mut seen: BTreeMap<(usize, bool), usize> = BTreeMap::new();
+    items
+        .iter()
+        .filter(|i| {
+            let n = seen
+                .entry((i.length, i.switch == SwitchPoint::Mid))
+                .or_default();
+            *n += 1;
+            *n <= per
+        })
+        .cloned()
+        .collect()
+}
+
+fn engine(rung: &str) -> impl Fn(crate::engine::EngineError) -> BenchError + '_ {
+    move |source| BenchError::Engine {
+        rung: rung.to_string(),
+        source,
+    }
+}
+
+/// Greedy continuation on `ctx` (whose logits are ready) until `max` tokens are in `out` or
+/// the model ends its turn.
+fn continue_greedy(
+    ctx: &mut Context,
+    out: &mut Vec<Token>,
+    max: usize,
+    name: &str,
+) -> Result<(), BenchError> {
+    while out.len() < max {
+        let t = argmax(ctx.logits());
+        if ctx.model().is_eog(t) {
+            break;
+        }
+        out.push(t);
+        if out.len() < max {
+            ctx.decode(&[t]).map_err(engine(name))?;
+        }
+    }
+    Ok(())
+}
+
+/// What the source hands every arm of one item.
+struct SourceRead {
+    tokens: Vec<Token>,
+    /// The answer's tokens up to and including the one sampled before the switch.
+    before: Vec<Token>,
+    /// The source's exported state at the switch (history = prompt + `before` minus its last).
+    blob: Vec<u8>,
+    mass: Vec<f32>,
+    native: Vec<Token>,
+    /// The source ended its answer before the switch point.
+    ended_early: bool,
+}
+
+fn read_on_source(
+    src: &mut Context,
+    item: &RecallItem,
+    switch_at: usize,
+    max: usize,
+    window: usize,
+) -> Result<SourceRead, BenchError> {
+    let name = src.model().name().to_string();
+    let text = src
+        .model()
+        .apply_chat_template(&[ChatMessage::new("user", &item.message())], true)
+        .map_err(engine(&name))?;
+    let tokens = src.model().tokenize(&text, true).map_err(engine(&name))?;
+    src.clear();
+    let mass = src
+        .decode_observed(&tokens, window)
+        .map_err(engine(&name))?
+        .unwrap_or_default();
+    let mut out = Vec::new();
+    let mut ended_early = false;
+    while out.len() < switch_at {
+        let t = argmax(src.logits());
+        if src.model().is_eog(t) {
+            ended_early = true;
+            break;
+        }
+        out.push(t);
+        if out.len() < switch_at {
+            src.decode(&[t]).map_err(engine(&name))?;
+        }
+    }
+    let blob = src.export_state().map_err(engine(&name))?;
+    let before = out.clone();
+    if let Some(&last) = out.last()
+        && !ended_early
+    {
+        src.decode(&[last]).map_err(engine(&name))?;
+        continue_greedy(src, &mut out, max, &name)?;
+    }
+    Ok(SourceRead {
+        tokens,
+        before,
+        blob,
+        mass,
+        native: out,
+        ended_early,
+    })
+}
+
+/// Runs the benchmark: every item through every arm of every route, rows summarised per arm ×
+/// route × length × switch point. `progress` gets a line per item.
+///
+/// # Errors
+/// A rung that cannot load, a route without a projector, or a decode failure.
+#[allow(clippy::too_many_lines)]
+pub fn run(
+    ladder: &Ladder,
+    config: ContextConfig,
+    projector_dirs: Vec<std::path::PathBuf>,
+    items: &[RecallItem],
+    opts: &RecallOptions,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(Vec<RecallRow>, Vec<RecallAnswer>), BenchError> {
+    let mut routes = Routes::new(ladder, projector_dirs, Variant::Auto);
+    let window = TokenRecompute::attention(0.1).window;
+    let mut answers: Vec<RecallAnswer> = Vec::new();
+    let mut kinds: BTreeMap<String, RouteKind> = BTreeMap::new();
+    let mut sources: Vec<usize> = opts.routes.iter().map(|r| r.0).collect();
+    sources.dedup();
+    let src_config = ContextConfig {
+        attention_tap: true,
+        ..config
+    };
+    let mut dsts: BTreeMap<usize, LiveRung> = BTreeMap::new();
+    for &s in &sources {
+        let mut src = LiveRung::load(&ladder.rungs[s], src_config)?;
+        let src_name = ladder.rungs[s].name().to_string();
+        for &(_, d) in opts.routes.iter().filter(|r| r.0 == s) {
+            if let std::collections::btree_map::Entry::Vacant(e) = dsts.entry(d) {
+                e.insert(LiveRung::load(&ladder.rungs[d], config)?);
+            }
+        }
+        for (n_item, item) in items.iter().enumerate() {
+            let (switch_at, max) = match item.switch {
+                SwitchPoint::First => (1, opts.max_tokens_first),
+                SwitchPoint::Mid => (opts.mid_switch_at, opts.max_tokens_mid),
+            };
+            let t_item = Instant::now();
+            let read = read_on_source(&mut src.ctx, item, switch_at, max, window)?;
+            let n_ctx_tokens = read.tokens.len();
+            let answer = |arm: &str,
+                          route: &str,
+                          toks: &[Token],
+                          sw: usize,
+                          cost: f64,
+                          rc,
+                          reread: Vec<String>| {
+                let text = src.ctx.model().detokenize(toks);
+                RecallAnswer {
+                    id: item.id.clone(),
+                    arm: arm.into(),
+                    route: route.into(),
+                    context_tokens: n_ctx_tokens,
+                    switch_at: sw,
+                    ok: item.scores(&text),
+                    answer: text,
+                    cost_ms: cost,
+                    recomputed: rc,
+                    reread,
+                }
+            };
+            for &(_, d) in opts.routes.iter().filter(|r| r.0 == s) {
+                let kind = route_kind(routes.binding(s), routes.binding(d));
+                if kind == RouteKind::Precision && n_item % opts.precision_every.max(1) != 0 {
+                    continue;
+                }
+                let route = format!("{}→{}", src_name, ladder.rungs[d].name());
+                kinds.insert(route.clone(), kind);
+                let arms = match kind {
+                    RouteKind::Size => &opts.size_arms,
+                    RouteKind::Precision => &opts.precision_arms,
+                };
+                let dst = dsts.get_mut(&d).expect("loaded above");
+                let dst_name = dst.name().to_string();
+                let projector = routes
+                    .get(s, d)
+                    .map_err(crate::session::SessionError::from)?;
+                let anchor = routes.anchor(d).ok().flatten();
+                let n_past = read.tokens.len() + read.before.len().saturating_sub(1);
+                let mut history = read.tokens.clone();
+                history.extend_from_slice(&read.before[..read.before.len().saturating_sub(1)]);
+                for arm in arms {
+                    let mut reread = Vec::new();
+                    let (toks, sw, cost, rc) = match arm.method {
+                        ArmMethod::NativeSource => (read.native.clone(), 0, 0.0, 0),
+                        ArmMethod::NativeDestination => {
+                            dst.ctx.clear();
+                            dst.ctx.decode(&read.tokens).map_err(engine(&dst_name))?;
+                            let mut out = Vec::new();
+                            continue_greedy(&mut dst.ctx, &mut out, max, &dst_name)?;
+                            (out, 0, 0.0, 0)
+                        }
+                        _ if read.ended_early => (read.native.clone(), 0, 0.0, 0),
+                        ArmMethod::Reprefill => {
+                            let last = *read.before.last().expect("switch after a token");
+                            let t =
+                                migrate::reprefill_from(&src_name, &mut dst.ctx, &history, last)?;
+                            let mut out = read.before.clone();
+                            continue_greedy(&mut dst.ctx, &mut out, max, &dst_name)?;
+                            (out, switch_at, t.cost_ms, 0)
+                        }
+                        ArmMethod::Transplant {
+                            head,
+                            tail,
+                            recompute,
+                        } => {
+                            let last = *read.before.last().expect("switch after a token");
+                            let h = head.min(n_past);
+                            let tl = tail.min(n_past - h);
+                            let ranges = recompute.map_or_else(Vec::new, |r| {
+                                let scores: &[f32] = match r.rule {
+                                    SelectRule::Attention => &read.mass,
+                                    SelectRule::Random => &[],
+                                };
+                                let always = read.tokens.len().saturating_sub(r.window);
+                                select_spans(scores, h, n_past - tl, always, &r, n_past as u64)
+                            });
+                            let window_at = read
+                                .tokens
+                                .len()
+                                .saturating_sub(recompute.map_or(0, |r| r.window));
+                            reread = ranges
+                                .iter()
+                                .filter(|r| r.end <= window_at)
+                                .map(|r| src.ctx.model().detokenize(&history[r.clone()]))
+                                .collect();
+                            let spans: Vec<Span> = ranges
+                                .iter()
+                                .map(|r| Span {
+                                    start: r.start,
+                                    tokens: &history[r.clone()],
+                                })
+                                .collect();
+                            let t = migrate::transplant_exported(
+                                &Exported {
+                                    blob: &read.blob,
+                                    n_past,
+                                    from: &src_name,
+                                    export_ms: 0.0,
+                                },
+                                &mut dst.ctx,
+                                &projector,
+                                None,
+                                Reread {
+                                    head: &history[..h],
+                                    tail: &history[n_past - tl..],
+                                    anchor: anchor.as_deref(),
+                                    spans: &spans,
+                                },
+                                last,
+                            )?;
+                            let mut out = read.before.clone();
+                            continue_greedy(&mut dst.ctx, &mut out, max, &dst_name)?;
+                            (out, switch_at, t.cost_ms, t.recomputed)
+                        }
+                    };
+                    answers.push(answer(&arm.name, &route, &toks, sw, cost, rc, reread));
+                }
+            }
+            if !sources.is_empty() {
+                let src_route = format!("{src_name} native");
+                answers.push(answer(
+                    "native-source",
+                    &src_route,
+                    &read.native,
+                    0,
+                    0.0,
+                    0,
+                    Vec::new(),
+                ));
+            }
+            progress(&format!(
+                "[{}/{}] {} ({} tokens, {:?}) on {src_name}: {:.1} s",
+                n_item + 1,
+                items.len(),
+                item.id,
+                n_ctx_tokens,
+                item.switch,
+                t_item.elapsed().as_secs_f64()
+            ));
+        }
+    }
+    let rows = summarise(items, &answers, &kinds, opts);
+    Ok((rows, answers))
+}
+
+/// Rows from the answers: per arm × route × length × switch point, recall beside the native
+/// destination's on the same items and the re-prefill's cost at the same points.
+fn summarise(
+    items: &[RecallItem],
+    answers: &[RecallAnswer],
+    kinds: &BTreeMap<String, RouteKind>,
+    opts: &RecallOptions,
+) -> Vec<RecallRow> {
+    let by_id: BTreeMap<&str, &RecallItem> = items.iter().map(|i| (i.id.as_str(), i)).collect();
+    let mut rows = Vec::new();
+    for (route, &kind) in kinds {
+        let arms = match kind {
+            RouteKind::Size => &opts.size_arms,
+            RouteKind::Precision => &opts.precision_arms,
+        };
+        let mut lengths: Vec<usize> = items.iter().map(|i| i.length).collect();
+        lengths.sort_unstable();
+        lengths.dedup();
+        for &len in &lengths {
+            for sp in [SwitchPoint::First, SwitchPoint::Mid] {
+                let in_row = |a: &&RecallAnswer| {
+                    a.route == *route
+                        && by_id
+                            .get(a.id.as_str())
+                            .is_some_and(|i| i.length == len && i.switch == sp)
+                };
+                let of = |arm: &str| -> Vec<&RecallAnswer> {
+                    answers
+                        .iter()
+                        .filter(in_row)
+                        .filter(|a| a.arm == arm)
+                        .collect()
+                };
+                let share = |v: &[&RecallAnswer]| {
+                    #[allow(clippy::cast_precision_loss)]
+                    let r = v.iter().filter(|a| a.ok).count() as f64 / v.len().max(1) as f64;
+                    r
+                };
+                let dest = of("native-destination");
+                let re: Vec<f64> = of("reprefill").iter().map(|a| a.cost_ms).collect();
+                for arm in arms {
+                    let v = of(&arm.name);
+                    if v.is_empty() {
+                        continue;
+                    }
+                    let costs: Vec<f64> = v.iter().map(|a| a.cost_ms).collect();
+                    #[allow(clippy::cast_precision_loss)]
+                    let rc: Vec<f64> = v.iter().map(|a| a.recomputed as f64).collect();
+                    let mut toks: Vec<usize> = v.iter().map(|a| a.context_tokens).collect();
+                    toks.sort_unstable();
+                    rows.push(RecallRow {
+                        arm: arm.name.clone(),
+                        default: arm.is_default(kind),
+                        route: route.clone(),
+                        route_kind: match kind {
+                            RouteKind::Size => "size".into(),
+                            RouteKind::Precision => "precision".into(),
+                        },
+                        context_tokens: len,
+                        measured_tokens: toks[toks.len() / 2],
+                        switch_at: sp,
+                        items: v.len(),
+                        recall: share(&v),
+                        destination_recall: share(&dest),
+                        cost_ms: Spread::of(&costs),
+                        reprefill_ms: Spread::of(&re),
+                        recomputed: Spread::of(&rc).median,
+                    });
+                }
+            }
+        }
+    }
+    rows
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bad_line_is_reported_by_number_and_the_rest_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("items.jsonl");
+        let good = r#"{"id":"a","kind":"number","length":256,"position":"start","switch":"first","context":"The port is 4471.","question":"Which port?","expected":["4471"]}"#;
+        let none = r#"{"id":"b","kind":"number","length":256,"position":"start","switch":"first","context":"x","question":"y","expected":[]}"#;
+        let mut bytes = format!("{good}\nnot json\n\n# a comment\n{none}\n{good}\n").into_bytes();
+        bytes.extend_from_slice(b"\xff\xfe\n");
+        std::fs::write(&p, bytes).unwrap();
+        let (items, problems) = read_items(&p).unwrap();
+        assert_eq!(items.len(), 1);
+        let lines: Vec<usize> = problems.iter().map(|x| x.line).collect();
+        assert_eq!(lines, vec![2, 5, 6, 7], "{problems:?}");
+        assert!(problems[1].message.contains("\"b\""), "{problems:?}");
+        assert!(problems[2].message.contains("repeats"));
+        assert!(problems[3].message.contains("UTF-8"));
+    }
+
+    #[test]
+    fn scoring_wants_every_expected_string_case_insensitively() {
+        let item = RecallItem {
+            id: "x".into(),
+            kind: "two-part".into(),
+            length: 256,
+            position: "middle".into(),
+            switch: SwitchPoint::First,
+            context: String::new(),
+            question: String::new(),
+            expected: vec!["Ash-Vault-17".into(), "6621".into()],
+        };
+        assert!(item.scores("The host ash-vault-17 listens on 6621."));
+        assert!(!item.scores("The host ash-vault-17 listens on 6622."));
+        assert!(!item.scores(""));
+        assert!(
+            item.scores("ASH-VAULT-17, port 6,621"),
+            "digit grouping is read through"
+        );
+    }
+
+    #[test]
+    fn the_default_arm_is_what_a_session_does() {
+        let arms = default_arms(&[]);
+        let d = SessionOptions::default();
+        let size: Vec<_> = arms
+            .iter()
+            .filter(|a| a.is_default(RouteKind::Size))
+            .collect();
+        let prec: Vec<_> = arms
+            .iter()
+            .filter(|a| a.is_default(RouteKind::Precision))
+            .collect();
+        assert_eq!(size.len(), 1, "one default on size routes");
+        assert_eq!(prec.len(), 1, "one default on precision routes");
+        assert!(matches!(
+            size[0].method,
+            ArmMethod::Transplant { head, recompute, .. }
+                if head == d.head_reread && recompute == d.token_recompute
+        ));
+        assert_eq!(default_arms(&["reprefill".into()]).len(), 1);
+    }
+
+    #[test]
+    fn spreads_are_medians_with_their_range() {
+        let s = Spread::of(&[3.0, 1.0, 2.0, 10.0]);
+        assert_eq!((s.median, s.min, s.max), (2.5, 1.0, 10.0));
+        assert_eq!(Spread::of(&[]), Spread::default());
+    }
+}

@@ -1,0 +1,326 @@
+//! Which cached positions a size switch re-reads natively (selective token recompute).
+//!
+//! A projected cache keeps the text fluent but loses what the context said: the destination
+//! attends to projected keys and reads projected values, and a value map with a held-out error
+//! of 0.75 cannot carry a port number or an identifier. Re-reading a few positions natively on
+//! the destination, at their own positions and over the projected cells (CacheBlend's
+//! selective recompute), gives those positions the destination's own K/V. Which positions: the
+//! ones the source read to answer — its attention from the prompt's last tokens (the question)
+//! over the history, as SnapKV and H2O pick by pooled attention mass ([`SelectRule::Attention`]),
+//! with neighbours taken so a multi-token fact comes whole. [`SelectRule::Random`] picks as
+//! many positions by chance: the control that says whether the attention picks well.
+//!
+//! Main items: [`TokenRecompute`] (the setting), [`select_spans`] (the pure choice).
+
+use std::ops::Range;
+
+/// How a switch chooses the positions it re-reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SelectRule {
+    /// By the attention mass the source's last prompt tokens gave each position.
+    Attention,
+    /// At random (seeded): the control.
+    Random,
+}
+
+impl SelectRule {
+    /// The rule's name in flags and benchmark arms.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Attention => "attention",
+            Self::Random => "random",
+        }
+    }
+}
+
+impl std::str::FromStr for SelectRule {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "attention" => Ok(Self::Attention),
+            "random" => Ok(Self::Random),
+            other => Err(format!(
+                "unknown selection rule {other:?} (expected attention or random)"
+            )),
+        }
+    }
+}
+
+/// Selective token recompute at a size switch: re-read `fraction` of the cached positions
+/// natively on the destination, chosen by `rule`.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TokenRecompute {
+    /// Share of the cached positions re-read (before neighbours are added), in `(0, 1]`.
+    pub fraction: f64,
+    /// How they are chosen.
+    pub rule: SelectRule,
+    /// Prompt tokens whose attention is summed ([`SelectRule::Attention`]): the question.
+    pub window: usize,
+    /// Neighbours taken on each side of a chosen position.
+    pub neighbours: usize,
+    /// Further positions taken after a chosen one: the question attends most to the words
+    /// that name a fact ("the auditor … is"), and the value follows them.
+    #[serde(default)]
+    pub follow: usize,
+}
+
+impl TokenRecompute {
+    /// What a session does at a size switch when nothing is set: a tenth of the cache by
+    /// attention, each chosen position with one neighbour before and eight after it (the
+    /// value follows the words the question attends to), the question always (see
+    /// `results/recall.json`).
+    #[must_use]
+    pub fn default_size() -> Self {
+        Self {
+            follow: 8,
+            ..Self::attention(0.10)
+        }
+    }
+
+    /// Attention-guided recompute of `fraction` of the cache, SnapKV's 32-token window, one
+    /// neighbour each side.
+    #[must_use]
+    pub fn attention(fraction: f64) -> Self {
+        Self {
+            fraction,
+            rule: SelectRule::Attention,
+            window: 32,
+            neighbours: 1,
+            follow: 0,
+        }
+    }
+}
+
+/// Spans closer than this are merged (re-reading a gap of two costs less than another span's
+/// batch slot, and a fact split by it comes whole).
+const MERGE_GAP: usize = 2;
+/// Spans beyond this count are merged across their smallest gaps: each span is one scratch
+/// sequence of a recompute batch.
+const MAX_SPANS: usize = 48;
+
+/// The positions to re-read, as ordered, disjoint ranges inside `lo .. hi` (the cache between
+/// the natively re-read head and tail). Positions from `always` on are always re-read: the
+/// observation window (the question) and whatever came after it — the window's own mass is
+/// mostly its attention to itself, and the question is what the answer reads next. The rest
+/// of `ceil(fraction × (hi − lo))` positions is chosen among the earlier ones: by
+/// `scores[p]`, position `p`'s attention mass ([`SelectRule::Attention`]; missing entries
+/// count as 0), after a max-pool over each position and its neighbours (SnapKV's clustering),
+/// or by chance from `seed` ([`SelectRule::Random`]); each chosen position is widened by
+/// `neighbours` each side, then spans closer than two positions are merged.
+#[must_use]
+pub fn select_spans(
+    scores: &[f32],
+    lo: usize,
+    hi: usize,
+    always: usize,
+    setting: &TokenRecompute,
+    seed: u64,
+) -> Vec<Range<usize>> {
+    if hi <= lo || setting.fraction <= 0.0 {
+        return Vec::new();
+    }
+    let total = hi - lo;
+    let always = always.clamp(lo, hi);
+    #[allow(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_precision_loss
+    )]
+    let budget = ((setting.fraction.min(1.0) * total as f64).ceil() as usize).clamp(1, total);
+    let hi_sel = always;
+    let n = hi_sel - lo;
+    let want = budget.saturating_sub(hi - always).min(n);
+    let score = |p: usize| scores.get(p).copied().unwrap_or(0.0);
+    let k = setting.neighbours;
+    let end_all = hi;
+    let hi = hi_sel;
+    let mut order: Vec<usize> = (lo..hi).collect();
+    match setting.rule {
+        SelectRule::Attention => {
+            let pooled: Vec<f32> = (lo..hi)
+                .map(|p| {
+                    (p.saturating_sub(k).max(lo)..(p + k + 1).min(hi))
+                        .map(score)
+                        .fold(f32::MIN, f32::max)
+                })
+                .collect();
+            // Highest pooled mass first; ties keep position order (stable sort).
+            order.sort_by(|&a, &b| pooled[b - lo].total_cmp(&pooled[a - lo]));
+        }
+        SelectRule::Random => {
+            use rand::SeedableRng;
+            use rand::seq::SliceRandom;
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+            order.shuffle(&mut rng);
+        }
+    }
+    let mut chosen = vec![false; n];
+    for &p in order.iter().take(want) {
+        for q in p.saturating_sub(k).max(lo)..(p + k + 1 + setting.follow).min(hi) {
+            chosen[q - lo] = true;
+        }
+    }
+    let mut spans: Vec<Range<usize>> = Vec::new();
+    for (i, &c) in chosen.iter().enumerate() {
+        if !c || want == 0 {
+            continue;
+        }
+        let p = lo + i;
+        match spans.last_mut() {
+            Some(last) if p <= last.end + MERGE_GAP => last.end = p + 1,
+            _ => spans.push(p..p + 1),
+        }
+    }
+    if always < end_all {
+        match spans.last_mut() {
+            Some(last) if always <= last.end + MERGE_GAP => last.end = end_all,
+            _ => spans.push(always..end_all),
+        }
+    }
+    while spans.len() > MAX_SPANS {
+        let (i, _) = spans
+            .windows(2)
+            .enumerate()
+            .map(|(i, w)| (i, w[1].start - w[0].end))
+            .min_by_key(|&(_, gap)| gap)
+            .expect("more than one span");
+        let next = spans.remove(i + 1);
+        spans[i].end = next.end;
+    }
+    spans
+}
+
+/// Positions covered by `spans`.
+#[must_use]
+pub fn covered(spans: &[Range<usize>]) -> usize {
+    spans.iter().map(ExactSizeIterator::len).sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn setting(fraction: f64, rule: SelectRule) -> TokenRecompute {
+        TokenRecompute {
+            fraction,
+            rule,
+            window: 32,
+            neighbours: 1,
+            follow: 0,
+        }
+    }
+
+    #[test]
+    fn follow_takes_the_positions_after_a_chosen_one() {
+        let mut scores = vec![0.0f32; 100];
+        scores[30] = 1.0;
+        let s = select_spans(
+            &scores,
+            0,
+            100,
+            100,
+            &TokenRecompute {
+                follow: 5,
+                ..setting(0.01, SelectRule::Attention)
+            },
+            0,
+        );
+        assert_eq!(
+            s,
+            vec![28..37],
+            "pooled picks 29, 30 or 31; 30 wins ties by order"
+        );
+    }
+
+    #[test]
+    fn attention_picks_the_heaviest_positions_with_their_neighbours() {
+        let mut scores = vec![0.1f32; 100];
+        scores[40] = 5.0;
+        scores[70] = 3.0;
+        let s = select_spans(&scores, 4, 96, 96, &setting(0.02, SelectRule::Attention), 0);
+        // 2 positions wanted; the pool makes 39..=41 tie with 40, so the heaviest cluster
+        // (around 40) is chosen and widened by one neighbour.
+        assert!(s.iter().any(|r| r.contains(&40)), "{s:?}");
+        assert!(s.iter().all(|r| r.start >= 4 && r.end <= 96));
+        let s = select_spans(&scores, 4, 96, 96, &setting(0.1, SelectRule::Attention), 0);
+        assert!(s.iter().any(|r| r.contains(&40)) && s.iter().any(|r| r.contains(&70)));
+    }
+
+    #[test]
+    fn spans_are_ordered_disjoint_and_bounded() {
+        let scores: Vec<f32> = (0..500).map(|i| ((i * 37) % 101) as f32).collect();
+        for rule in [SelectRule::Attention, SelectRule::Random] {
+            for frac in [0.01, 0.15, 0.5, 1.0] {
+                let s = select_spans(&scores, 4, 480, 480, &setting(frac, rule), 7);
+                assert!(s.len() <= MAX_SPANS);
+                assert!(s.windows(2).all(|w| w[0].end + MERGE_GAP < w[1].start));
+                assert!(
+                    s.iter()
+                        .all(|r| r.start >= 4 && r.end <= 480 && !r.is_empty())
+                );
+                #[allow(clippy::cast_precision_loss)]
+                let at_least = (frac * 476.0).ceil() as usize;
+                assert!(covered(&s) >= at_least.min(476), "{rule:?} {frac}");
+            }
+        }
+        assert_eq!(
+            select_spans(&scores, 4, 480, 480, &setting(1.0, SelectRule::Random), 1),
+            vec![4..480]
+        );
+    }
+
+    #[test]
+    fn the_window_and_what_follows_are_always_reread_within_the_budget() {
+        let mut scores = vec![0.0f32; 200];
+        scores[50] = 9.0;
+        scores[190] = 100.0; // inside the window: ignored as a score
+        let s = select_spans(
+            &scores,
+            4,
+            200,
+            160,
+            &setting(0.25, SelectRule::Attention),
+            0,
+        );
+        assert_eq!(s.last(), Some(&(160..200)), "{s:?}");
+        assert!(s.iter().any(|r| r.contains(&50)), "{s:?}");
+        // 49 positions of budget: 40 for the window, the rest (9, widened) before it.
+        assert!(covered(&s) <= 40 + 9 * 3, "{s:?}");
+        // A budget smaller than the window: the window alone.
+        let s = select_spans(
+            &scores,
+            4,
+            200,
+            160,
+            &setting(0.05, SelectRule::Attention),
+            0,
+        );
+        assert_eq!(s, vec![160..200]);
+    }
+
+    #[test]
+    fn nothing_to_choose_is_nothing_chosen() {
+        assert!(select_spans(&[], 10, 10, 10, &setting(0.2, SelectRule::Attention), 0).is_empty());
+        assert!(
+            select_spans(&[1.0; 8], 0, 8, 8, &setting(0.0, SelectRule::Attention), 0).is_empty()
+        );
+    }
+
+    #[test]
+    fn random_depends_on_the_seed_only() {
+        let a = select_spans(&[], 0, 300, 300, &setting(0.1, SelectRule::Random), 3);
+        let b = select_spans(&[], 0, 300, 300, &setting(0.1, SelectRule::Random), 3);
+        let c = select_spans(&[], 0, 300, 300, &setting(0.1, SelectRule::Random), 4);
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+    }
+
+    #[test]
+    fn rules_parse_by_name() {
+        assert_eq!("attention".parse::<SelectRule>(), Ok(SelectRule::Attention));
+        assert_eq!("random".parse::<SelectRule>(), Ok(SelectRule::Random));
+        assert!("residual".parse::<SelectRule>().is_err());
+    }
+}

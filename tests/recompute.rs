@@ -1,0 +1,271 @@
+//! Selective token recompute on real llama.cpp execution (tiny ladder): re-reading cached
+//! positions natively in scratch sequences reproduces the native cache at those positions,
+//! a whole-history span over a projected cache equals a re-prefill, the attention mass of a
+//! prompt's last tokens covers the cache, and a size switch with the option on reports what
+//! it re-read.
+
+mod common;
+
+use molt::engine::{Context, ContextConfig, Model, ModelOptions, Span, Token};
+use molt::kv::KvSnapshot;
+use molt::session::migrate::{Exported, Reread, reprefill, transplant_exported};
+use molt::session::routes::{Routes, Variant};
+use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions};
+use molt::transplant::select::TokenRecompute;
+
+fn cfg() -> ContextConfig {
+    ContextConfig {
+        n_ctx: 1024,
+        n_batch: 256,
+        n_threads: 2,
+        ..ContextConfig::default()
+    }
+}
+
+const TEXT: &str = "The release captain this cycle keeps the staging host warm; the pager extension sits in the runbook. fn tally(xs: &[u32]) -> u32 { xs.iter().sum() } and the notes go on about budgets, hiring and a long design review of the cache.";
+
+fn max_abs(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Rows of every layer's K and V at `pos` in a one-sequence blob.
+fn rows_at(blob: &[u8], pos: i32) -> Vec<f32> {
+    let (_, stream) = KvSnapshot::parse_single_stream(blob).unwrap();
+    let i = stream
+        .positions()
+        .iter()
+        .position(|&p| p == pos)
+        .unwrap_or_else(|| panic!("position {pos} not cached"));
+    stream
+        .layers
+        .iter()
+        .flat_map(|l| l.k.row(i).to_vec().into_iter().chain(l.v.row(i).to_vec()))
+        .collect()
+}
+
+fn spans<'a>(toks: &'a [Token], ranges: &[std::ops::Range<usize>]) -> Vec<Span<'a>> {
+    ranges
+        .iter()
+        .map(|r| Span {
+            start: r.start,
+            tokens: &toks[r.clone()],
+        })
+        .collect()
+}
+
+#[test]
+fn recomputing_over_a_native_cache_reproduces_it() {
+    let l = common::tiny_ladder();
+    let info = &l.rungs[2];
+    let model = Model::load(&info.path, info.name(), ModelOptions::default()).unwrap();
+    let mut ctx = Context::new(model.clone(), cfg()).unwrap();
+    let toks = model.tokenize(TEXT, false).unwrap();
+    assert!(toks.len() > 40, "{} tokens", toks.len());
+    ctx.decode(&toks).unwrap();
+    let native = ctx.export_state().unwrap();
+    let logits = ctx.logits().to_vec();
+    // More spans than one batch holds (seven), one of them long, the first at position 0.
+    let ranges: Vec<_> = vec![
+        0..2,
+        5..9,
+        12..13,
+        15..17,
+        19..20,
+        22..30,
+        32..33,
+        35..38,
+        40..41,
+    ];
+    let n = ctx.recompute_spans(&spans(&toks, &ranges)).unwrap();
+    assert_eq!(n, ranges.iter().map(ExactSizeIterator::len).sum::<usize>());
+    assert_eq!(ctx.n_past(), toks.len(), "nothing added, nothing lost");
+    assert_eq!(ctx.seq_pos_max(), i32::try_from(toks.len() - 1).unwrap());
+    let again = ctx.export_state().unwrap();
+    for p in 0..i32::try_from(toks.len()).unwrap() {
+        let d = max_abs(&rows_at(&native, p), &rows_at(&again, p));
+        assert!(d < 2e-2, "position {p} moved by {d}");
+    }
+    // The cache still continues: the next token's logits are the native ones.
+    ctx.truncate(toks.len() - 1);
+    ctx.decode(&toks[toks.len() - 1..]).unwrap();
+    let d = max_abs(ctx.logits(), &logits);
+    assert!(d < 2e-2, "logits after the recompute moved by {d}");
+}
+
+#[test]
+fn bad_spans_are_refused_and_leave_the_cache_alone() {
+    let l = common::tiny_ladder();
+    let info = &l.rungs[2];
+    let model = Model::load(&info.path, info.name(), ModelOptions::default()).unwrap();
+    let mut ctx = Context::new(model.clone(), cfg()).unwrap();
+    let toks = model.tokenize(TEXT, false).unwrap();
+    ctx.decode(&toks).unwrap();
+    let before = ctx.export_state().unwrap();
+    for ranges in [
+        vec![5..9, 7..10],
+        vec![10..12, 3..4],
+        vec![toks.len() - 2..toks.len() + 1],
+    ] {
+        let sp: Vec<Span> = ranges
+            .iter()
+            .map(|r| Span {
+                start: r.start,
+                tokens: &toks[r.start..r.end.min(toks.len())],
+            })
+            .chain(
+                (ranges.last().unwrap().end > toks.len())
+                    .then_some(Span {
+                        start: toks.len() - 2,
+                        tokens: &toks[..3],
+                    })
+                    .into_iter(),
+            )
+            .collect();
+        let e = ctx.recompute_spans(&sp).unwrap_err().to_string();
+        assert!(e.contains("span"), "{e}");
+        assert_eq!(
+            ctx.export_state().unwrap(),
+            before,
+            "refused without a change"
+        );
+    }
+}
+
+#[test]
+fn a_whole_history_span_over_a_projected_cache_is_a_reprefill() {
+    // Over the projected cells, one span of every position recomputes each in order: the
+    // result is what a re-prefill builds. A few spans move the logits toward it.
+    let l = common::tiny_ladder();
+    let mut routes = Routes::new(l, vec![common::tiny_projectors().clone()], Variant::Auto);
+    let p = routes.get(0, 2).unwrap();
+    let ms = Model::load(&l.rungs[0].path, "big", ModelOptions::default()).unwrap();
+    let md = Model::load(&l.rungs[2].path, "small", ModelOptions::default()).unwrap();
+    let mut src = Context::new(ms.clone(), cfg()).unwrap();
+    let mut dst = Context::new(md, cfg()).unwrap();
+    let toks = ms.tokenize(TEXT, false).unwrap();
+    src.decode(&toks).unwrap();
+    let next = toks[3];
+    reprefill(&src, &mut dst, &toks, next).unwrap();
+    let floor = dst.logits().to_vec();
+    let blob = src.export_state().unwrap();
+    let exported = Exported {
+        blob: &blob,
+        n_past: toks.len(),
+        from: "big",
+        export_ms: 0.0,
+    };
+    let run = |dst: &mut Context, ranges: &[std::ops::Range<usize>]| {
+        let sp = spans(&toks, ranges);
+        let t = transplant_exported(
+            &exported,
+            dst,
+            &p,
+            None,
+            Reread {
+                spans: &sp,
+                ..Reread::NONE
+            },
+            next,
+        )
+        .unwrap();
+        (t, dst.logits().to_vec())
+    };
+    let (t0, plain) = run(&mut dst, &[]);
+    assert_eq!(t0.recomputed, 0);
+    let (t, whole) = run(&mut dst, &[0..toks.len()]);
+    assert_eq!((t.recomputed, t.spans), (toks.len(), 1));
+    assert!(t.spans_ms > 0.0 && t.cost_ms >= t.spans_ms);
+    let d_whole = max_abs(&whole, &floor);
+    let d_plain = max_abs(&plain, &floor);
+    assert!(
+        d_whole < 2e-2 && d_plain > 10.0 * d_whole.max(1e-3),
+        "whole span {d_whole}, projection alone {d_plain}"
+    );
+    assert_eq!(dst.n_past(), toks.len() + 1);
+}
+
+#[test]
+fn the_prompts_last_tokens_give_every_cached_position_a_mass() {
+    let l = common::tiny_ladder();
+    let info = &l.rungs[0];
+    let model = Model::load(&info.path, info.name(), ModelOptions::default()).unwrap();
+    let c = ContextConfig {
+        attention_tap: true,
+        ..cfg()
+    };
+    let mut ctx = Context::new(model.clone(), c).unwrap();
+    let toks = model.tokenize(TEXT, false).unwrap();
+    let mass = ctx.decode_observed(&toks, 8).unwrap().expect("tapped");
+    assert_eq!(mass.len(), toks.len());
+    // Each of the 8 query rows gives mass 1 per head and layer, spread over the positions it
+    // sees (its own and earlier).
+    let per_row = f64::from(info.facts.n_layer) * f64::from(info.facts.n_head);
+    let total: f64 = mass.iter().map(|&m| f64::from(m)).sum();
+    assert!(
+        (total / (8.0 * per_row) - 1.0).abs() < 1e-3,
+        "total mass {total}, expected {}",
+        8.0 * per_row
+    );
+    assert!(mass.iter().all(|&m| m >= 0.0));
+    // The decode is the plain decode: same logits as without the tap.
+    let mut plain = Context::new(model, cfg()).unwrap();
+    plain.decode(&toks).unwrap();
+    assert!(max_abs(plain.logits(), ctx.logits()) < 1e-3);
+    // Without a tap there is no mass, and the tokens are still decoded.
+    let none = plain.decode_observed(&toks[..4], 8);
+    assert!(none.is_err() || none.unwrap().is_none());
+}
+
+#[test]
+fn a_size_switch_with_token_recompute_reports_what_it_reread() {
+    let l = common::tiny_ladder().clone();
+    let run = |recompute: Option<TokenRecompute>, to: usize| {
+        let opts = SessionOptions {
+            projector_dirs: vec![common::tiny_projectors().clone()],
+            token_recompute: recompute,
+            observe_footprint: false,
+            ..SessionOptions::default()
+        };
+        let mut s = Session::with_options(l.clone(), cfg(), "big", opts).unwrap();
+        let mut switches = Vec::new();
+        let g = s
+            .generate(
+                &Prompt::Text(TEXT.into()),
+                &GenerateOptions {
+                    max_tokens: 12,
+                    force_switch: Some((4, to)),
+                    ..GenerateOptions::default()
+                },
+                &mut |e| {
+                    if let Event::Switch(x) = e {
+                        switches.push(x.clone());
+                    }
+                },
+            )
+            .unwrap();
+        assert_eq!(g.tokens.len(), 12);
+        assert_eq!(switches.len(), 1);
+        switches.remove(0)
+    };
+    let on = Some(TokenRecompute::attention(0.2));
+    let sw = run(on, 2);
+    assert_eq!(sw.method, "molt");
+    assert!(
+        sw.recomputed > 0 && sw.spans > 0 && sw.spans_ms > 0.0,
+        "{sw:?}"
+    );
+    let n = sw.cells;
+    assert!(
+        sw.recomputed >= n / 5 && sw.recomputed < n,
+        "{} of {n}",
+        sw.recomputed
+    );
+    // A precision route keeps its facts without it: nothing re-read there.
+    let prec = run(on, 1);
+    assert_eq!(prec.recomputed, 0, "{prec:?}");
+    // Off: nothing re-read.
+    assert_eq!(run(None, 2).recomputed, 0);
+}
