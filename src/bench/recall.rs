@@ -278,6 +278,9 @@ pub struct RecallOptions {
     /// Run the precision routes on every `n`-th item only (1: all): their destination reads
     /// cost twice a size route's.
     pub precision_every: usize,
+    /// Where the answers so far are written after every item (`None`: nowhere).
+    #[serde(skip)]
+    pub partial: Option<std::path::PathBuf>,
 }
 
 /// One item's answer in one arm.
@@ -669,6 +672,10 @@ pub fn run(
                     0,
                     Vec::new(),
                 ));
+            }
+            if let Some(path) = &opts.partial {
+                // A long run's answers so far, so an interrupted run still says something.
+                let _ = std::fs::write(path, serde_json::to_string(&answers).unwrap_or_default());
             }
             progress(&format!(
                 "[{}/{}] {} ({} tokens, {:?}) on {src_name}: {:.1} s",

@@ -220,6 +220,15 @@ pub enum KvError {
         /// Number of non-empty streams over all sections.
         non_empty: usize,
     },
+
+    /// [`overwrite_rows_by_position`](super::KvStream::overwrite_rows_by_position) with rows
+    /// that do not fit: a position this stream does not hold, more layers than it has, or rows
+    /// of another width.
+    #[error("cannot overwrite rows by position: {detail}")]
+    RowsDoNotFit {
+        /// What does not fit.
+        detail: String,
+    },
 }
 
 /// Human name of a ggml type id, for messages only.

@@ -252,6 +252,68 @@ impl KvStream {
         blob::validate_stream(self)
     }
 
+    /// Overwrites, at layers `first_layer ..` (one per layer of `other`), the K and V rows of
+    /// every position `other` holds with `other`'s rows of that position. Rows are matched by
+    /// position, so the two streams may hold their cells in any slot order. How a switch
+    /// splices the destination's own rows over projected ones (the head re-read, top-k
+    /// recompute). Returns the number of positions overwritten.
+    ///
+    /// # Errors
+    /// [`KvError::RowsDoNotFit`] when `other` holds a position this stream does not, has more
+    /// layers than fit from `first_layer`, or rows of other widths; nothing is changed then.
+    pub fn overwrite_rows_by_position(
+        &mut self,
+        other: &Self,
+        first_layer: usize,
+    ) -> Result<usize, KvError> {
+        let fail = |detail: String| KvError::RowsDoNotFit { detail };
+        if first_layer + other.layers.len() > self.layers.len() {
+            return Err(fail(format!(
+                "{} layers from layer {first_layer} into a stream of {}",
+                other.layers.len(),
+                self.layers.len()
+            )));
+        }
+        let row_of: std::collections::HashMap<i32, usize> = self
+            .cells
+            .iter()
+            .enumerate()
+            .map(|(i, c)| (c.pos, i))
+            .collect();
+        let rows: Vec<(usize, usize)> = other
+            .cells
+            .iter()
+            .enumerate()
+            .map(|(j, c)| {
+                row_of
+                    .get(&c.pos)
+                    .map(|&i| (j, i))
+                    .ok_or_else(|| fail(format!("position {} is not in this stream", c.pos)))
+            })
+            .collect::<Result<_, _>>()?;
+        for (i, l) in other.layers.iter().enumerate() {
+            let d = &self.layers[first_layer + i];
+            if d.k.ncols() != l.k.ncols() || d.v.ncols() != l.v.ncols() {
+                return Err(fail(format!(
+                    "layer {} rows are {}/{} wide, this stream's {}/{}",
+                    first_layer + i,
+                    l.k.ncols(),
+                    l.v.ncols(),
+                    d.k.ncols(),
+                    d.v.ncols()
+                )));
+            }
+        }
+        for (i, l) in other.layers.iter().enumerate() {
+            let d = &mut self.layers[first_layer + i];
+            for &(j, r) in &rows {
+                d.k.row_mut(r).assign(&l.k.row(j));
+                d.v.row_mut(r).assign(&l.v.row(j));
+            }
+        }
+        Ok(rows.len())
+    }
+
     /// Approximate heap bytes this stream occupies in memory (arrays and cells).
     #[must_use]
     pub fn approx_bytes(&self) -> usize {

@@ -369,7 +369,7 @@ impl From<&SwitchInfo> for SwitchWire {
         Self {
             from: s.from.clone(),
             to: s.to.clone(),
-            method: s.method.clone(),
+            method: s.method.to_string(),
             at_token: s.at_token,
             cost_ms: s.cost_ms,
             load_ms: s.load_ms,

@@ -590,7 +590,9 @@ fn answer(
     let r = session.generate(&Prompt::User(job.last_user.clone()), &job.opts, &mut sink);
     match r {
         Ok(g) => {
-            *projected = g.switches.iter().any(|s| s.method == "molt");
+            // Projected cells are kept when the session re-reads, before the next answer, the
+            // ones its question looks at; otherwise the next request re-reads the conversation.
+            *projected = !session.cache_is_trustworthy();
             shared
                 .counters
                 .tokens

@@ -28,8 +28,9 @@ pub struct SwitchInfo {
     pub from: String,
     /// Destination rung.
     pub to: String,
-    /// "molt" (KV transplant), "reprefill" (condition C), "park", "shed".
-    pub method: String,
+    /// How the state was carried: `molt` (KV transplant), `reprefill` (condition C),
+    /// `reprefill-no-projector` (a transplant's fallback).
+    pub method: super::SwitchMethod,
     /// Decision to the destination's first logits, ms.
     pub cost_ms: f64,
     /// Time to load the destination's weights (paid by every strategy; reported apart).

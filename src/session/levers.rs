@@ -179,7 +179,13 @@ impl Session {
         chat_pinned_prefix(&model, tokens)
     }
 
-    fn lever(&self, at_token: usize, lever: &str, tokens: usize, t0: Instant) -> LeverInfo {
+    pub(super) fn lever(
+        &self,
+        at_token: usize,
+        lever: &str,
+        tokens: usize,
+        t0: Instant,
+    ) -> LeverInfo {
         LeverInfo {
             at_token,
             lever: lever.to_string(),
@@ -296,6 +302,8 @@ impl Session {
             park_ms: p.rung.park_ms,
         };
         p.layout = to;
+        // The parked cache is now the projection of another rung's (or nothing).
+        self.projected = super::native::all(p.rung.n_past);
         Ok(())
     }
 
@@ -330,6 +338,7 @@ impl Session {
         self.history.drain(pinned..pinned + n);
         // The attention mass was read over the positions before the shed.
         self.observed = None;
+        self.projected = super::native::shed(&self.projected, pinned, n);
         let mut info = self.lever(at_token, "shed", n, t0);
         info.rss_before = rss_before;
         info.budget_bytes = budget.bytes;
@@ -357,6 +366,7 @@ impl Session {
         self.history.drain(pinned..pinned + n);
         // The attention mass was read over the positions before the shed.
         self.observed = None;
+        self.projected = super::native::shed(&self.projected, pinned, n);
         let mut info = self.lever(at_token, "shed", n, t0);
         info.rss_before = rss_before;
         info.budget_bytes = budget.bytes;
@@ -392,7 +402,10 @@ impl Session {
                     }
                 };
                 match migrate::project_blob(&p.rung.blob, &projector, self.config.cache_type) {
-                    Ok((bytes, _, _)) => p.rung.blob = bytes,
+                    Ok((bytes, _, cells)) => {
+                        p.rung.blob = bytes;
+                        self.projected = super::native::all(cells);
+                    }
                     Err(message) => {
                         let from = self.ladder.rungs[p.layout].name().to_string();
                         self.parked = Some(p);

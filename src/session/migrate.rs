@@ -134,16 +134,10 @@ pub fn project_blob_with(
         .iter()
         .map(|l| (l.k.view(), l.v.view()))
         .collect();
-    let (mut layers, stats) =
+    let (layers, stats) =
         project(projector, &views, &positions).map_err(|e| format!("projection: {e}"))?;
-    if let Some(rb) = recomputed {
-        splice_recomputed(&mut layers, rb, &positions)?;
-    }
-    if let Some(hb) = native_head {
-        splice_head(&mut layers, hb, &positions)?;
-    }
     let t = kv_type(dst_cache);
-    let out = KvStream {
+    let mut out = KvStream {
         cells: stream.cells,
         v_trans: stream.v_trans,
         n_rot_k: 0,
@@ -159,109 +153,41 @@ pub fn project_blob_with(
             })
             .collect(),
     };
+    if let Some(rb) = recomputed {
+        // The last-k model's layers replace the destination's last k, every position.
+        let (_, r) =
+            KvSnapshot::parse_single_stream(rb).map_err(|e| format!("recomputed state: {e}"))?;
+        if r.layers.is_empty() || r.n_cells() != out.n_cells() {
+            return Err(format!(
+                "recomputed state holds {} positions in {} layers, not the {} cached ones",
+                r.n_cells(),
+                r.layers.len(),
+                out.n_cells()
+            ));
+        }
+        let first = out.layers.len().saturating_sub(r.layers.len());
+        out.overwrite_rows_by_position(&r, first)
+            .map_err(|e| format!("recomputed state: {e}"))?;
+    }
+    if let Some(hb) = native_head {
+        // Exact values: under causal attention a prefix's K/V depend on the prefix alone.
+        let (_, h) =
+            KvSnapshot::parse_single_stream(hb).map_err(|e| format!("native head state: {e}"))?;
+        if h.layers.len() != out.layers.len() {
+            return Err(format!(
+                "native head state has {} layers for a destination of {}",
+                h.layers.len(),
+                out.layers.len()
+            ));
+        }
+        out.overwrite_rows_by_position(&h, 0)
+            .map_err(|e| format!("native head state: {e}"))?;
+    }
     let bytes = KvSnapshot::from_single_stream(seq_id, out)
         .to_bytes()
         .map_err(|e| format!("destination state: {e}"))?;
     #[allow(clippy::cast_precision_loss)] // FLOP counts far below 2^52
     Ok((bytes, stats.flops() as f64, positions.len()))
-}
-
-/// Replaces the last layers of `layers` (rows in the order of `positions`) by the layers of the
-/// recomputed state `blob`, matched row by row on position.
-fn splice_recomputed(
-    layers: &mut [(ndarray::Array2<f32>, ndarray::Array2<f32>)],
-    blob: &[u8],
-    positions: &[i32],
-) -> Result<(), String> {
-    let (_, stream) =
-        KvSnapshot::parse_single_stream(blob).map_err(|e| format!("recomputed state: {e}"))?;
-    let k = stream.layers.len();
-    if k == 0 || k > layers.len() {
-        return Err(format!(
-            "recomputed state has {k} layers for a destination of {}",
-            layers.len()
-        ));
-    }
-    let rpos = stream.positions();
-    let row_of: std::collections::HashMap<i32, usize> =
-        rpos.iter().enumerate().map(|(i, &p)| (p, i)).collect();
-    let order: Vec<usize> = positions
-        .iter()
-        .map(|p| row_of.get(p).copied())
-        .collect::<Option<_>>()
-        .filter(|_: &Vec<usize>| rpos.len() == positions.len())
-        .ok_or_else(|| {
-            format!(
-                "recomputed state holds {} positions, not the {} cached ones",
-                rpos.len(),
-                positions.len()
-            )
-        })?;
-    let first = layers.len() - k;
-    for (i, l) in stream.layers.iter().enumerate() {
-        let (dk, dv) = &mut layers[first + i];
-        if dk.ncols() != l.k.ncols() || dv.ncols() != l.v.ncols() {
-            return Err(format!(
-                "recomputed layer {} rows are {}/{} wide, the destination's {}/{}",
-                first + i,
-                l.k.ncols(),
-                l.v.ncols(),
-                dk.ncols(),
-                dv.ncols()
-            ));
-        }
-        *dk = l.k.select(ndarray::Axis(0), &order);
-        *dv = l.v.select(ndarray::Axis(0), &order);
-    }
-    Ok(())
-}
-
-/// Overwrites, at every layer, the rows of the positions the destination's own state `blob`
-/// holds (the history's first tokens, decoded natively) — exact values, since under causal
-/// attention a prefix's K/V depend on the prefix alone.
-fn splice_head(
-    layers: &mut [(ndarray::Array2<f32>, ndarray::Array2<f32>)],
-    blob: &[u8],
-    positions: &[i32],
-) -> Result<(), String> {
-    let (_, stream) =
-        KvSnapshot::parse_single_stream(blob).map_err(|e| format!("native head state: {e}"))?;
-    if stream.layers.len() != layers.len() {
-        return Err(format!(
-            "native head state has {} layers for a destination of {}",
-            stream.layers.len(),
-            layers.len()
-        ));
-    }
-    let row_of: std::collections::HashMap<i32, usize> =
-        positions.iter().enumerate().map(|(i, &p)| (p, i)).collect();
-    let rows: Vec<(usize, usize)> = stream
-        .positions()
-        .iter()
-        .enumerate()
-        .map(|(j, p)| {
-            row_of
-                .get(p)
-                .map(|&i| (j, i))
-                .ok_or_else(|| format!("native head holds position {p}, the source does not"))
-        })
-        .collect::<Result<_, _>>()?;
-    for ((dk, dv), l) in layers.iter_mut().zip(&stream.layers) {
-        if dk.ncols() != l.k.ncols() || dv.ncols() != l.v.ncols() {
-            return Err(format!(
-                "native head rows are {}/{} wide, the destination's {}/{}",
-                l.k.ncols(),
-                l.v.ncols(),
-                dk.ncols(),
-                dv.ncols()
-            ));
-        }
-        for &(j, i) in &rows {
-            dk.row_mut(i).assign(&l.k.row(j));
-            dv.row_mut(i).assign(&l.v.row(j));
-        }
-    }
-    Ok(())
 }
 
 /// The history a Molt switch re-reads natively on the destination, at both ends of the cache:

@@ -6,271 +6,36 @@
 //! [`GenerateOptions`], [`Event`] and [`Generation`] (the summary of one answer).
 
 mod condition;
+mod error;
 mod events;
+mod footprint;
 mod levers;
 pub mod migrate;
+mod native;
+mod options;
 mod refill;
 pub mod routes;
 mod rung;
+mod switch;
 
 pub use condition::Condition;
+pub use error::SessionError;
 pub use events::{Event, FootprintSample, Generation, LeverInfo, StopReason, Summary, SwitchInfo};
 pub use levers::chat_pinned_prefix;
+pub use options::{DEFAULT_HEAD_REREAD, GenerateOptions, Prompt, SessionOptions, Strategy};
 pub use routes::{RouteError, RouteKind, Routes, Variant};
 pub use rung::{LiveRung, ParkedRung};
+pub use switch::SwitchMethod;
 
-use crate::engine::{
-    ChatMessage, ContextConfig, EngineError, Sampler, SamplingParams, Span, Token, Utf8Stream,
-    softmax,
-};
+use crate::engine::{ChatMessage, ContextConfig, Sampler, Token, Utf8Stream, softmax};
 use crate::ladder::Ladder;
-use crate::pressure::{Budget, BudgetSource, PressureError, Tick};
-use crate::sched::{Decision, Policy, RungCost, TenantClass, TenantView, decide_one};
-use crate::transplant::anchor::Anchor;
-use crate::transplant::select::{SelectRule, TokenRecompute, select_spans};
+use crate::pressure::{Budget, BudgetSource, Tick};
+use crate::sched::{Decision, TenantClass, TenantView, decide_one};
+use crate::transplant::select::SelectRule;
 use std::ops::Range;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
-
-/// Errors from a session.
-#[derive(Debug, thiserror::Error)]
-pub enum SessionError {
-    /// llama.cpp failed.
-    #[error("rung {rung}: {source}")]
-    Engine {
-        /// Rung name.
-        rung: String,
-        /// The engine error.
-        source: EngineError,
-    },
-    /// The prompt does not fit the context window.
-    #[error(
-        "the prompt is {prompt_tokens} tokens but the context window is {n_ctx} (and {reserve} are kept for the answer); shorten the prompt or raise --n-ctx"
-    )]
-    PromptTooLong {
-        /// Prompt length in tokens.
-        prompt_tokens: usize,
-        /// Context window.
-        n_ctx: u32,
-        /// Tokens reserved for the answer.
-        reserve: usize,
-    },
-    /// No such rung.
-    #[error("no rung named {0:?} in this ladder")]
-    UnknownRung(String),
-    /// No projector for a route the session needed.
-    #[error(transparent)]
-    Route(#[from] RouteError),
-    /// The budget source failed.
-    #[error("budget source: {0}")]
-    Budget(#[from] PressureError),
-    /// The budget can never hold even the smallest rung.
-    #[error(
-        "the budget ({budget_mib} MiB) is below the smallest rung's footprint ({rung}: {need_mib} MiB for {tokens} tokens of context); raise the budget or shorten the request"
-    )]
-    BudgetBelowSmallest {
-        /// Budget in MiB.
-        budget_mib: u64,
-        /// Smallest rung.
-        rung: String,
-        /// Its footprint in MiB.
-        need_mib: u64,
-        /// Context tokens assumed.
-        tokens: u64,
-    },
-    /// Parked, and the budget source cannot change while the answer waits (a token-clock
-    /// trace: its clock is the answer's own progress, which stops while parked).
-    #[error(
-        "parked before token {at_token}: the budget ({budget_mib} MiB) is below every rung's footprint and {source_desc} only moves as tokens are generated, so it would never let the answer resume; give the trace an ms clock, or keep its lowest budget above the smallest rung"
-    )]
-    ParkedForever {
-        /// Token index.
-        at_token: usize,
-        /// Budget in MiB.
-        budget_mib: u64,
-        /// The budget source.
-        source_desc: String,
-    },
-    /// A migration failed; the session stays on the source rung.
-    #[error("migration {from} -> {to} failed: {message}")]
-    Migration {
-        /// Source rung.
-        from: String,
-        /// Destination rung.
-        to: String,
-        /// Why.
-        message: String,
-    },
-}
-
-/// What to answer.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Prompt {
-    /// Raw text, tokenized as is (no chat template).
-    Text(String),
-    /// A user turn appended to the session's conversation and rendered with the model's chat
-    /// template.
-    User(String),
-}
-
-/// Per-answer options.
-#[derive(Debug, Clone, Copy)]
-pub struct GenerateOptions {
-    /// Stop after this many generated tokens.
-    pub max_tokens: usize,
-    /// Sampling.
-    pub sampling: SamplingParams,
-    /// `(i, rung)`: switch to `rung` before generated token `i`, whatever the budget says
-    /// (benchmarks and tests that need a switch at a known point).
-    pub force_switch: Option<(usize, usize)>,
-}
-
-impl Default for GenerateOptions {
-    fn default() -> Self {
-        Self {
-            max_tokens: 128,
-            sampling: SamplingParams::greedy(),
-            force_switch: None,
-        }
-    }
-}
-
-/// How a session changes rung when the budget says it must.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Strategy {
-    /// Molt (condition D): project the KV cache between two tokens.
-    Molt,
-    /// Condition C: switch rung and re-read prompt + generated text on the destination.
-    Reprefill,
-    /// Conditions A and B: never switch; when the budget falls below the rung's footprint the
-    /// process would be killed, and the answer is lost.
-    Never,
-}
-
-/// Session-wide settings.
-#[derive(Debug, Clone)]
-pub struct SessionOptions {
-    /// How to change rung.
-    pub strategy: Strategy,
-    /// Projector family (ablations).
-    pub variant: Variant,
-    /// Where projector files are searched (see [`routes::search_dirs`]).
-    pub projector_dirs: Vec<PathBuf>,
-    /// Hysteresis and shedding granularity.
-    pub policy: Policy,
-    /// Keep the source rung loaded after a switch (benchmarks that want both warm); by default
-    /// it is freed, which is the point of moving.
-    pub keep_source: bool,
-    /// Also decode the switch token on the source, to measure the handoff divergence (JSD of
-    /// the two next-token distributions). Costs one extra source decode, outside the switch
-    /// cost.
-    pub measure_seam: bool,
-    /// Leading tokens shedding never drops. `None`: the chat template's system prompt for
-    /// chat prompts, nothing for raw text.
-    pub pinned_tokens: Option<usize>,
-    /// Before each decision, raise the current rung's cost to what the process's anonymous
-    /// memory shows it holding (compute buffers grow past what the load measured once a long
-    /// prompt has gone through them). Turn off when several sessions share one process: the
-    /// operating system's numbers cannot tell their allocations apart.
-    pub observe_footprint: bool,
-    /// Selective top-k recompute: at a Molt switch, compute the destination's last `k` blocks'
-    /// K/V natively from the source's mapped boundary hidden state instead of projecting them.
-    /// Off (`None`) by default: it needs a fitted hidden map per route
-    /// (`molt-run train-projectors --topk`), keeps every position's boundary state in host
-    /// memory (n_embd floats per tapped layer and token), and its extra switch cost has to be
-    /// earned by a smoother seam (the conditions benchmark's `D-topk*` arms measure it).
-    pub topk_recompute: Option<usize>,
-    /// Tail recompute: at a Molt switch, drop the projected cells of the last `n` history
-    /// tokens and let the destination re-read them natively (one batch with the pending
-    /// token), so the positions the next token leans on most are the destination's own. 0
-    /// (off) by default; each token re-read costs what a prefill token costs on the
-    /// destination (the conditions benchmark's `D-tail*` arms weigh it against the seam).
-    pub tail_recompute: usize,
-    /// Head re-read: at a Molt switch, the history's first `n` positions get the
-    /// destination's own K/V instead of projected ones. The prefix carries the attention sink
-    /// (most of every head's attention mass) and, in a chat, the chat template's opening (and
-    /// a system prompt, if any); under causal attention its native K/V are exact. The part the
-    /// destination's shipped anchor covers (its state over the template's opening, see
-    /// [`crate::transplant::anchor`]) is spliced in for free; the rest is decoded on the
-    /// destination at the switch, without logits. [`DEFAULT_HEAD_REREAD`] by default (the
-    /// template's opening plus the first token of the user's message); 0 turns it off (the
-    /// conditions benchmark's `D-no-head` arm).
-    pub head_reread: usize,
-    /// Background refill: after a Molt switch, re-read the history natively on the destination
-    /// in a context of its own, this many tokens between every two generated tokens, and let
-    /// it take over the live cache once caught up (the projection's error then lasts only until
-    /// then; the compute is a re-prefill's, spread out instead of stalling). 0 (off) by
-    /// default; the extra context costs the destination's KV once more while it runs.
-    pub refill_chunk: usize,
-    /// Selective token recompute at a size-route switch: after the import, the destination
-    /// re-reads a share of the cached positions natively, chosen by the source's attention
-    /// from the prompt's last tokens (see [`crate::transplant::select`]). On by default
-    /// ([`TokenRecompute::default_size`]): without it a size switch keeps the answer fluent and
-    /// loses the context's facts (the recall benchmark). `None`: off.
-    pub token_recompute: Option<TokenRecompute>,
-}
-
-/// A switch's seam as the quality pass measures it.
-#[derive(Debug, Clone, Copy)]
-struct SeamReading {
-    /// JSD of the destination's first distribution against the source's own.
-    jsd: f64,
-    /// The same for the destination with a native cache of the same history (a re-prefill's
-    /// JSD; for a re-prefill switch, `jsd` itself).
-    floor: Option<f64>,
-}
-
-/// The destination's native next-token distribution after `history` + `last`, read on a
-/// scratch context of its model, as a JSD against `reference` (the source's): the floor a
-/// re-prefill would have reached at this very switch. `None` if it cannot be measured.
-fn native_floor(
-    dst: &LiveRung,
-    history: &[Token],
-    last: Token,
-    config: ContextConfig,
-    reference: &[f32],
-) -> Option<f64> {
-    let cfg = ContextConfig {
-        attention_tap: false,
-        hidden_tap: false,
-        ..config
-    };
-    let mut ctx = crate::engine::Context::new(dst.ctx.model().clone(), cfg).ok()?;
-    let mut all = Vec::with_capacity(history.len() + 1);
-    all.extend_from_slice(history);
-    all.push(last);
-    ctx.decode(&all).ok()?;
-    Some(jsd(reference, ctx.logits()))
-}
-
-/// The head re-read of a default Molt switch: ChatML's opening (`<|im_start|>user\n`, three
-/// tokens, from the anchor) and the user message's first token (decoded). Measured on the
-/// real ladder (conditions benchmark, 10 prompts): judge perplexity 2.29 against the
-/// projection alone's 3.00 and a re-prefill's 2.13; three tokens gave 2.46.
-pub const DEFAULT_HEAD_REREAD: usize = 4;
-
-impl Default for SessionOptions {
-    fn default() -> Self {
-        Self {
-            strategy: Strategy::Molt,
-            variant: Variant::Auto,
-            projector_dirs: routes::search_dirs(None),
-            policy: Policy::default(),
-            keep_source: false,
-            measure_seam: false,
-            pinned_tokens: None,
-            observe_footprint: true,
-            topk_recompute: None,
-            tail_recompute: 0,
-            head_reread: DEFAULT_HEAD_REREAD,
-            refill_chunk: 0,
-            token_recompute: None,
-        }
-    }
-}
 
 /// A ladder with loaded rungs and one conversation.
 pub struct Session {
@@ -312,29 +77,9 @@ pub struct Session {
     /// [`SessionOptions::token_recompute`] selects by attention); positions after it (the
     /// answer's) count as 0.
     observed: Option<Vec<f32>>,
-}
-
-/// The inputs of one top-k recompute, gathered from the source before it may be freed.
-struct TopkInputs {
-    k: usize,
-    map: Arc<crate::transplant::hidden::HiddenMap>,
-    /// The source's boundary states, `[n_past][n_embd_src]`.
-    hidden: ndarray::Array2<f32>,
-}
-
-/// KV bytes per token of a rung: K and V rows of every layer.
-fn kv_per_token(info: &crate::ladder::RungInfo, config: ContextConfig) -> u64 {
-    let f = &info.facts;
-    u64::from(f.n_layer) * u64::from(f.kv_dim_k() + f.kv_dim_v()) * config.cache_type.bytes() as u64
-}
-
-/// Before a rung has been loaded, its context cost is estimated as a KV buffer for the whole
-/// window plus a compute buffer of one micro-batch of logits (128 × n_vocab floats, what
-/// dominates llama.cpp's reservation) and 8 MiB of graph scratch, with a quarter on top; the
-/// measurement replaces it at load.
-fn compute_estimate(info: &crate::ladder::RungInfo) -> u64 {
-    let logits = 128 * info.facts.n_vocab * 4;
-    (logits + (8 << 20)) * 5 / 4
+    /// Positions of the cache whose cells a switch projected and nothing has re-read natively
+    /// since (ordered, disjoint).
+    projected: Vec<Range<usize>>,
 }
 
 impl Session {
@@ -392,6 +137,7 @@ impl Session {
             anon_base,
             refill: None,
             observed: None,
+            projected: Vec::new(),
         };
         s.ensure_loaded(current)?;
         Ok(s)
@@ -470,6 +216,7 @@ impl Session {
         self.history.clear();
         self.pending = None;
         self.pinned = 0;
+        self.projected.clear();
         // A parked cache is forgotten with the rest; the next answer maps the rung again.
         self.parked = None;
         if let Some(r) = self.rungs[self.current].as_mut() {
@@ -528,71 +275,6 @@ impl Session {
             self.unload(old);
         }
         Ok(())
-    }
-
-    /// The history's first and last tokens a Molt switch re-reads natively
-    /// ([`SessionOptions::head_reread`], [`SessionOptions::tail_recompute`]), never more than
-    /// the `n_past` cells the cache holds; the head's anchored part comes from `anchor`.
-    fn reread<'a>(
-        &'a self,
-        n_past: usize,
-        anchor: Option<&'a Anchor>,
-        spans: &'a [Span<'a>],
-    ) -> migrate::Reread<'a> {
-        let avail = n_past.min(self.history.len());
-        let n = self.opts.tail_recompute.min(avail);
-        let h = self.opts.head_reread.min(avail);
-        migrate::Reread {
-            head: &self.history[..h],
-            tail: &self.history[self.history.len() - n..],
-            anchor,
-            spans,
-        }
-    }
-
-    /// The positions a switch `from → to` re-reads natively between the head and the tail
-    /// (selective token recompute): none unless it is on and the route is a size route (a
-    /// precision route keeps the context's facts without it).
-    fn recompute_ranges(&self, from: usize, to: usize, n_past: usize) -> Vec<Range<usize>> {
-        let Some(setting) = self.opts.token_recompute else {
-            return Vec::new();
-        };
-        let kind = routes::route_kind(self.routes.binding(from), self.routes.binding(to));
-        if kind != RouteKind::Size {
-            return Vec::new();
-        }
-        let avail = n_past.min(self.history.len());
-        let lo = self.opts.head_reread.min(avail);
-        let hi = avail - self.opts.tail_recompute.min(avail);
-        let scores = self.observed.as_deref().unwrap_or(&[]);
-        // The question (the observation window at the prompt's end) and the answer so far.
-        let prompt_end = if scores.is_empty() { hi } else { scores.len() };
-        let always = prompt_end.saturating_sub(setting.window);
-        select_spans(scores, lo, hi, always, &setting, avail as u64)
-    }
-
-    /// The history's tokens of `ranges`.
-    fn spans_of<'a>(&'a self, ranges: &[Range<usize>]) -> Vec<Span<'a>> {
-        ranges
-            .iter()
-            .map(|r| Span {
-                start: r.start,
-                tokens: &self.history[r.clone()],
-            })
-            .collect()
-    }
-
-    /// The destination's anchor for a head re-read (none when the head re-read is off or no
-    /// anchor is shipped); a damaged or foreign anchor is not used, and `note` says why (the
-    /// head is then decoded whole).
-    fn anchor_for(&mut self, to: usize, note: &mut Option<String>) -> Option<Arc<Anchor>> {
-        if self.opts.head_reread == 0 {
-            return None;
-        }
-        self.routes.anchor(to).unwrap_or_else(|e| {
-            *note = Some(format!("anchor not used, head decoded: {e}"));
-            None
-        })
     }
 
     /// The rung this session started on and never goes above.
@@ -663,49 +345,6 @@ impl Session {
         ctx.set_hidden_layers(&layers);
     }
 
-    /// What top-k recompute needs for a switch `from → to` out of `src`, or why it cannot run
-    /// (then the switch projects every layer, and the reason goes in the switch's note).
-    ///
-    /// Only states the source computed itself are used: after a switch the new rung holds an
-    /// imported cache whose earlier positions it never decoded, so its tap covers only what
-    /// came after, and a later switch out of it projects every layer. Chaining maps through the
-    /// rung that did compute them would compound two fits' errors for a second switch inside
-    /// one answer, which the benchmark's traces do not produce; the plain projection is the
-    /// honest fallback.
-    fn topk_inputs(
-        &mut self,
-        from: usize,
-        to: usize,
-        src: &crate::engine::Context,
-    ) -> Result<Option<TopkInputs>, String> {
-        let Some(k) = self.opts.topk_recompute else {
-            return Ok(None);
-        };
-        let map = self
-            .routes
-            .hidden(from, to, k)
-            .map_err(|e| format!("top-k recompute off for this switch: {e}"))?;
-        let hidden = src.hidden_states(map.src_layer).ok_or_else(|| {
-            format!(
-                "top-k recompute off for this switch: {} did not compute the boundary state of every cached position itself",
-                self.ladder.rungs[from].name()
-            )
-        })?;
-        Ok(Some(TopkInputs { k, map, hidden }))
-    }
-
-    fn recompute_for<'a>(&'a self, to: usize, t: &'a TopkInputs) -> migrate::Recompute<'a> {
-        let info = &self.ladder.rungs[to];
-        migrate::Recompute {
-            hidden: t.hidden.view(),
-            map: Some(&t.map),
-            k: t.k,
-            dst_path: &info.path,
-            dst_sha256: &info.sha256,
-            dst_layers: info.facts.n_layer as usize,
-        }
-    }
-
     fn live(&mut self) -> &mut LiveRung {
         // The current rung is loaded by construction and by every switch.
         self.rungs[self.current]
@@ -721,83 +360,6 @@ impl Session {
     /// Access to a loaded rung.
     pub fn rung_mut(&mut self, index: usize) -> Option<&mut LiveRung> {
         self.rungs.get_mut(index).and_then(Option::as_mut)
-    }
-
-    /// What each rung costs, for the policy: weights = the file's tensor bytes (every weight
-    /// page is touched by each decode, so a running rung's weights are all resident), KV per
-    /// token from the geometry, and the context's measured overhead (an estimate until the
-    /// rung has been loaded once).
-    pub fn rung_costs(&self) -> Vec<RungCost> {
-        self.ladder
-            .rungs
-            .iter()
-            .enumerate()
-            .map(|(i, r)| {
-                let kv = kv_per_token(r, self.config);
-                let ctx = self.context_bytes[i]
-                    .unwrap_or(kv * u64::from(self.config.n_ctx) + compute_estimate(r));
-                RungCost::new(r.name(), r.facts.total_tensor_bytes.max(1), kv, ctx)
-            })
-            .collect()
-    }
-
-    /// Fixes the context overhead the policy assumes for each rung (as [`RungCost`]'s
-    /// `compute_bytes`) instead of measuring it when the rung loads. For benchmarks that replay
-    /// one trace in many sessions of one process: the load-time measurement (growth of
-    /// `RssAnon`) depends on what the allocator already holds from earlier sessions, so without
-    /// pinning the same trace could mean different decisions in different sessions.
-    pub fn pin_context_bytes(&mut self, bytes: &[u64]) {
-        for (slot, &b) in self.context_bytes.iter_mut().zip(bytes) {
-            *slot = Some(b);
-        }
-        self.pinned_costs = true;
-    }
-
-    /// The footprint the policy assigns rung `index` with `tokens` of context.
-    pub fn modelled_footprint(&self, index: usize, tokens: u64) -> u64 {
-        let c = &self.rung_costs()[index];
-        c.resident_bytes() + c.kv_bytes(tokens)
-    }
-
-    /// The modelled footprint of every rung at `tokens` of context, by rung name: the
-    /// references a relative trace's `frac … of tierN` events resolve against
-    /// ([`crate::pressure::Trace::load_with`]).
-    pub fn trace_refs(&self, tokens: u64) -> crate::pressure::TraceRefs {
-        self.ladder
-            .rungs
-            .iter()
-            .enumerate()
-            .map(|(i, r)| (r.name().to_string(), self.modelled_footprint(i, tokens)))
-            .collect()
-    }
-
-    /// The measured footprint: resident pages of every mapped rung file (from the process's
-    /// own `smaps`) plus the growth of the process's anonymous memory since the session was
-    /// created — repacked weights, KV and compute buffers as far as they have been touched, a
-    /// parked cache. If `RssAnon` cannot be read: each loaded rung's load-time measurement
-    /// plus the parked cache's bytes. In a process that runs other work besides this session,
-    /// the anonymous part includes that work too.
-    pub fn measured_footprint(&self) -> u64 {
-        let weights: u64 = self
-            .rungs
-            .iter()
-            .flatten()
-            .map(LiveRung::weights_resident)
-            .sum();
-        match crate::pressure::process_anon_rss_bytes() {
-            Ok(anon) => weights + anon.saturating_sub(self.anon_base),
-            Err(_) => {
-                weights
-                    + self
-                        .rungs
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, r)| r.is_some())
-                        .map(|(i, _)| self.context_bytes[i].unwrap_or(0))
-                        .sum::<u64>()
-                    + self.parked_kv_bytes()
-            }
-        }
     }
 
     /// Tokens for a prompt: raw text, or the whole conversation rendered with the chat
@@ -836,299 +398,6 @@ impl Session {
         match self.budget.as_mut() {
             None => Ok(None),
             Some(b) => Ok(Some(b.budget(tick)?)),
-        }
-    }
-
-    /// Moves the session to rung `to` between two tokens: `last` is the token sampled on the
-    /// current rung but not decoded yet; on return it has been decoded on `to`, whose logits
-    /// are ready.
-    ///
-    /// Moving down to a rung that is not loaded, the source is freed *before* the destination
-    /// is mapped (see [`Session::switch_shed_first`]), so the process never holds both; moving
-    /// up, or with the source kept or the seam measured, the destination is loaded first.
-    fn switch_to(
-        &mut self,
-        to: usize,
-        last: Token,
-        at_token: usize,
-        budget: Option<Budget>,
-    ) -> Result<SwitchInfo, SessionError> {
-        let from = self.current;
-        let shed_first = to > from
-            && self.rungs[to].is_none()
-            && !self.opts.keep_source
-            && !self.opts.measure_seam;
-        let (from_name, timings, method, note, load_ms, seam) = if shed_first {
-            let (timings, method, note, load_ms) = self.switch_shed_first(from, to, last)?;
-            let name = self.ladder.rungs[from].name().to_string();
-            (name, timings, method, note, load_ms, None)
-        } else {
-            self.switch_load_first(from, to, last)?
-        };
-        let dst = self.rungs[to].as_ref().expect("destination is loaded");
-        let n_tokens = self.history.len() as u64 + 1;
-        let (n_params, n_layer, n_embd) = (
-            dst.model().n_params(),
-            dst.model().n_layer() as u64,
-            dst.model().n_embd() as u64,
-        );
-        let flops_reprefill = migrate::prefill_flops(n_params, n_layer, n_embd, n_tokens);
-        let flops = match method {
-            "reprefill" | "reprefill-no-projector" => flops_reprefill,
-            _ => timings.flops + migrate::prefill_flops(n_params, n_layer, n_embd, 1),
-        };
-        let info = SwitchInfo {
-            at_token,
-            from: from_name,
-            to: dst.name().to_string(),
-            method: method.to_string(),
-            cost_ms: timings.cost_ms,
-            load_ms,
-            export_ms: timings.export_ms,
-            project_ms: timings.project_ms,
-            import_ms: timings.import_ms,
-            first_decode_ms: timings.first_decode_ms,
-            recompute_ms: timings.recompute_ms,
-            topk: timings.topk,
-            head: timings.head,
-            head_anchored: timings.head_anchored,
-            head_ms: timings.head_ms,
-            recomputed: timings.recomputed,
-            spans: timings.spans,
-            spans_ms: timings.spans_ms,
-            cells: timings.cells,
-            flops,
-            flops_reprefill,
-            pressure: budget.map_or(0.0, |b| b.pressure),
-            budget_bytes: budget.map_or(0, |b| b.bytes),
-            handoff_jsd: seam.map(|s| s.jsd),
-            handoff_floor_jsd: seam.and_then(|s| s.floor),
-            note,
-        };
-        self.current = to;
-        Ok(info)
-    }
-
-    /// The load-first switch: map the destination (if needed), carry the state while both are
-    /// live, then free the source (or keep it, cleared, with `keep_source`). On failure both
-    /// rungs are as they were.
-    #[allow(clippy::type_complexity)]
-    fn switch_load_first(
-        &mut self,
-        from: usize,
-        to: usize,
-        last: Token,
-    ) -> Result<
-        (
-            String,
-            migrate::SwitchTimings,
-            &'static str,
-            Option<String>,
-            f64,
-            Option<SeamReading>,
-        ),
-        SessionError,
-    > {
-        let was_loaded = self.rungs[to].is_some();
-        let t_load = Instant::now();
-        self.ensure_loaded(to)?;
-        let load_ms = if was_loaded {
-            0.0
-        } else {
-            t_load.elapsed().as_secs_f64() * 1e3
-        };
-        let mut src = self.rungs[from].take().expect("current rung is loaded");
-        let mut dst = self.rungs[to].take().expect("destination just loaded");
-        let mut note = None;
-        let result = match self.opts.strategy {
-            Strategy::Reprefill => migrate::reprefill(&src.ctx, &mut dst.ctx, &self.history, last)
-                .map(|t| (t, "reprefill")),
-            // Without a usable projector the answer must still survive: fall back to a
-            // re-prefill, named as such in the switch event, rather than lose it.
-            _ => match self.routes.get(from, to) {
-                Ok(p) => {
-                    let topk = self.topk_inputs(from, to, &src.ctx).unwrap_or_else(|why| {
-                        note = Some(why);
-                        None
-                    });
-                    let anchor = self.anchor_for(to, &mut note);
-                    let rc = topk.as_ref().map(|t| self.recompute_for(to, t));
-                    let ranges = self.recompute_ranges(from, to, src.ctx.n_past());
-                    let spans = self.spans_of(&ranges);
-                    let reread = self.reread(src.ctx.n_past(), anchor.as_deref(), &spans);
-                    migrate::transplant_with(&src.ctx, &mut dst.ctx, &p, rc.as_ref(), reread, last)
-                        .map(|t| (t, "molt"))
-                }
-                Err(e) => {
-                    note = Some(format!("fell back to a re-prefill: {e}"));
-                    migrate::reprefill(&src.ctx, &mut dst.ctx, &self.history, last)
-                        .map(|t| (t, "reprefill-no-projector"))
-                }
-            },
-        };
-        let (timings, method) = match result {
-            Ok(r) => r,
-            Err(e) => {
-                self.rungs[from] = Some(src);
-                self.rungs[to] = Some(dst);
-                return Err(e);
-            }
-        };
-        let seam = if self.opts.measure_seam && src.ctx.decode(&[last]).is_ok() {
-            let reference = src.ctx.logits();
-            let jsd = jsd(reference, dst.ctx.logits());
-            // A re-prefill switch is its own floor.
-            let floor = if method == "molt" {
-                native_floor(&dst, &self.history, last, self.config, reference)
-            } else {
-                Some(jsd)
-            };
-            src.ctx.truncate(src.ctx.n_past().saturating_sub(1));
-            Some(SeamReading { jsd, floor })
-        } else {
-            None
-        };
-        let from_name = src.name().to_string();
-        self.rungs[to] = Some(dst);
-        if self.opts.keep_source {
-            src.ctx.clear();
-            self.rungs[from] = Some(src);
-        } else {
-            drop(src);
-        }
-        Ok((from_name, timings, method, note, load_ms, seam))
-    }
-
-    /// The shed-first switch, for moving down under pressure: export the source's sequence
-    /// state (a few MB of host memory), free the source — weights unmapped, context and its
-    /// buffers released — then map the destination, project and import. The process never
-    /// holds both rungs, so the switch itself cannot overshoot the budget it answers.
-    ///
-    /// If the destination cannot be loaded or the state cannot be carried, the source is
-    /// mapped again and its exported state re-imported byte for byte, so the session stays
-    /// where it was with nothing lost; only if that also fails is the error fatal.
-    fn switch_shed_first(
-        &mut self,
-        from: usize,
-        to: usize,
-        last: Token,
-    ) -> Result<(migrate::SwitchTimings, &'static str, Option<String>, f64), SessionError> {
-        // Resolve the projector before anything is freed: a missing one means a re-prefill.
-        let (projector, mut note) = match self.opts.strategy {
-            Strategy::Reprefill => (None, None),
-            _ => match self.routes.get(from, to) {
-                Ok(p) => (Some(p), None),
-                Err(e) => (None, Some(format!("fell back to a re-prefill: {e}"))),
-            },
-        };
-        let t0 = Instant::now();
-        let src = self.rungs[from].take().expect("current rung is loaded");
-        let from_name = src.name().to_string();
-        let from_model = src.model().name().to_string();
-        let n_past = src.ctx.n_past();
-        let blob = match src.ctx.export_state() {
-            Ok(b) => b,
-            Err(e) => {
-                self.rungs[from] = Some(src);
-                return Err(SessionError::Migration {
-                    from: from_name,
-                    to: self.ladder.rungs[to].name().to_string(),
-                    message: format!("export: {e}"),
-                });
-            }
-        };
-        let export_ms = t0.elapsed().as_secs_f64() * 1e3;
-        let src_config = src.ctx.config();
-        let topk = match projector {
-            Some(_) => self.topk_inputs(from, to, &src.ctx).unwrap_or_else(|why| {
-                note = Some(why);
-                None
-            }),
-            None => None,
-        };
-        drop(src);
-        crate::pressure::trim_heap();
-        let t_load = Instant::now();
-        let carried = match LiveRung::load(&self.ladder.rungs[to], self.config) {
-            Ok(mut dst) => {
-                let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
-                if dst.context_bytes > 0 && !self.pinned_costs {
-                    self.context_bytes[to] = Some(dst.context_bytes);
-                }
-                self.arm_hidden_tap(to, &mut dst.ctx);
-                let anchor = self.anchor_for(to, &mut note);
-                let rc = topk.as_ref().map(|t| self.recompute_for(to, t));
-                let ranges = self.recompute_ranges(from, to, n_past);
-                let spans = self.spans_of(&ranges);
-                // The load is reported apart (both strategies pay it): the switch's own cost
-                // is the export plus everything after the load.
-                let r = match &projector {
-                    Some(p) => migrate::transplant_exported(
-                        &migrate::Exported {
-                            blob: &blob,
-                            n_past,
-                            from: &from_model,
-                            export_ms,
-                        },
-                        &mut dst.ctx,
-                        p,
-                        rc.as_ref(),
-                        self.reread(n_past, anchor.as_deref(), &spans),
-                        last,
-                    )
-                    .map(|t| (t, "molt")),
-                    None => migrate::reprefill_from(&from_model, &mut dst.ctx, &self.history, last)
-                        .map(|mut t| {
-                            t.export_ms = export_ms;
-                            t.cost_ms += export_ms;
-                            (t, "reprefill")
-                        }),
-                };
-                r.map(|(t, m)| (t, m, dst, load_ms))
-            }
-            Err(e) => Err(e),
-        };
-        match carried {
-            Ok((timings, method, dst, load_ms)) => {
-                let method = if method == "reprefill" && note.is_some() {
-                    "reprefill-no-projector"
-                } else {
-                    method
-                };
-                self.rungs[to] = Some(dst);
-                Ok((timings, method, note.take(), load_ms))
-            }
-            Err(e) => {
-                // Put the source back exactly as it was: its exported state is a parked rung.
-                let restored = ParkedRung {
-                    info: self.ladder.rungs[from].clone(),
-                    config: src_config,
-                    blob,
-                    n_past,
-                    park_ms: 0.0,
-                }
-                .resume();
-                match restored {
-                    Ok(live) => {
-                        self.rungs[from] = Some(live);
-                        Err(e)
-                    }
-                    Err(r) => {
-                        // Nothing of the answer's state survives: start the rung afresh so the
-                        // session stays usable, and forget the history its cache no longer
-                        // holds.
-                        self.history.clear();
-                        let _ = self.ensure_loaded(from);
-                        Err(SessionError::Migration {
-                            from: from_name,
-                            to: self.ladder.rungs[to].name().to_string(),
-                            message: format!(
-                                "{e}; and the source could not be restored after it: {r}"
-                            ),
-                        })
-                    }
-                }
-            }
         }
     }
 
@@ -1204,17 +473,11 @@ impl Session {
             if let Ok(Decision::Demote { to } | Decision::Promote { to }) =
                 decide_one(&view, b.bytes, &costs, &self.opts.policy)
             {
-                let from = self.current;
-                self.ensure_loaded(to)?;
-                self.current = to;
+                // The earlier turns' cache stays behind: the prompt is read on `to` whole.
                 self.history.clear();
+                self.projected.clear();
                 self.pending = None;
-                if let Some(r) = self.rungs[to].as_mut() {
-                    r.ctx.clear();
-                }
-                if !self.opts.keep_source {
-                    self.rungs[from] = None;
-                }
+                self.move_idle(to)?;
             }
         }
         let keep = common_prefix(&self.history, &tokens).min(tokens.len().saturating_sub(1));
@@ -1257,6 +520,16 @@ impl Session {
             prompt_tokens: tokens.len(),
             reused_tokens: keep,
         });
+        // Cells a switch projected in an earlier answer: re-read natively the ones this
+        // prompt looks at before answering it.
+        self.projected.retain(|r| r.start < keep);
+        if let Some(r) = self.projected.last_mut() {
+            r.end = r.end.min(keep);
+        }
+        if let Some(info) = self.refresh_projected(&tokens, keep, 0)? {
+            let b = self.last_budget.unwrap_or(0);
+            self.record_lever(info, 0, b, sink);
+        }
         let mut stop = StopReason::Length;
         for i in 0..opts.max_tokens {
             if self.cancel.load(Ordering::SeqCst) {

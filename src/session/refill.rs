@@ -129,7 +129,10 @@ impl Session {
         })();
         r.ms += t0.elapsed().as_secs_f64() * 1e3;
         match result {
-            Ok(()) => self.refill_note(&r, at_token, "refill", sink),
+            Ok(()) => {
+                self.projected.clear();
+                self.refill_note(&r, at_token, "refill", sink);
+            }
             Err(e) => self.refill_note(&r, at_token, &format!("refill abandoned: {e}"), sink),
         }
     }

@@ -326,7 +326,9 @@ fn run_recall(g: &GlobalArgs, a: &Args) -> Result<()> {
         max_tokens_mid: 96,
         mid_switch_at: 12,
         precision_every: a.recall_precision_every,
+        partial: Some(a.out_dir.join("recall.partial.json")),
     };
+    std::fs::create_dir_all(&a.out_dir)?;
     let info = RunInfo::now();
     let t0 = std::time::Instant::now();
     let (rows, answers) = recall::run(
@@ -374,6 +376,7 @@ fn run_recall(g: &GlobalArgs, a: &Args) -> Result<()> {
     };
     let path = a.out_dir.join(name);
     std::fs::write(&path, serde_json::to_string_pretty(&doc)?)?;
+    let _ = std::fs::remove_file(a.out_dir.join("recall.partial.json"));
     eprintln!("wrote {}", path.display());
     Ok(())
 }

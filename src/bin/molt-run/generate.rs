@@ -75,6 +75,17 @@ pub struct Args {
     /// them, decoded otherwise. 0 turns it off.
     #[arg(long, value_name = "N", default_value_t = molt::session::DEFAULT_HEAD_REREAD)]
     pub head_reread: usize,
+    /// Selective token recompute at a size-route switch: the share of the cached positions the
+    /// destination re-reads natively, chosen by the source's attention from the prompt's last
+    /// tokens (the question), each with one neighbour before and eight after, the question
+    /// itself always; projected cells a later prompt looks at are re-read before it is
+    /// answered. 0 turns it off (the projection alone keeps the text fluent and loses the
+    /// context's facts: see the recall benchmark).
+    #[arg(long, value_name = "FRACTION", default_value_t = molt::transplant::select::TokenRecompute::default_size().fraction)]
+    pub token_recompute: f64,
+    /// How selective token recompute chooses: attention (default) or random (the control).
+    #[arg(long, value_name = "RULE", default_value = "attention")]
+    pub recompute_rule: molt::transplant::select::SelectRule,
     /// Background refill (0, off, by default): after a molt switch, re-read the history
     /// natively on the destination, N tokens between every two generated tokens, in a context
     /// of its own, and take over the live cache once caught up.
@@ -83,6 +94,23 @@ pub struct Args {
     /// Write JSONL results here instead of stdout (text is then streamed to stdout).
     #[arg(long)]
     pub out: Option<PathBuf>,
+}
+
+/// The `--token-recompute` setting: off at 0, else the default rule's shape at that share.
+fn token_recompute(
+    fraction: f64,
+    rule: molt::transplant::select::SelectRule,
+) -> Result<Option<molt::transplant::select::TokenRecompute>> {
+    if !(0.0..=1.0).contains(&fraction) {
+        anyhow::bail!("--token-recompute {fraction} is not a share between 0 and 1");
+    }
+    Ok(
+        (fraction > 0.0).then(|| molt::transplant::select::TokenRecompute {
+            fraction,
+            rule,
+            ..molt::transplant::select::TokenRecompute::default_size()
+        }),
+    )
 }
 
 /// `--strategy` values.
@@ -207,6 +235,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         tail_recompute: a.tail_recompute,
         head_reread: a.head_reread,
         refill_chunk: a.refill,
+        token_recompute: token_recompute(a.token_recompute, a.recompute_rule)?,
         ..SessionOptions::default()
     };
     let mut session = Session::with_options(ladder, config, &start, opts)?;

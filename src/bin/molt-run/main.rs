@@ -44,7 +44,7 @@ enum Command {
     /// Chat in the terminal under the real (or a replayed) memory budget.
     Chat(chat::Args),
     /// Run the benchmark programs (JSON results under results/).
-    Bench(bench::Args),
+    Bench(Box<bench::Args>),
     /// Fit the KV projectors of the ladder on the project's corpus.
     TrainProjectors(train::Args),
     /// The memory hog child of `--real-hog` runs (allocates and touches memory on command).

@@ -1,0 +1,102 @@
+//! The session's cost model: what each rung costs the policy (weights, KV per token, the
+//! context's measured overhead), and what the process measurably holds. The policy decides on
+//! [`Session::rung_costs`]; benchmarks compare it with [`Session::measured_footprint`].
+
+use crate::engine::ContextConfig;
+use crate::sched::RungCost;
+
+use super::{LiveRung, Session};
+
+/// KV bytes per token of a rung: K and V rows of every layer.
+fn kv_per_token(info: &crate::ladder::RungInfo, config: ContextConfig) -> u64 {
+    let f = &info.facts;
+    u64::from(f.n_layer) * u64::from(f.kv_dim_k() + f.kv_dim_v()) * config.cache_type.bytes() as u64
+}
+
+/// Before a rung has been loaded, its context cost is estimated as a KV buffer for the whole
+/// window plus a compute buffer of one micro-batch of logits (128 × n_vocab floats, what
+/// dominates llama.cpp's reservation) and 8 MiB of graph scratch, with a quarter on top; the
+/// measurement replaces it at load.
+fn compute_estimate(info: &crate::ladder::RungInfo) -> u64 {
+    let logits = 128 * info.facts.n_vocab * 4;
+    (logits + (8 << 20)) * 5 / 4
+}
+
+impl Session {
+    /// What each rung costs, for the policy: weights = the file's tensor bytes (every weight
+    /// page is touched by each decode, so a running rung's weights are all resident), KV per
+    /// token from the geometry, and the context's measured overhead (an estimate until the
+    /// rung has been loaded once).
+    pub fn rung_costs(&self) -> Vec<RungCost> {
+        self.ladder
+            .rungs
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let kv = kv_per_token(r, self.config);
+                let ctx = self.context_bytes[i]
+                    .unwrap_or(kv * u64::from(self.config.n_ctx) + compute_estimate(r));
+                RungCost::new(r.name(), r.facts.total_tensor_bytes.max(1), kv, ctx)
+            })
+            .collect()
+    }
+
+    /// Fixes the context overhead the policy assumes for each rung (as [`RungCost`]'s
+    /// `compute_bytes`) instead of measuring it when the rung loads. For benchmarks that replay
+    /// one trace in many sessions of one process: the load-time measurement (growth of
+    /// `RssAnon`) depends on what the allocator already holds from earlier sessions, so without
+    /// pinning the same trace could mean different decisions in different sessions.
+    pub fn pin_context_bytes(&mut self, bytes: &[u64]) {
+        for (slot, &b) in self.context_bytes.iter_mut().zip(bytes) {
+            *slot = Some(b);
+        }
+        self.pinned_costs = true;
+    }
+
+    /// The footprint the policy assigns rung `index` with `tokens` of context.
+    pub fn modelled_footprint(&self, index: usize, tokens: u64) -> u64 {
+        let c = &self.rung_costs()[index];
+        c.resident_bytes() + c.kv_bytes(tokens)
+    }
+
+    /// The modelled footprint of every rung at `tokens` of context, by rung name: the
+    /// references a relative trace's `frac … of tierN` events resolve against
+    /// ([`crate::pressure::Trace::load_with`]).
+    pub fn trace_refs(&self, tokens: u64) -> crate::pressure::TraceRefs {
+        self.ladder
+            .rungs
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (r.name().to_string(), self.modelled_footprint(i, tokens)))
+            .collect()
+    }
+
+    /// The measured footprint: resident pages of every mapped rung file (from the process's
+    /// own `smaps`) plus the growth of the process's anonymous memory since the session was
+    /// created — repacked weights, KV and compute buffers as far as they have been touched, a
+    /// parked cache. If `RssAnon` cannot be read: each loaded rung's load-time measurement
+    /// plus the parked cache's bytes. In a process that runs other work besides this session,
+    /// the anonymous part includes that work too.
+    pub fn measured_footprint(&self) -> u64 {
+        let weights: u64 = self
+            .rungs
+            .iter()
+            .flatten()
+            .map(LiveRung::weights_resident)
+            .sum();
+        match crate::pressure::process_anon_rss_bytes() {
+            Ok(anon) => weights + anon.saturating_sub(self.anon_base),
+            Err(_) => {
+                weights
+                    + self
+                        .rungs
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, r)| r.is_some())
+                        .map(|(i, _)| self.context_bytes[i].unwrap_or(0))
+                        .sum::<u64>()
+                    + self.parked_kv_bytes()
+            }
+        }
+    }
+}

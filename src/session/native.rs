@@ -1,0 +1,221 @@
+//! Which cached positions are not the current rung's own, and re-reading them where the next
+//! question looks.
+//!
+//! After a size switch the cache holds projected cells: fluent, but a projected value cannot
+//! carry a port number or a name. The switch re-reads natively what the question being
+//! answered attends to (selective token recompute); the rest stays projected. A later turn
+//! asks about something else, so before it is answered the session does the same again over
+//! the cells still projected: the new prompt's last tokens are read with the attention tap
+//! armed, the projected positions they attend to most are re-read natively, and the window is
+//! read again over them. That is what lets `chat` and the HTTP service build the next answer
+//! on the destination's cache instead of re-reading the conversation.
+//!
+//! Main items: [`Session::refresh_projected`], and the range helpers the bookkeeping uses
+//! ([`minus`], [`shed`]).
+
+use std::ops::Range;
+use std::time::Instant;
+
+use crate::engine::{Span, Token};
+use crate::transplant::select::{SelectRule, TokenRecompute, covered, select_spans};
+
+use super::{LeverInfo, Session, SessionError};
+
+/// `0..n` without `taken` (any order, may overlap), as ordered disjoint ranges.
+#[must_use]
+pub fn minus(n: usize, taken: &[Range<usize>]) -> Vec<Range<usize>> {
+    let mut t: Vec<Range<usize>> = taken.iter().filter(|r| !r.is_empty()).cloned().collect();
+    t.sort_by_key(|r| r.start);
+    let mut out = Vec::new();
+    let mut at = 0;
+    for r in t {
+        if r.start > at {
+            out.push(at..r.start.min(n));
+        }
+        at = at.max(r.end);
+        if at >= n {
+            break;
+        }
+    }
+    if at < n {
+        out.push(at..n);
+    }
+    out.retain(|r| !r.is_empty());
+    out
+}
+
+/// Every position of a cache of `n` cells (none for an empty one).
+#[must_use]
+pub fn all(n: usize) -> Vec<Range<usize>> {
+    minus(n, &[])
+}
+
+/// The ranges after a shed of `n` positions after the first `pinned`: the shed ones are gone,
+/// later ones move down by `n`.
+#[must_use]
+pub fn shed(ranges: &[Range<usize>], pinned: usize, n: usize) -> Vec<Range<usize>> {
+    let end = pinned + n;
+    let mut out = Vec::new();
+    for r in ranges {
+        if r.start < pinned {
+            out.push(r.start..r.end.min(pinned));
+        }
+        if r.end > end {
+            let s = r.start.max(end);
+            out.push(s - n..r.end - n);
+        }
+    }
+    let mut merged: Vec<Range<usize>> = Vec::new();
+    for r in out.into_iter().filter(|r| !r.is_empty()) {
+        match merged.last_mut() {
+            Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
+            _ => merged.push(r),
+        }
+    }
+    merged
+}
+
+impl Session {
+    /// Positions of the current cache whose cells were projected by a switch and not re-read
+    /// natively since.
+    #[must_use]
+    pub fn projected_positions(&self) -> usize {
+        covered(&self.projected)
+    }
+
+    /// Whether the next answer can be built on the current cache without losing the context's
+    /// facts: nothing in it is projected, or the session re-reads the projected cells the next
+    /// question attends to ([`SessionOptions::token_recompute`](super::SessionOptions) by
+    /// attention).
+    #[must_use]
+    pub fn cache_is_trustworthy(&self) -> bool {
+        self.projected.is_empty()
+            || self
+                .opts
+                .token_recompute
+                .is_some_and(|t| t.rule == SelectRule::Attention)
+    }
+
+    /// After a new prompt's tokens `tokens[keep..]` were decoded with the attention tap armed
+    /// on their last `window`: re-reads natively the projected positions before `keep` that
+    /// those tokens attend to most (the share [`TokenRecompute::fraction`] of the projected
+    /// ones, widened as at a switch), then reads the window again so that it, and the answer
+    /// after it, see the refreshed cells. Returns the lever it pulled, if any.
+    ///
+    /// # Errors
+    /// An engine failure (the cache then holds the prompt as read before the refresh: every
+    /// cell valid, the projected ones still projected).
+    pub(super) fn refresh_projected(
+        &mut self,
+        tokens: &[Token],
+        keep: usize,
+        at_token: usize,
+    ) -> Result<Option<LeverInfo>, SessionError> {
+        let (Some(setting), Some(mass)) = (self.opts.token_recompute, self.observed.as_deref())
+        else {
+            return Ok(None);
+        };
+        self.projected = self
+            .projected
+            .iter()
+            .filter(|r| r.start < keep)
+            .map(|r| r.start..r.end.min(keep))
+            .collect();
+        let n_proj = covered(&self.projected);
+        if n_proj == 0 || keep == 0 {
+            return Ok(None);
+        }
+        let t0 = Instant::now();
+        let mut scores = vec![0.0f32; keep];
+        for r in &self.projected {
+            for p in r.clone() {
+                scores[p] = mass.get(p).copied().unwrap_or(0.0);
+            }
+        }
+        let lo = self.projected[0].start;
+        #[allow(clippy::cast_precision_loss)]
+        let fraction = (setting.fraction * n_proj as f64 / (keep - lo) as f64).min(1.0);
+        let chosen = select_spans(
+            &scores,
+            lo,
+            keep,
+            keep,
+            &TokenRecompute {
+                fraction,
+                ..setting
+            },
+            keep as u64,
+        );
+        // Only the projected part of each chosen span needs re-reading.
+        let mut ranges: Vec<Range<usize>> = Vec::new();
+        for c in &chosen {
+            for p in &self.projected {
+                let (s, e) = (c.start.max(p.start), c.end.min(p.end));
+                if s < e {
+                    ranges.push(s..e);
+                }
+            }
+        }
+        if ranges.is_empty() {
+            return Ok(None);
+        }
+        let n = tokens.len();
+        let w = setting.window.clamp(1, n - keep);
+        let name = self.current_rung().to_string();
+        let wrap = |source| SessionError::Engine {
+            rung: name.clone(),
+            source,
+        };
+        let spans: Vec<Span> = ranges
+            .iter()
+            .map(|r| Span {
+                start: r.start,
+                tokens: &tokens[r.clone()],
+            })
+            .collect();
+        let done = {
+            let live = self.live();
+            let done = live.ctx.recompute_spans(&spans).map_err(wrap)?;
+            live.ctx.truncate(n - w);
+            live.ctx.decode(&tokens[n - w..]).map_err(wrap)?;
+            done
+        };
+        let mut left: Vec<Range<usize>> = Vec::new();
+        for p in &self.projected {
+            let inside: Vec<Range<usize>> = ranges
+                .iter()
+                .filter(|r| r.start < p.end && r.end > p.start)
+                .map(|r| r.start - p.start..r.end - p.start)
+                .collect();
+            left.extend(
+                minus(p.len(), &inside)
+                    .into_iter()
+                    .map(|r| r.start + p.start..r.end + p.start),
+            );
+        }
+        self.projected = left;
+        Ok(Some(self.lever(at_token, "refresh", done, t0)))
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::single_range_in_vec_init)] // one range is a list of ranges here
+mod tests {
+    use super::*;
+
+    #[test]
+    fn minus_leaves_the_gaps() {
+        assert_eq!(minus(10, &[]), vec![0..10]);
+        assert_eq!(minus(10, &[0..4, 6..7, 9..12]), vec![4..6, 7..9]);
+        assert_eq!(minus(10, &[3..5, 0..10]), Vec::<Range<usize>>::new());
+        assert_eq!(minus(10, &[2..4, 3..6]), vec![0..2, 6..10]);
+    }
+
+    #[test]
+    fn a_shed_drops_and_shifts() {
+        // pinned 2, shed 3 (positions 2..5): 0..3 keeps 0..2, 4..8 keeps 5..8 -> 2..5.
+        assert_eq!(shed(&[0..3, 4..8], 2, 3), vec![0..5]);
+        assert_eq!(shed(&[10..12], 2, 3), vec![7..9]);
+        assert_eq!(shed(&[2..5], 2, 3), Vec::<Range<usize>>::new());
+    }
+}

@@ -1,0 +1,145 @@
+//! What a session is asked to do: the prompt ([`Prompt`]), one answer's options
+//! ([`GenerateOptions`]), and the session-wide settings ([`SessionOptions`], [`Strategy`]) —
+//! how to switch, what a switch re-reads natively, where projectors are found.
+
+use std::path::PathBuf;
+
+use crate::engine::SamplingParams;
+use crate::sched::Policy;
+use crate::transplant::select::TokenRecompute;
+
+use super::routes::{self, Variant};
+
+/// What to answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prompt {
+    /// Raw text, tokenized as is (no chat template).
+    Text(String),
+    /// A user turn appended to the session's conversation and rendered with the model's chat
+    /// template.
+    User(String),
+}
+
+/// Per-answer options.
+#[derive(Debug, Clone, Copy)]
+pub struct GenerateOptions {
+    /// Stop after this many generated tokens.
+    pub max_tokens: usize,
+    /// Sampling.
+    pub sampling: SamplingParams,
+    /// `(i, rung)`: switch to `rung` before generated token `i`, whatever the budget says
+    /// (benchmarks and tests that need a switch at a known point).
+    pub force_switch: Option<(usize, usize)>,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        Self {
+            max_tokens: 128,
+            sampling: SamplingParams::greedy(),
+            force_switch: None,
+        }
+    }
+}
+
+/// How a session changes rung when the budget says it must.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Strategy {
+    /// Molt (condition D): project the KV cache between two tokens.
+    Molt,
+    /// Condition C: switch rung and re-read prompt + generated text on the destination.
+    Reprefill,
+    /// Conditions A and B: never switch; when the budget falls below the rung's footprint the
+    /// process would be killed, and the answer is lost.
+    Never,
+}
+
+/// Session-wide settings.
+#[derive(Debug, Clone)]
+pub struct SessionOptions {
+    /// How to change rung.
+    pub strategy: Strategy,
+    /// Projector family (ablations).
+    pub variant: Variant,
+    /// Where projector files are searched (see [`routes::search_dirs`]).
+    pub projector_dirs: Vec<PathBuf>,
+    /// Hysteresis and shedding granularity.
+    pub policy: Policy,
+    /// Keep the source rung loaded after a switch (benchmarks that want both warm); by default
+    /// it is freed, which is the point of moving.
+    pub keep_source: bool,
+    /// Also decode the switch token on the source, to measure the handoff divergence (JSD of
+    /// the two next-token distributions). Costs one extra source decode, outside the switch
+    /// cost.
+    pub measure_seam: bool,
+    /// Leading tokens shedding never drops. `None`: the chat template's system prompt for
+    /// chat prompts, nothing for raw text.
+    pub pinned_tokens: Option<usize>,
+    /// Before each decision, raise the current rung's cost to what the process's anonymous
+    /// memory shows it holding (compute buffers grow past what the load measured once a long
+    /// prompt has gone through them). Turn off when several sessions share one process: the
+    /// operating system's numbers cannot tell their allocations apart.
+    pub observe_footprint: bool,
+    /// Selective top-k recompute: at a Molt switch, compute the destination's last `k` blocks'
+    /// K/V natively from the source's mapped boundary hidden state instead of projecting them.
+    /// Off (`None`) by default: it needs a fitted hidden map per route
+    /// (`molt-run train-projectors --topk`), keeps every position's boundary state in host
+    /// memory (n_embd floats per tapped layer and token), and its extra switch cost has to be
+    /// earned by a smoother seam (the conditions benchmark's `D-topk*` arms measure it).
+    pub topk_recompute: Option<usize>,
+    /// Tail recompute: at a Molt switch, drop the projected cells of the last `n` history
+    /// tokens and let the destination re-read them natively (one batch with the pending
+    /// token), so the positions the next token leans on most are the destination's own. 0
+    /// (off) by default; each token re-read costs what a prefill token costs on the
+    /// destination (the conditions benchmark's `D-tail*` arms weigh it against the seam).
+    pub tail_recompute: usize,
+    /// Head re-read: at a Molt switch, the history's first `n` positions get the
+    /// destination's own K/V instead of projected ones. The prefix carries the attention sink
+    /// (most of every head's attention mass) and, in a chat, the chat template's opening (and
+    /// a system prompt, if any); under causal attention its native K/V are exact. The part the
+    /// destination's shipped anchor covers (its state over the template's opening, see
+    /// [`crate::transplant::anchor`]) is spliced in for free; the rest is decoded on the
+    /// destination at the switch, without logits. [`DEFAULT_HEAD_REREAD`] by default (the
+    /// template's opening plus the first token of the user's message); 0 turns it off (the
+    /// conditions benchmark's `D-no-head` arm).
+    pub head_reread: usize,
+    /// Background refill: after a Molt switch, re-read the history natively on the destination
+    /// in a context of its own, this many tokens between every two generated tokens, and let
+    /// it take over the live cache once caught up (the projection's error then lasts only until
+    /// then; the compute is a re-prefill's, spread out instead of stalling). 0 (off) by
+    /// default; the extra context costs the destination's KV once more while it runs.
+    pub refill_chunk: usize,
+    /// Selective token recompute at a size-route switch: after the import, the destination
+    /// re-reads a share of the cached positions natively, chosen by the source's attention
+    /// from the prompt's last tokens (see [`crate::transplant::select`]). On by default
+    /// ([`TokenRecompute::default_size`]): without it a size switch keeps the answer fluent and
+    /// loses the context's facts (the recall benchmark). `None`: off.
+    pub token_recompute: Option<TokenRecompute>,
+}
+
+/// The head re-read of a default Molt switch: ChatML's opening (`<|im_start|>user\n`, three
+/// tokens, from the anchor) and the user message's first token (decoded). Measured on the
+/// real ladder (conditions benchmark, 10 prompts): judge perplexity 2.29 against the
+/// projection alone's 3.00 and a re-prefill's 2.13; three tokens gave 2.46.
+pub const DEFAULT_HEAD_REREAD: usize = 4;
+
+impl Default for SessionOptions {
+    fn default() -> Self {
+        Self {
+            strategy: Strategy::Molt,
+            variant: Variant::Auto,
+            projector_dirs: routes::search_dirs(None),
+            policy: Policy::default(),
+            keep_source: false,
+            measure_seam: false,
+            pinned_tokens: None,
+            observe_footprint: true,
+            topk_recompute: None,
+            tail_recompute: 0,
+            head_reread: DEFAULT_HEAD_REREAD,
+            refill_chunk: 0,
+            token_recompute: Some(TokenRecompute::default_size()),
+        }
+    }
+}

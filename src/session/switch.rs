@@ -1,0 +1,555 @@
+//! One switch as the session runs it: resolve the route (projector or re-prefill), choose
+//! what the destination re-reads natively (head, tail, selective token recompute), carry the
+//! state load-first or shed-first, measure the seam when asked, and report a
+//! [`SwitchInfo`]. The mechanics of carrying a cache live in [`super::migrate`]; this file
+//! holds the session's decisions around them.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::engine::{ContextConfig, Span, Token};
+use crate::pressure::Budget;
+use crate::transplant::anchor::Anchor;
+use crate::transplant::projector::Projector;
+use crate::transplant::select::select_spans;
+
+use super::routes::{self, RouteKind};
+use super::{LiveRung, ParkedRung, Session, SessionError, Strategy, SwitchInfo, jsd, migrate};
+
+/// How a switch carried the conversation's state to the destination.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SwitchMethod {
+    /// Molt (condition D): the KV cache projected between two tokens.
+    Molt,
+    /// Condition C: the destination re-read prompt and generated text.
+    Reprefill,
+    /// A Molt switch without a usable projector for the route: re-read instead, said in the
+    /// switch's note.
+    ReprefillNoProjector,
+}
+
+impl SwitchMethod {
+    /// The name in events and results (`molt`, `reprefill`, `reprefill-no-projector`).
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Molt => "molt",
+            Self::Reprefill => "reprefill",
+            Self::ReprefillNoProjector => "reprefill-no-projector",
+        }
+    }
+
+    /// Whether the destination re-read the whole history (its cache is native).
+    #[must_use]
+    pub fn is_reprefill(self) -> bool {
+        !matches!(self, Self::Molt)
+    }
+}
+
+impl std::fmt::Display for SwitchMethod {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl PartialEq<&str> for SwitchMethod {
+    fn eq(&self, other: &&str) -> bool {
+        self.as_str() == *other
+    }
+}
+
+/// What carrying the state produced, before the session records it as a [`SwitchInfo`].
+struct SwitchOutcome {
+    from_name: String,
+    timings: migrate::SwitchTimings,
+    method: SwitchMethod,
+    note: Option<String>,
+    load_ms: f64,
+    seam: Option<SeamReading>,
+    /// The spans re-read by selective token recompute.
+    spans: Vec<Range<usize>>,
+}
+
+/// A switch's seam as the quality pass measures it.
+#[derive(Debug, Clone, Copy)]
+struct SeamReading {
+    /// JSD of the destination's first distribution against the source's own.
+    jsd: f64,
+    /// The same for the destination with a native cache of the same history (a re-prefill's
+    /// JSD; for a re-prefill switch, `jsd` itself).
+    floor: Option<f64>,
+}
+
+/// The destination's native next-token distribution after `history` + `last`, read on a
+/// scratch context of its model, as a JSD against `reference` (the source's): the floor a
+/// re-prefill would have reached at this very switch. `None` if it cannot be measured.
+fn native_floor(
+    dst: &LiveRung,
+    history: &[Token],
+    last: Token,
+    config: ContextConfig,
+    reference: &[f32],
+) -> Option<f64> {
+    let cfg = ContextConfig {
+        attention_tap: false,
+        hidden_tap: false,
+        ..config
+    };
+    let mut ctx = crate::engine::Context::new(dst.ctx.model().clone(), cfg).ok()?;
+    let mut all = Vec::with_capacity(history.len() + 1);
+    all.extend_from_slice(history);
+    all.push(last);
+    ctx.decode(&all).ok()?;
+    Some(jsd(reference, ctx.logits()))
+}
+
+/// The inputs of one top-k recompute, gathered from the source before it may be freed.
+struct TopkInputs {
+    k: usize,
+    map: Arc<crate::transplant::hidden::HiddenMap>,
+    /// The source's boundary states, `[n_past][n_embd_src]`.
+    hidden: ndarray::Array2<f32>,
+}
+
+impl Session {
+    /// The history's first and last tokens a Molt switch re-reads natively
+    /// ([`SessionOptions::head_reread`], [`SessionOptions::tail_recompute`]), never more than
+    /// the `n_past` cells the cache holds; the head's anchored part comes from `anchor`.
+    fn reread<'a>(
+        &'a self,
+        n_past: usize,
+        anchor: Option<&'a Anchor>,
+        spans: &'a [Span<'a>],
+    ) -> migrate::Reread<'a> {
+        let avail = n_past.min(self.history.len());
+        let n = self.opts.tail_recompute.min(avail);
+        let h = self.opts.head_reread.min(avail);
+        migrate::Reread {
+            head: &self.history[..h],
+            tail: &self.history[self.history.len() - n..],
+            anchor,
+            spans,
+        }
+    }
+
+    /// The positions a switch `from → to` re-reads natively between the head and the tail
+    /// (selective token recompute): none unless it is on and the route is a size route (a
+    /// precision route keeps the context's facts without it).
+    fn recompute_ranges(&self, from: usize, to: usize, n_past: usize) -> Vec<Range<usize>> {
+        let Some(setting) = self.opts.token_recompute else {
+            return Vec::new();
+        };
+        let kind = routes::route_kind(self.routes.binding(from), self.routes.binding(to));
+        if kind != RouteKind::Size {
+            return Vec::new();
+        }
+        let avail = n_past.min(self.history.len());
+        let lo = self.opts.head_reread.min(avail);
+        let hi = avail - self.opts.tail_recompute.min(avail);
+        let scores = self.observed.as_deref().unwrap_or(&[]);
+        // The question (the observation window at the prompt's end) and the answer so far.
+        let prompt_end = if scores.is_empty() { hi } else { scores.len() };
+        let always = prompt_end.saturating_sub(setting.window);
+        select_spans(scores, lo, hi, always, &setting, avail as u64)
+    }
+
+    /// The history's tokens of `ranges`.
+    fn spans_of<'a>(&'a self, ranges: &[Range<usize>]) -> Vec<Span<'a>> {
+        ranges
+            .iter()
+            .map(|r| Span {
+                start: r.start,
+                tokens: &self.history[r.clone()],
+            })
+            .collect()
+    }
+
+    /// The destination's anchor for a head re-read (none when the head re-read is off or no
+    /// anchor is shipped); a damaged or foreign anchor is not used, and `note` says why (the
+    /// head is then decoded whole).
+    fn anchor_for(&mut self, to: usize, note: &mut Option<String>) -> Option<Arc<Anchor>> {
+        if self.opts.head_reread == 0 {
+            return None;
+        }
+        self.routes.anchor(to).unwrap_or_else(|e| {
+            *note = Some(format!("anchor not used, head decoded: {e}"));
+            None
+        })
+    }
+
+    /// What top-k recompute needs for a switch `from → to` out of `src`, or why it cannot run
+    /// (then the switch projects every layer, and the reason goes in the switch's note).
+    ///
+    /// Only states the source computed itself are used: after a switch the new rung holds an
+    /// imported cache whose earlier positions it never decoded, so its tap covers only what
+    /// came after, and a later switch out of it projects every layer. Chaining maps through the
+    /// rung that did compute them would compound two fits' errors for a second switch inside
+    /// one answer, which the benchmark's traces do not produce; the plain projection is the
+    /// honest fallback.
+    fn topk_inputs(
+        &mut self,
+        from: usize,
+        to: usize,
+        src: &crate::engine::Context,
+    ) -> Result<Option<TopkInputs>, String> {
+        let Some(k) = self.opts.topk_recompute else {
+            return Ok(None);
+        };
+        let map = self
+            .routes
+            .hidden(from, to, k)
+            .map_err(|e| format!("top-k recompute off for this switch: {e}"))?;
+        let hidden = src.hidden_states(map.src_layer).ok_or_else(|| {
+            format!(
+                "top-k recompute off for this switch: {} did not compute the boundary state of every cached position itself",
+                self.ladder.rungs[from].name()
+            )
+        })?;
+        Ok(Some(TopkInputs { k, map, hidden }))
+    }
+
+    fn recompute_for<'a>(&'a self, to: usize, t: &'a TopkInputs) -> migrate::Recompute<'a> {
+        let info = &self.ladder.rungs[to];
+        migrate::Recompute {
+            hidden: t.hidden.view(),
+            map: Some(&t.map),
+            k: t.k,
+            dst_path: &info.path,
+            dst_sha256: &info.sha256,
+            dst_layers: info.facts.n_layer as usize,
+        }
+    }
+
+    /// Moves the session to rung `to` between two tokens: `last` is the token sampled on the
+    /// current rung but not decoded yet; on return it has been decoded on `to`, whose logits
+    /// are ready.
+    ///
+    /// Moving down to a rung that is not loaded, the source is freed *before* the destination
+    /// is mapped (see [`Session::switch_shed_first`]), so the process never holds both; moving
+    /// up, or with the source kept or the seam measured, the destination is loaded first.
+    pub(super) fn switch_to(
+        &mut self,
+        to: usize,
+        last: Token,
+        at_token: usize,
+        budget: Option<Budget>,
+    ) -> Result<SwitchInfo, SessionError> {
+        let from = self.current;
+        let shed_first = to > from
+            && self.rungs[to].is_none()
+            && !self.opts.keep_source
+            && !self.opts.measure_seam;
+        let SwitchOutcome {
+            from_name,
+            timings,
+            method,
+            note,
+            load_ms,
+            seam,
+            spans,
+        } = if shed_first {
+            self.switch_shed_first(from, to, last)?
+        } else {
+            self.switch_load_first(from, to, last)?
+        };
+        let dst = self.rungs[to].as_ref().expect("destination is loaded");
+        let n_tokens = self.history.len() as u64 + 1;
+        let (n_params, n_layer, n_embd) = (
+            dst.model().n_params(),
+            dst.model().n_layer() as u64,
+            dst.model().n_embd() as u64,
+        );
+        let flops_reprefill = migrate::prefill_flops(n_params, n_layer, n_embd, n_tokens);
+        let flops = if method.is_reprefill() {
+            flops_reprefill
+        } else {
+            timings.flops + migrate::prefill_flops(n_params, n_layer, n_embd, 1)
+        };
+        let info = SwitchInfo {
+            at_token,
+            from: from_name,
+            to: dst.name().to_string(),
+            method,
+            cost_ms: timings.cost_ms,
+            load_ms,
+            export_ms: timings.export_ms,
+            project_ms: timings.project_ms,
+            import_ms: timings.import_ms,
+            first_decode_ms: timings.first_decode_ms,
+            recompute_ms: timings.recompute_ms,
+            topk: timings.topk,
+            head: timings.head,
+            head_anchored: timings.head_anchored,
+            head_ms: timings.head_ms,
+            recomputed: timings.recomputed,
+            spans: timings.spans,
+            spans_ms: timings.spans_ms,
+            cells: timings.cells,
+            flops,
+            flops_reprefill,
+            pressure: budget.map_or(0.0, |b| b.pressure),
+            budget_bytes: budget.map_or(0, |b| b.bytes),
+            handoff_jsd: seam.map(|s| s.jsd),
+            handoff_floor_jsd: seam.and_then(|s| s.floor),
+            note,
+        };
+        self.current = to;
+        // What the destination's cache holds that is not its own.
+        self.projected = if method == SwitchMethod::Molt {
+            let n = timings.cells;
+            let mut native = spans;
+            native.push(0..timings.head.min(n));
+            native.push(n - timings.tail.min(n)..n);
+            super::native::minus(n, &native)
+        } else {
+            Vec::new()
+        };
+        Ok(info)
+    }
+
+    /// The route's projector, or why there is none (then the switch re-reads, and the note
+    /// says so): resolved once, before anything is freed or loaded.
+    fn resolve_route(
+        &mut self,
+        from: usize,
+        to: usize,
+    ) -> (Option<Arc<Projector>>, Option<String>) {
+        match self.opts.strategy {
+            Strategy::Reprefill => (None, None),
+            // Without a usable projector the answer must still survive: fall back to a
+            // re-prefill, named as such in the switch event, rather than lose it.
+            _ => match self.routes.get(from, to) {
+                Ok(p) => (Some(p), None),
+                Err(e) => (None, Some(format!("fell back to a re-prefill: {e}"))),
+            },
+        }
+    }
+
+    /// The method a switch reports: a re-read is a fallback when the strategy wanted a
+    /// projection.
+    fn reread_method(&self) -> SwitchMethod {
+        if self.opts.strategy == Strategy::Reprefill {
+            SwitchMethod::Reprefill
+        } else {
+            SwitchMethod::ReprefillNoProjector
+        }
+    }
+
+    /// The load-first switch: map the destination (if needed), carry the state while both are
+    /// live, then free the source (or keep it, cleared, with `keep_source`). On failure both
+    /// rungs are as they were.
+    fn switch_load_first(
+        &mut self,
+        from: usize,
+        to: usize,
+        last: Token,
+    ) -> Result<SwitchOutcome, SessionError> {
+        let was_loaded = self.rungs[to].is_some();
+        let t_load = Instant::now();
+        self.ensure_loaded(to)?;
+        let load_ms = if was_loaded {
+            0.0
+        } else {
+            t_load.elapsed().as_secs_f64() * 1e3
+        };
+        let (projector, mut note) = self.resolve_route(from, to);
+        let mut src = self.rungs[from].take().expect("current rung is loaded");
+        let mut dst = self.rungs[to].take().expect("destination just loaded");
+        let ranges = if projector.is_some() {
+            self.recompute_ranges(from, to, src.ctx.n_past())
+        } else {
+            Vec::new()
+        };
+        let result = match &projector {
+            None => migrate::reprefill(&src.ctx, &mut dst.ctx, &self.history, last)
+                .map(|t| (t, self.reread_method())),
+            Some(p) => {
+                let topk = self.topk_inputs(from, to, &src.ctx).unwrap_or_else(|why| {
+                    note = Some(why);
+                    None
+                });
+                let anchor = self.anchor_for(to, &mut note);
+                let rc = topk.as_ref().map(|t| self.recompute_for(to, t));
+                let spans = self.spans_of(&ranges);
+                let reread = self.reread(src.ctx.n_past(), anchor.as_deref(), &spans);
+                migrate::transplant_with(&src.ctx, &mut dst.ctx, p, rc.as_ref(), reread, last)
+                    .map(|t| (t, SwitchMethod::Molt))
+            }
+        };
+        let (timings, method) = match result {
+            Ok(r) => r,
+            Err(e) => {
+                self.rungs[from] = Some(src);
+                self.rungs[to] = Some(dst);
+                return Err(e);
+            }
+        };
+        let seam = if self.opts.measure_seam && src.ctx.decode(&[last]).is_ok() {
+            let reference = src.ctx.logits();
+            let jsd = jsd(reference, dst.ctx.logits());
+            // A re-prefill switch is its own floor.
+            let floor = if method == SwitchMethod::Molt {
+                native_floor(&dst, &self.history, last, self.config, reference)
+            } else {
+                Some(jsd)
+            };
+            src.ctx.truncate(src.ctx.n_past().saturating_sub(1));
+            Some(SeamReading { jsd, floor })
+        } else {
+            None
+        };
+        let from_name = src.name().to_string();
+        self.rungs[to] = Some(dst);
+        if self.opts.keep_source {
+            src.ctx.clear();
+            self.rungs[from] = Some(src);
+        } else {
+            drop(src);
+        }
+        Ok(SwitchOutcome {
+            from_name,
+            timings,
+            method,
+            note,
+            load_ms,
+            seam,
+            spans: ranges,
+        })
+    }
+
+    /// The shed-first switch, for moving down under pressure: export the source's sequence
+    /// state (a few MB of host memory), free the source — weights unmapped, context and its
+    /// buffers released — then map the destination, project and import. The process never
+    /// holds both rungs, so the switch itself cannot overshoot the budget it answers.
+    ///
+    /// If the destination cannot be loaded or the state cannot be carried, the source is
+    /// mapped again and its exported state re-imported byte for byte, so the session stays
+    /// where it was with nothing lost; only if that also fails is the error fatal.
+    fn switch_shed_first(
+        &mut self,
+        from: usize,
+        to: usize,
+        last: Token,
+    ) -> Result<SwitchOutcome, SessionError> {
+        // Resolve the projector before anything is freed: a missing one means a re-prefill.
+        let (projector, mut note) = self.resolve_route(from, to);
+        let t0 = Instant::now();
+        let src = self.rungs[from].take().expect("current rung is loaded");
+        let from_name = src.name().to_string();
+        let from_model = src.model().name().to_string();
+        let n_past = src.ctx.n_past();
+        let blob = match src.ctx.export_state() {
+            Ok(b) => b,
+            Err(e) => {
+                self.rungs[from] = Some(src);
+                return Err(SessionError::Migration {
+                    from: from_name,
+                    to: self.ladder.rungs[to].name().to_string(),
+                    message: format!("export: {e}"),
+                });
+            }
+        };
+        let export_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let src_config = src.ctx.config();
+        let ranges = if projector.is_some() {
+            self.recompute_ranges(from, to, n_past)
+        } else {
+            Vec::new()
+        };
+        let topk = match projector {
+            Some(_) => self.topk_inputs(from, to, &src.ctx).unwrap_or_else(|why| {
+                note = Some(why);
+                None
+            }),
+            None => None,
+        };
+        drop(src);
+        crate::pressure::trim_heap();
+        let t_load = Instant::now();
+        let carried = match LiveRung::load(&self.ladder.rungs[to], self.config) {
+            Ok(mut dst) => {
+                let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
+                if dst.context_bytes > 0 && !self.pinned_costs {
+                    self.context_bytes[to] = Some(dst.context_bytes);
+                }
+                self.arm_hidden_tap(to, &mut dst.ctx);
+                let anchor = self.anchor_for(to, &mut note);
+                let rc = topk.as_ref().map(|t| self.recompute_for(to, t));
+                let spans = self.spans_of(&ranges);
+                // The load is reported apart (both strategies pay it): the switch's own cost
+                // is the export plus everything after the load.
+                let r = match &projector {
+                    Some(p) => migrate::transplant_exported(
+                        &migrate::Exported {
+                            blob: &blob,
+                            n_past,
+                            from: &from_model,
+                            export_ms,
+                        },
+                        &mut dst.ctx,
+                        p,
+                        rc.as_ref(),
+                        self.reread(n_past, anchor.as_deref(), &spans),
+                        last,
+                    )
+                    .map(|t| (t, SwitchMethod::Molt)),
+                    None => migrate::reprefill_from(&from_model, &mut dst.ctx, &self.history, last)
+                        .map(|mut t| {
+                            t.export_ms = export_ms;
+                            t.cost_ms += export_ms;
+                            (t, self.reread_method())
+                        }),
+                };
+                r.map(|(t, m)| (t, m, dst, load_ms))
+            }
+            Err(e) => Err(e),
+        };
+        match carried {
+            Ok((timings, method, dst, load_ms)) => {
+                self.rungs[to] = Some(dst);
+                Ok(SwitchOutcome {
+                    from_name,
+                    timings,
+                    method,
+                    note: note.take(),
+                    load_ms,
+                    seam: None,
+                    spans: ranges,
+                })
+            }
+            Err(e) => {
+                // Put the source back exactly as it was: its exported state is a parked rung.
+                let restored = ParkedRung {
+                    info: self.ladder.rungs[from].clone(),
+                    config: src_config,
+                    blob,
+                    n_past,
+                    park_ms: 0.0,
+                }
+                .resume();
+                match restored {
+                    Ok(live) => {
+                        self.rungs[from] = Some(live);
+                        Err(e)
+                    }
+                    Err(r) => {
+                        // Nothing of the answer's state survives: start the rung afresh so the
+                        // session stays usable, and forget the history its cache no longer
+                        // holds.
+                        self.history.clear();
+                        let _ = self.ensure_loaded(from);
+                        Err(SessionError::Migration {
+                            from: from_name,
+                            to: self.ladder.rungs[to].name().to_string(),
+                            message: format!(
+                                "{e}; and the source could not be restored after it: {r}"
+                            ),
+                        })
+                    }
+                }
+            }
+        }
+    }
+}
