@@ -224,20 +224,52 @@ struct Outcome {
     drop_overshoot: Option<i64>,
 }
 
-#[allow(clippy::too_many_arguments)]
-fn generate_once(
-    ladder: &Ladder,
+/// What every run of one benchmark shares: the ladder and its context settings, the trace
+/// every arm replays and the measured costs it was built from (every session decides on
+/// those), and how prompts are rendered. Built once, after the cost probe.
+#[derive(Clone, Copy)]
+struct Setup<'a> {
+    ladder: &'a Ladder,
     config: ContextConfig,
-    arm: &ArmSpec,
-    prompt: &PromptSpec,
-    trace: &Trace,
-    routes: &RouteSet,
-    costs: &[RungCost],
-    pass: Pass,
-    rep: usize,
-    max_tokens: usize,
+    trace: &'a Trace,
+    costs: &'a [RungCost],
+    /// Render prompts with the rung's chat template ([`ConditionsOptions::chat`]).
     chat: bool,
-) -> Result<Outcome, BenchError> {
+}
+
+/// One run: which arm answers which prompt, with which routes, in which pass.
+#[derive(Clone, Copy)]
+struct RunSpec<'a> {
+    arm: &'a ArmSpec,
+    /// The arm's resolved routes (empty for an arm that does not transplant).
+    routes: &'a RouteSet,
+    prompt: &'a PromptSpec,
+    pass: Pass,
+    /// Repetition (1-based; 0 for the quality pass).
+    rep: usize,
+    /// Tokens to generate (the quality pass stops just past the trace's last step).
+    max_tokens: usize,
+}
+
+/// Runs `spec` on a fresh session of `setup`'s ladder, recording every event and a row per
+/// token; in the quality pass every other rung is preloaded with its attention tap armed and
+/// the source is kept to measure the seam.
+fn generate_once(setup: &Setup<'_>, spec: &RunSpec<'_>) -> Result<Outcome, BenchError> {
+    let Setup {
+        ladder,
+        config,
+        trace,
+        costs,
+        chat,
+    } = *setup;
+    let RunSpec {
+        arm,
+        routes,
+        prompt,
+        pass,
+        rep,
+        max_tokens,
+    } = *spec;
     let quality = pass == Pass::Quality;
     let n = ladder.rungs.len();
     let start = match arm.start {
@@ -466,6 +498,13 @@ pub fn run(
         }
         None => spike_trace(&costs, ctx_tokens, &opts.steps)?,
     };
+    let setup = Setup {
+        ladder,
+        config,
+        trace: &trace,
+        costs: &costs,
+        chat: opts.chat,
+    };
 
     let mut logs = Vec::new();
     let mut cells: Vec<Cell> = Vec::new();
@@ -476,17 +515,15 @@ pub fn run(
             for arm in &runnable {
                 let routes = projectors.get(&arm.id).cloned().unwrap_or_default();
                 let o = generate_once(
-                    ladder,
-                    config,
-                    arm,
-                    prompt,
-                    &trace,
-                    &routes,
-                    &costs,
-                    Pass::Timing,
-                    rep,
-                    opts.max_tokens,
-                    opts.chat,
+                    &setup,
+                    &RunSpec {
+                        arm,
+                        routes: &routes,
+                        prompt,
+                        pass: Pass::Timing,
+                        rep,
+                        max_tokens: opts.max_tokens,
+                    },
                 )?;
                 let t = timed_run(&o, rep);
                 done += 1;
@@ -553,17 +590,15 @@ pub fn run(
             for arm in runnable.iter().filter(|a| a.switches()) {
                 let routes = projectors.get(&arm.id).cloned().unwrap_or_default();
                 let o = generate_once(
-                    ladder,
-                    config,
-                    arm,
-                    prompt,
-                    &trace,
-                    &routes,
-                    &costs,
-                    Pass::Quality,
-                    0,
-                    max_tokens,
-                    opts.chat,
+                    &setup,
+                    &RunSpec {
+                        arm,
+                        routes: &routes,
+                        prompt,
+                        pass: Pass::Quality,
+                        rep: 0,
+                        max_tokens,
+                    },
                 )?;
                 let g = &o.generation;
                 let mut seams = Vec::new();
