@@ -435,7 +435,6 @@ fn timed_run(o: &Outcome, rep: usize) -> TimedRun {
 /// # Errors
 /// [`BenchError::Config`] for inconsistent options or missing projectors (before any answer
 /// is generated); session, engine and judge errors otherwise.
-#[allow(clippy::too_many_lines)]
 pub fn run(
     ladder: &Ladder,
     config: ContextConfig,
@@ -461,15 +460,7 @@ pub fn run(
     }
     let runnable: Vec<&ArmSpec> = opts.arms.iter().filter(|a| a.built).collect();
     // Projectors first: a missing file must fail before minutes of generation.
-    let mut cache = HashMap::new();
-    let mut projectors: HashMap<String, RouteSet> = HashMap::new();
-    for arm in runnable.iter().filter(|a| a.strategy == Strategy::Molt) {
-        projectors.insert(
-            arm.id.clone(),
-            projectors_for(ladder, arm, &opts.projector_dirs, &mut cache)?,
-        );
-    }
-    drop(cache);
+    let projectors = resolve_routes(ladder, &runnable, &opts.projector_dirs)?;
 
     progress("measuring rung footprints with the longest prompt");
     let (costs, max_prompt) = measure_costs(ladder, config, &opts.prompts, opts.chat)?;
@@ -506,16 +497,95 @@ pub fn run(
         chat: opts.chat,
     };
 
+    let (mut cells, mut logs) = timing_pass(&setup, opts, &runnable, &projectors, t0, progress)?;
+    if opts.quality {
+        logs.extend(quality_pass(
+            &setup,
+            opts,
+            &runnable,
+            &projectors,
+            &mut cells,
+            progress,
+        )?);
+    }
+
+    progress(&format!(
+        "judging continuations with {}",
+        ladder.rungs[0].name()
+    ));
+    judge_pass(ladder, config, opts, &mut cells)?;
+
+    let summary = summarize(ladder, &opts.arms, &cells, opts.reps);
+    let timing = timing_comparisons(&summary);
+    let paired = paired_comparisons(&opts.arms, &cells);
+    let representative = representative(&cells);
+    let report = ConditionsReport {
+        run: info,
+        ladder: ladder.name().to_string(),
+        rungs: ladder.names(),
+        settings: Settings {
+            max_tokens: opts.max_tokens,
+            reps: opts.reps,
+            quality_pass: opts.quality,
+            steps: opts.steps.clone(),
+            n_ctx: config.n_ctx,
+            threads: config.n_threads,
+            cache_type: format!("{:?}", config.cache_type).to_lowercase(),
+            judge: ladder.rungs[0].name().to_string(),
+            trace_ctx_tokens: ctx_tokens,
+        },
+        trace,
+        rung_costs: costs,
+        arms: opts.arms.clone(),
+        prompts: opts.prompts.clone(),
+        cells,
+        summary,
+        timing,
+        paired,
+        representative,
+        elapsed_s: t0.elapsed().as_secs_f64(),
+    };
+    Ok((report, logs))
+}
+
+/// Every Molt arm's routes, by arm id, resolved before any answer is generated.
+fn resolve_routes(
+    ladder: &Ladder,
+    runnable: &[&ArmSpec],
+    dirs: &[PathBuf],
+) -> Result<HashMap<String, RouteSet>, BenchError> {
+    let mut cache = HashMap::new();
+    let mut projectors: HashMap<String, RouteSet> = HashMap::new();
+    for arm in runnable.iter().filter(|a| a.strategy == Strategy::Molt) {
+        projectors.insert(
+            arm.id.clone(),
+            projectors_for(ladder, arm, dirs, &mut cache)?,
+        );
+    }
+    Ok(projectors)
+}
+
+/// The timing repetitions, arms interleaved within each prompt so that drift hits every arm
+/// alike: one [`Cell`] per arm and prompt holding its [`TimedRun`]s, and every run's log.
+/// `t0` is the benchmark's start, for the time-left estimate.
+fn timing_pass(
+    setup: &Setup<'_>,
+    opts: &ConditionsOptions,
+    runnable: &[&ArmSpec],
+    projectors: &HashMap<String, RouteSet>,
+    t0: Instant,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(Vec<Cell>, Vec<RunLog>), BenchError> {
     let mut logs = Vec::new();
     let mut cells: Vec<Cell> = Vec::new();
     let total_runs = opts.reps * opts.prompts.len() * runnable.len();
     let mut done = 0usize;
     for rep in 1..=opts.reps {
         for prompt in &opts.prompts {
-            for arm in &runnable {
+            for arm in runnable {
                 let routes = projectors.get(&arm.id).cloned().unwrap_or_default();
                 let o = generate_once(
-                    &setup,
+                    setup,
                     &RunSpec {
                         arm,
                         routes: &routes,
@@ -578,150 +648,137 @@ pub fn run(
             }
         }
     }
+    Ok((cells, logs))
+}
 
-    if opts.quality {
-        let max_tokens = opts
-            .steps
-            .last()
-            .map_or(opts.max_tokens, |&s| (s + 2).min(opts.max_tokens));
-        let mut native = NativeAttention::new(ladder.rungs.len(), config);
-        let index_of = |name: &str| ladder.rungs.iter().position(|r| r.name() == name);
-        for prompt in &opts.prompts {
-            for arm in runnable.iter().filter(|a| a.switches()) {
-                let routes = projectors.get(&arm.id).cloned().unwrap_or_default();
-                let o = generate_once(
-                    &setup,
-                    &RunSpec {
-                        arm,
-                        routes: &routes,
-                        prompt,
-                        pass: Pass::Quality,
-                        rep: 0,
-                        max_tokens,
-                    },
-                )?;
-                let g = &o.generation;
-                let mut seams = Vec::new();
-                for sw in &g.switches {
-                    let (Some(s), Some(d)) = (index_of(&sw.from), index_of(&sw.to)) else {
-                        continue;
-                    };
-                    let migrated = o.captures[d]
-                        .as_ref()
-                        .map(AttentionCapture::mean_entropy)
-                        .filter(|e| e.is_finite());
-                    let mut seq = o.prompt_ids.clone();
-                    seq.extend_from_slice(&g.tokens[..sw.at_token.min(g.tokens.len())]);
-                    let native_e = native.entropy(d, &ladder.rungs[d], &seq).ok();
-                    seams.push(SeamRecord {
-                        at_token: sw.at_token,
-                        from: sw.from.clone(),
-                        to: sw.to.clone(),
-                        kind: route_kind_of(ladder, s, d),
-                        handoff_jsd: sw.handoff_jsd,
-                        handoff_floor_jsd: sw.handoff_floor_jsd,
-                        entropy_migrated: migrated,
-                        entropy_native: native_e,
-                        flatness: migrated.zip(native_e).map(|(m, n)| m / n),
-                    });
-                }
-                let cell = cells
-                    .iter_mut()
-                    .find(|c| c.arm == arm.id && c.prompt == prompt.id)
-                    .expect("every arm and prompt has a timed cell");
-                let timed = &cell.timed[0].token_ids;
-                let k = timed.len().min(g.tokens.len());
-                let tokens_match_timing = timed[..k] == g.tokens[..k];
-                progress(&format!(
-                    "quality {} {:<13} {}{}",
-                    prompt.id,
-                    arm.id,
-                    seams
-                        .iter()
-                        .map(|s| format!(
-                            "{}→{} JSD {} flatness {}  ",
-                            s.from,
-                            s.to,
-                            s.handoff_jsd.map_or("-".into(), |v| format!("{v:.4}")),
-                            s.flatness.map_or("-".into(), |v| format!("{v:.3}"))
-                        ))
-                        .collect::<String>(),
-                    if tokens_match_timing {
-                        ""
-                    } else {
-                        "(tokens differ from timing rep 1)"
-                    }
-                ));
-                cell.quality = Some(QualityRun {
-                    seams,
-                    tokens_match_timing,
-                });
-                logs.push(o.log);
-            }
-        }
-        native.clear();
-    }
-
-    progress(&format!(
-        "judging continuations with {}",
-        ladder.rungs[0].name()
-    ));
-    {
-        let mut judge = Judge::new(&ladder.rungs[0], config)?;
-        let first_step = opts.steps.first().copied().unwrap_or(0);
-        for prompt in &opts.prompts {
-            for cell in cells.iter_mut().filter(|c| c.prompt == prompt.id) {
-                let t = &cell.timed[0];
-                if t.killed || t.prompt_ids.is_empty() {
+/// The quality pass for the arms that switch, up to one token past the trace's last step: the
+/// seam of every switch ([`SeamRecord`]: handoff JSD, its re-prefill floor, attention flatness
+/// against the destination's own cache of the same tokens), folded into the arm's cell; returns
+/// the runs' logs.
+fn quality_pass(
+    setup: &Setup<'_>,
+    opts: &ConditionsOptions,
+    runnable: &[&ArmSpec],
+    projectors: &HashMap<String, RouteSet>,
+    cells: &mut [Cell],
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<RunLog>, BenchError> {
+    let Setup { ladder, config, .. } = *setup;
+    let mut logs = Vec::new();
+    let max_tokens = opts
+        .steps
+        .last()
+        .map_or(opts.max_tokens, |&s| (s + 2).min(opts.max_tokens));
+    let mut native = NativeAttention::new(ladder.rungs.len(), config);
+    let index_of = |name: &str| ladder.rungs.iter().position(|r| r.name() == name);
+    for prompt in &opts.prompts {
+        for arm in runnable.iter().filter(|a| a.switches()) {
+            let routes = projectors.get(&arm.id).cloned().unwrap_or_default();
+            let o = generate_once(
+                setup,
+                &RunSpec {
+                    arm,
+                    routes: &routes,
+                    prompt,
+                    pass: Pass::Quality,
+                    rep: 0,
+                    max_tokens,
+                },
+            )?;
+            let g = &o.generation;
+            let mut seams = Vec::new();
+            for sw in &g.switches {
+                let (Some(s), Some(d)) = (index_of(&sw.from), index_of(&sw.to)) else {
                     continue;
-                }
-                let j0 = t.switches.first().map_or(first_step, |s| s.at_token);
-                if j0 >= t.token_ids.len() {
-                    continue;
-                }
-                let mut full = t.prompt_ids.clone();
-                full.extend_from_slice(&t.token_ids);
-                let score = judge.score(&full, t.prompt_ids.len() + j0)?;
-                cell.continuation = Some(ContinuationQuality {
-                    judged_from: j0,
-                    judge: score,
-                    judge_ppl: score.perplexity(),
-                    repetition_after: repetition(&t.token_ids[j0..], REPETITION_N),
-                    repetition_all: repetition(&t.token_ids, REPETITION_N),
+                };
+                let migrated = o.captures[d]
+                    .as_ref()
+                    .map(AttentionCapture::mean_entropy)
+                    .filter(|e| e.is_finite());
+                let mut seq = o.prompt_ids.clone();
+                seq.extend_from_slice(&g.tokens[..sw.at_token.min(g.tokens.len())]);
+                let native_e = native.entropy(d, &ladder.rungs[d], &seq).ok();
+                seams.push(SeamRecord {
+                    at_token: sw.at_token,
+                    from: sw.from.clone(),
+                    to: sw.to.clone(),
+                    kind: route_kind_of(ladder, s, d),
+                    handoff_jsd: sw.handoff_jsd,
+                    handoff_floor_jsd: sw.handoff_floor_jsd,
+                    entropy_migrated: migrated,
+                    entropy_native: native_e,
+                    flatness: migrated.zip(native_e).map(|(m, n)| m / n),
                 });
             }
+            let cell = cells
+                .iter_mut()
+                .find(|c| c.arm == arm.id && c.prompt == prompt.id)
+                .expect("every arm and prompt has a timed cell");
+            let timed = &cell.timed[0].token_ids;
+            let k = timed.len().min(g.tokens.len());
+            let tokens_match_timing = timed[..k] == g.tokens[..k];
+            progress(&format!(
+                "quality {} {:<13} {}{}",
+                prompt.id,
+                arm.id,
+                seams
+                    .iter()
+                    .map(|s| format!(
+                        "{}→{} JSD {} flatness {}  ",
+                        s.from,
+                        s.to,
+                        s.handoff_jsd.map_or("-".into(), |v| format!("{v:.4}")),
+                        s.flatness.map_or("-".into(), |v| format!("{v:.3}"))
+                    ))
+                    .collect::<String>(),
+                if tokens_match_timing {
+                    ""
+                } else {
+                    "(tokens differ from timing rep 1)"
+                }
+            ));
+            cell.quality = Some(QualityRun {
+                seams,
+                tokens_match_timing,
+            });
+            logs.push(o.log);
         }
     }
+    native.clear();
+    Ok(logs)
+}
 
-    let summary = summarize(ladder, &opts.arms, &cells, opts.reps);
-    let timing = timing_comparisons(&summary);
-    let paired = paired_comparisons(&opts.arms, &cells);
-    let representative = representative(&cells);
-    let report = ConditionsReport {
-        run: info,
-        ladder: ladder.name().to_string(),
-        rungs: ladder.names(),
-        settings: Settings {
-            max_tokens: opts.max_tokens,
-            reps: opts.reps,
-            quality_pass: opts.quality,
-            steps: opts.steps.clone(),
-            n_ctx: config.n_ctx,
-            threads: config.n_threads,
-            cache_type: format!("{:?}", config.cache_type).to_lowercase(),
-            judge: ladder.rungs[0].name().to_string(),
-            trace_ctx_tokens: ctx_tokens,
-        },
-        trace,
-        rung_costs: costs,
-        arms: opts.arms.clone(),
-        prompts: opts.prompts.clone(),
-        cells,
-        summary,
-        timing,
-        paired,
-        representative,
-        elapsed_s: t0.elapsed().as_secs_f64(),
-    };
-    Ok((report, logs))
+/// The judge: the largest rung scores each cell's first timing repetition from its first
+/// switch (or the trace's first step), beside the repeated-4-gram fractions.
+fn judge_pass(
+    ladder: &Ladder,
+    config: ContextConfig,
+    opts: &ConditionsOptions,
+    cells: &mut [Cell],
+) -> Result<(), BenchError> {
+    let mut judge = Judge::new(&ladder.rungs[0], config)?;
+    let first_step = opts.steps.first().copied().unwrap_or(0);
+    for prompt in &opts.prompts {
+        for cell in cells.iter_mut().filter(|c| c.prompt == prompt.id) {
+            let t = &cell.timed[0];
+            if t.killed || t.prompt_ids.is_empty() {
+                continue;
+            }
+            let j0 = t.switches.first().map_or(first_step, |s| s.at_token);
+            if j0 >= t.token_ids.len() {
+                continue;
+            }
+            let mut full = t.prompt_ids.clone();
+            full.extend_from_slice(&t.token_ids);
+            let score = judge.score(&full, t.prompt_ids.len() + j0)?;
+            cell.continuation = Some(ContinuationQuality {
+                judged_from: j0,
+                judge: score,
+                judge_ppl: score.perplexity(),
+                repetition_after: repetition(&t.token_ids[j0..], REPETITION_N),
+                repetition_all: repetition(&t.token_ids, REPETITION_N),
+            });
+        }
+    }
+    Ok(())
 }
