@@ -515,7 +515,7 @@ pub fn run(
     ));
     judge_pass(ladder, config, opts, &mut cells)?;
 
-    let summary = summarize(ladder, &opts.arms, &cells, opts.reps);
+    let summary = summarize(&opts.arms, &cells, opts.reps);
     let timing = timing_comparisons(&summary);
     let paired = paired_comparisons(&opts.arms, &cells);
     let representative = representative(&cells);

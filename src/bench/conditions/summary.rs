@@ -16,7 +16,6 @@ use super::report::{
 use crate::bench::BenchError;
 use crate::bench::metrics::{JudgeScore, Noise, pooled_perplexity};
 use crate::bench::speed::Rate;
-use crate::ladder::Ladder;
 use crate::session::routes::RouteKind;
 use crate::session::{Event, Strategy, SwitchInfo};
 
@@ -47,12 +46,7 @@ fn rate_over_reps(
     (!samples.is_empty()).then(|| Rate::from(samples))
 }
 
-pub(super) fn summarize(
-    ladder: &Ladder,
-    arms: &[ArmSpec],
-    cells: &[Cell],
-    reps: usize,
-) -> Vec<ArmSummary> {
+pub(super) fn summarize(arms: &[ArmSpec], cells: &[Cell], reps: usize) -> Vec<ArmSummary> {
     arms.iter()
         .map(|arm| {
             let mine: Vec<&Cell> = cells.iter().filter(|c| c.arm == arm.id).collect();
@@ -72,7 +66,6 @@ pub(super) fn summarize(
             let switched = |t: &TimedRun| !t.switches.is_empty();
             #[allow(clippy::cast_precision_loss)]
             let n_first = firsts.len().max(1) as f64;
-            let _ = ladder;
             ArmSummary {
                 arm: arm.id.clone(),
                 label: arm.label.clone(),
