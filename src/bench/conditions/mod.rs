@@ -19,9 +19,33 @@
 //!    first timing repetition (greedy decoding makes every repetition produce the same
 //!    tokens — checked, and reported if not), beside the repeated-4-gram fraction.
 //!
-//! Main items: [`ArmSpec`] / [`all_arms`] / [`select_arms`], [`PromptSpec`] /
-//! [`load_prompts`], [`spike_trace`], [`run`] → [`ConditionsReport`] + [`RunLog`]s, and
-//! [`write_outputs`].
+//! # One benchmark, as data flows
+//!
+//! [`ConditionsOptions`] (arms from [`select_arms`], prompts from [`load_prompts`], trace
+//! steps from [`default_steps`]) → [`run()`] resolves every Molt arm's routes from the
+//! projector files (a missing one fails here, before any answer is generated) → the cost
+//! probe loads each rung alone and decodes the longest prompt, giving the
+//! [`RungCost`](crate::sched::RungCost)s every session decides on → [`spike_trace`] turns them
+//! into the budget trace (or a trace file is read against them) → each run — one arm on one
+//! prompt in one [`Pass`] — is a fresh session replaying that trace, its events and a
+//! [`TokenRow`] per token kept as a [`RunLog`] and folded into its [`Cell`]: a [`TimedRun`],
+//! or the [`QualityRun`]'s [`SeamRecord`]s → the judge adds each cell's
+//! [`ContinuationQuality`] → the summary folds the cells into [`ArmSummary`] rows,
+//! [`TimingComparison`]s and [`PairedComparison`]s → [`ConditionsReport`] →
+//! [`write_outputs`] writes `conditions.json`, `conditions_events.jsonl` and
+//! `token_series.json` ([`TokenSeries`]), from which the figures and the results page are
+//! generated.
+//!
+//! # Where each part lives
+//!
+//! - `arms.rs`: the arm catalogue and the prompt file — the grid's two axes.
+//! - `trace.rs`: the pressure trace built from the rungs' costs.
+//! - `report.rs`: the report's schema, every type written (and read back) as JSON.
+//! - `run.rs`: route resolution, the cost probe, one run, and the passes' orchestration.
+//! - `summary.rs`: statistics over the cells, the comparisons, and the output files.
+//!
+//! Every public item is re-exported here, so `molt::bench::conditions::X` is the one path to
+//! each of them.
 
 mod arms;
 mod report;
