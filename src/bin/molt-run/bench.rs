@@ -323,7 +323,7 @@ fn run_recall(g: &GlobalArgs, a: &Args) -> Result<()> {
         size_arms: arms,
         precision_arms,
         max_tokens_first: 40,
-        max_tokens_mid: 96,
+        max_tokens_mid: 80,
         mid_switch_at: 12,
         precision_every: a.recall_precision_every,
         partial: Some(a.out_dir.join("recall.partial.json")),
