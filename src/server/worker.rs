@@ -31,7 +31,7 @@ use super::budget::ServerBudget;
 use super::error::ApiError;
 use super::openai::mib;
 use super::record::Recorder;
-use crate::engine::{ChatMessage, SamplingParams};
+use crate::engine::ChatMessage;
 use crate::pressure::{Tick, TraceRefs, process_rss_bytes};
 use crate::sched::RungCost;
 use crate::session::{Event, GenerateOptions, Generation, Prompt, Session, StopReason};
@@ -630,21 +630,6 @@ fn trim_heap() {
     // preconditions and is thread-safe.
     unsafe {
         libc::malloc_trim(0);
-    }
-}
-
-/// Sampling from a request's temperature, nucleus and seed (0 = greedy).
-#[must_use]
-pub fn sampling(temperature: f32, top_p: f32, seed: u64) -> SamplingParams {
-    if temperature > 0.0 {
-        SamplingParams {
-            temperature,
-            top_p,
-            top_k: 0,
-            seed,
-        }
-    } else {
-        SamplingParams::greedy()
     }
 }
 

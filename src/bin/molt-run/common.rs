@@ -79,16 +79,7 @@ pub fn sampling(temperature: f32, top_p: f32, seed: u64) -> Result<SamplingParam
     if !(0.0..=5.0).contains(&temperature) || !(0.0..=1.0).contains(&top_p) || top_p == 0.0 {
         bail!("--temperature must be in 0..=5 and --top-p in (0, 1]");
     }
-    Ok(if temperature > 0.0 {
-        SamplingParams {
-            temperature,
-            top_p,
-            top_k: 0,
-            seed,
-        }
-    } else {
-        SamplingParams::greedy()
-    })
+    Ok(SamplingParams::nucleus(temperature, top_p, seed))
 }
 
 /// Checks a trace file before any model loads: readable, valid JSON, every `of` naming a rung
