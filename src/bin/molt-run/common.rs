@@ -1,10 +1,12 @@
-//! Options every subcommand shares, and their validation into typed settings.
+//! Options every subcommand shares, their validation into typed settings, and the lines the
+//! subcommands print for a session's events.
 
 use anyhow::{Context as _, Result, bail};
 use molt::engine::{CacheType, ContextConfig, SamplingParams};
 use molt::ladder::{Ladder, search};
 use molt::pressure::{Trace, TraceRefs};
 use molt::sched::RungCost;
+use molt::session::LeverInfo;
 use std::path::{Path, PathBuf};
 
 /// Global options.
@@ -119,4 +121,18 @@ pub fn measure_rungs(session: &mut molt::session::Session) -> Result<Vec<(String
         ));
     }
     Ok(done)
+}
+
+/// A park, resume, shed or relayout as one line: `⏸ park on tier1 (812 tokens, 40 ms, RSS
+/// 1900 → 1100 MiB)`.
+pub fn lever_line(l: &LeverInfo) -> String {
+    format!(
+        "⏸ {} on {} ({} tokens, {:.0} ms, RSS {} → {} MiB)",
+        l.lever,
+        l.rung,
+        l.tokens,
+        l.cost_ms,
+        l.rss_before >> 20,
+        l.rss_after >> 20
+    )
 }
