@@ -96,6 +96,10 @@ fn recomputing_over_a_native_cache_reproduces_it() {
 }
 
 #[test]
+#[allow(
+    clippy::single_range_in_vec_init,
+    reason = "lists of spans, one of which holds a single span"
+)]
 fn bad_spans_are_refused_and_leave_the_cache_alone() {
     let l = common::tiny_ladder();
     let info = &l.rungs[2];
@@ -115,14 +119,10 @@ fn bad_spans_are_refused_and_leave_the_cache_alone() {
                 start: r.start,
                 tokens: &toks[r.start..r.end.min(toks.len())],
             })
-            .chain(
-                (ranges.last().unwrap().end > toks.len())
-                    .then_some(Span {
-                        start: toks.len() - 2,
-                        tokens: &toks[..3],
-                    })
-                    .into_iter(),
-            )
+            .chain((ranges.last().unwrap().end > toks.len()).then_some(Span {
+                start: toks.len() - 2,
+                tokens: &toks[..3],
+            }))
             .collect();
         let e = ctx.recompute_spans(&sp).unwrap_err().to_string();
         assert!(e.contains("span"), "{e}");
@@ -135,6 +135,10 @@ fn bad_spans_are_refused_and_leave_the_cache_alone() {
 }
 
 #[test]
+#[allow(
+    clippy::single_range_in_vec_init,
+    reason = "lists of spans, one of which holds a single span"
+)]
 fn a_whole_history_span_over_a_projected_cache_is_a_reprefill() {
     // Over the projected cells, one span of every position recomputes each in order: the
     // result is what a re-prefill builds. A few spans move the logits toward it.

@@ -37,6 +37,9 @@ use crate::sched::RungCost;
 use crate::session::{Event, GenerateOptions, Generation, Prompt, Session, StopReason};
 
 /// What the engine tells the HTTP side about one job.
+// A session event is the large variant (a switch's report) and the one sent for every token;
+// boxing it would allocate per token to shrink updates that only pass through a channel.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Update {
     /// Memory is short: admission deferred.
