@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use molt::engine::{ContextConfig, Model, ModelOptions};
+use molt::engine::{Model, ModelOptions};
 use molt::server::client::{self, EventStream};
 use molt::server::{BudgetRequest, Server, ServerConfig};
 use molt::session::SessionOptions;
@@ -20,17 +20,6 @@ use molt::session::routes::Variant;
 use molt::train::{TrainOptions, fit_ladder, read_corpus};
 use molt::transplant::projector::TensorDtype;
 use serde_json::{Value, json};
-
-fn cfg() -> ContextConfig {
-    ContextConfig {
-        n_ctx: 1024,
-        n_batch: 256,
-        // One thread: on a shared 2-core machine under load, ggml's two-thread barrier
-        // collapses tiny-model decode from hundreds of tokens/s to a few.
-        n_threads: 1,
-        ..ContextConfig::default()
-    }
-}
 
 /// The tiny ladder's projectors, fitted once per test process into a temporary directory.
 fn tiny_projectors() -> &'static PathBuf {
@@ -48,7 +37,7 @@ fn tiny_projectors() -> &'static PathBuf {
         let tokens = &tokens[..tokens.len().min(1600)];
         fit_ladder(
             l,
-            cfg(),
+            common::cfg_server(),
             tokens,
             &TrainOptions {
                 window: 128,
@@ -100,7 +89,7 @@ impl Running {
 async fn start(edit: impl FnOnce(&mut ServerConfig)) -> Running {
     let mut config = ServerConfig {
         addr: "127.0.0.1:0".parse().unwrap(),
-        context: cfg(),
+        context: common::cfg_server(),
         session: SessionOptions {
             projector_dirs: vec![tiny_projectors().clone()],
             // This process is the client as well as the server: its anonymous memory grows with

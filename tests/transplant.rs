@@ -5,9 +5,7 @@
 
 mod common;
 
-use molt::engine::{
-    Context, ContextConfig, Model, ModelOptions, Sampler, SamplingParams, log_softmax,
-};
+use molt::engine::{Context, Model, ModelOptions, Sampler, SamplingParams, log_softmax};
 use molt::ladder::Ladder;
 use molt::session::migrate::{Reread, reprefill, transplant, transplant_with};
 use molt::session::routes::{Routes, Variant, binding};
@@ -18,15 +16,6 @@ use molt::transplant::project::identity_projector;
 use molt::transplant::projector::TensorDtype;
 use std::path::PathBuf;
 use std::sync::OnceLock;
-
-fn cfg() -> ContextConfig {
-    ContextConfig {
-        n_ctx: 1024,
-        n_batch: 256,
-        n_threads: 2,
-        ..ContextConfig::default()
-    }
-}
 
 const TEXT: &str = "The scheduler parks the weights of a background job while keeping its cache, then maps them back when memory returns. fn main() { let v: Vec<u32> = (0..10).map(|x| x * x).collect(); }";
 
@@ -43,8 +32,8 @@ fn max_abs(a: &[f32], b: &[f32]) -> f32 {
 fn identity_is_lossless(ladder: &Ladder, rung: usize, tol: f32) {
     let info = &ladder.rungs[rung];
     let model = Model::load(&info.path, info.name(), ModelOptions::default()).unwrap();
-    let mut src = Context::new(model.clone(), cfg()).unwrap();
-    let mut dst = Context::new(model.clone(), cfg()).unwrap();
+    let mut src = Context::new(model.clone(), common::cfg_long()).unwrap();
+    let mut dst = Context::new(model.clone(), common::cfg_long()).unwrap();
     let toks = model.tokenize(TEXT, false).unwrap();
     src.decode(&toks).unwrap();
     let next = Sampler::new(SamplingParams::greedy()).sample(src.logits());
@@ -69,7 +58,7 @@ fn identity_is_lossless(ladder: &Ladder, rung: usize, tol: f32) {
     let mut wrong = identity_projector(&binding(info));
     wrong.dst.rope.freq_base *= 0.01;
     src.truncate(toks.len());
-    let mut dst2 = Context::new(model, cfg()).unwrap();
+    let mut dst2 = Context::new(model, common::cfg_long()).unwrap();
     transplant(&src, &mut dst2, &wrong, next).unwrap();
     let d2 = max_abs(src.logits(), dst2.logits());
     assert!(
@@ -100,7 +89,7 @@ fn tiny_projectors() -> &'static PathBuf {
         let tokens = &tokens[..tokens.len().min(1600)];
         let report = fit_ladder(
             l,
-            cfg(),
+            common::cfg_long(),
             tokens,
             &TrainOptions {
                 window: 128,
@@ -156,7 +145,7 @@ fn migration_mid_answer_continues_at_the_right_positions_on_tiny_rungs() {
         measure_seam: true,
         ..SessionOptions::default()
     };
-    let mut s = Session::with_options(l, cfg(), "big", opts).unwrap();
+    let mut s = Session::with_options(l, common::cfg_long(), "big", opts).unwrap();
     let mut events = Vec::new();
     let g = s
         .generate(
@@ -221,7 +210,7 @@ fn reprefill_switch_goes_through_the_same_loop() {
         projector_dirs: vec![],
         ..SessionOptions::default()
     };
-    let mut s = Session::with_options(l, cfg(), "big", opts).unwrap();
+    let mut s = Session::with_options(l, common::cfg_long(), "big", opts).unwrap();
     let g = s
         .generate(
             &Prompt::Text(TEXT.into()),
@@ -277,8 +266,8 @@ fn tiny_big_to_small() -> TinyRoute {
     let p = routes.get(0, 2).unwrap();
     let ms = Model::load(&l.rungs[0].path, "big", ModelOptions::default()).unwrap();
     let md = Model::load(&l.rungs[2].path, "small", ModelOptions::default()).unwrap();
-    let mut src = Context::new(ms.clone(), cfg()).unwrap();
-    let dst = Context::new(md, cfg()).unwrap();
+    let mut src = Context::new(ms.clone(), common::cfg_long()).unwrap();
+    let dst = Context::new(md, common::cfg_long()).unwrap();
     let toks = ms.tokenize(TEXT, false).unwrap();
     src.decode(&toks).unwrap();
     let next = toks[3];
@@ -517,7 +506,7 @@ fn real_ladder_migration_mid_answer_scores_within_bound() {
             strategy,
             ..SessionOptions::default()
         };
-        let mut s = Session::with_options(l.clone(), cfg(), "tier0", opts).unwrap();
+        let mut s = Session::with_options(l.clone(), common::cfg_long(), "tier0", opts).unwrap();
         let g = s
             .generate(
                 &Prompt::User("Explain in a few sentences how an operating system reclaims memory from background apps.".into()),
@@ -543,7 +532,7 @@ fn real_ladder_migration_mid_answer_scores_within_bound() {
     let (_, base) = run(Strategy::Reprefill);
     let judge = |g: &molt::session::Generation| {
         let model = Model::load(&l.rungs[0].path, "tier0", ModelOptions::default()).unwrap();
-        let mut ctx = Context::new(model.clone(), cfg()).unwrap();
+        let mut ctx = Context::new(model.clone(), common::cfg_long()).unwrap();
         let text = model
             .apply_chat_template(&s.conversation()[..1], true)
             .unwrap();
@@ -624,7 +613,7 @@ fn background_refill_takes_over_with_the_native_cache() {
             observe_footprint: false,
             ..SessionOptions::default()
         };
-        let mut s = Session::with_options(l.clone(), cfg(), "big", opts).unwrap();
+        let mut s = Session::with_options(l.clone(), common::cfg_long(), "big", opts).unwrap();
         let mut levers = Vec::new();
         let g = s
             .generate(
@@ -644,7 +633,7 @@ fn background_refill_takes_over_with_the_native_cache() {
         let hist = s.history().to_vec();
         let live = s.rung_mut(2).unwrap();
         assert_eq!(live.ctx.n_past(), hist.len());
-        let mut fresh = Context::new(live.ctx.model().clone(), cfg()).unwrap();
+        let mut fresh = Context::new(live.ctx.model().clone(), common::cfg_long()).unwrap();
         fresh.decode(&hist).unwrap();
         let d = max_abs(live.ctx.logits(), fresh.logits());
         (g, levers, d)
@@ -742,7 +731,7 @@ fn anchors_are_fitted_on_the_template_opening_and_bound_to_their_rung() {
     // session's default switch splices the anchor into its head re-read.
     let l = common::tiny_ladder().clone();
     let dir = tempfile::tempdir().unwrap();
-    let written = molt::train::write_anchors(&l, cfg(), dir.path()).unwrap();
+    let written = molt::train::write_anchors(&l, common::cfg_long(), dir.path()).unwrap();
     assert_eq!(written.len(), l.rungs.len());
     let model = Model::load(&l.rungs[2].path, "small", ModelOptions::default()).unwrap();
     let opening = molt::train::template_opening(&model).unwrap();
@@ -771,7 +760,7 @@ fn anchors_are_fitted_on_the_template_opening_and_bound_to_their_rung() {
         ..SessionOptions::default()
     };
     assert_eq!(opts.head_reread, molt::session::DEFAULT_HEAD_REREAD);
-    let mut s = Session::with_options(l.clone(), cfg(), "big", opts).unwrap();
+    let mut s = Session::with_options(l.clone(), common::cfg_long(), "big", opts).unwrap();
     let g = s
         .generate(
             &Prompt::User(TEXT.into()),

@@ -1,7 +1,9 @@
-//! Shared fixtures: the tiny ladder (generated once per test process) and the real ladder
-//! (present only after `molt-run fetch`).
+//! Shared fixtures: the tiny ladder (generated once per test process), its fitted projectors,
+//! the contexts the tests run the tiny models in, and the real ladder (present only after
+//! `molt-run fetch`).
 #![allow(dead_code)]
 
+use molt::engine::ContextConfig;
 use molt::ladder::{FetchOptions, Ladder, Manifest, fetch};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -83,10 +85,57 @@ pub fn real_ladder() -> Option<&'static Ladder> {
     .as_ref()
 }
 
+/// A context for the tiny models: `n_ctx` tokens, decoded `n_batch` at a time on two threads.
+pub fn context(n_ctx: u32, n_batch: u32) -> ContextConfig {
+    ContextConfig {
+        n_ctx,
+        n_batch,
+        n_threads: 2,
+        ..ContextConfig::default()
+    }
+}
+
+/// The usual tiny-model context: 512 tokens in batches of 128.
+pub fn cfg() -> ContextConfig {
+    context(512, 128)
+}
+
+/// Room for a history, its answer and a switch: 1024 tokens in batches of 256. The tiny
+/// projectors are fitted with it.
+pub fn cfg_long() -> ContextConfig {
+    context(1024, 256)
+}
+
+/// The service's tests: [`cfg_long`] on one thread (see [`one_thread`]).
+pub fn cfg_server() -> ContextConfig {
+    one_thread(cfg_long())
+}
+
+/// The conditions benchmark's tests: 512 tokens in batches of 256, one thread (see
+/// [`one_thread`]).
+pub fn cfg_conditions() -> ContextConfig {
+    one_thread(context(512, 256))
+}
+
+/// The top-k recompute tests: 512 tokens in batches of 256, the hidden-state tap on.
+pub fn cfg_topk() -> ContextConfig {
+    ContextConfig {
+        hidden_tap: true,
+        ..context(512, 256)
+    }
+}
+
+/// `c` on one thread: on a shared 2-core machine under load, ggml's two-thread barrier
+/// collapses tiny-model decode from hundreds of tokens/s to a few, and a tiny model gains
+/// nothing from a second thread.
+pub fn one_thread(c: ContextConfig) -> ContextConfig {
+    ContextConfig { n_threads: 1, ..c }
+}
+
 /// The tiny ladder's fitted projectors (`<dir>/tiny/*.molt-proj`), fitted once and reused while
 /// every route still loads against the current tiny files (generation is deterministic).
 pub fn tiny_projectors() -> &'static PathBuf {
-    use molt::engine::{ContextConfig, Model, ModelOptions};
+    use molt::engine::{Model, ModelOptions};
     use molt::session::{Routes, Variant};
     use molt::train::{TrainOptions, fit_ladder, read_corpus};
     use molt::transplant::projector::TensorDtype;
@@ -103,12 +152,6 @@ pub fn tiny_projectors() -> &'static PathBuf {
         if current {
             return out;
         }
-        let config = ContextConfig {
-            n_ctx: 1024,
-            n_batch: 256,
-            n_threads: 2,
-            ..ContextConfig::default()
-        };
         let corpus = read_corpus(&Path::new(env!("CARGO_MANIFEST_DIR")).join("projectors/corpus"))
             .expect("corpus");
         let model = Model::load(&l.rungs[0].path, "big", ModelOptions::default()).expect("big");
@@ -116,7 +159,7 @@ pub fn tiny_projectors() -> &'static PathBuf {
         let tokens = &tokens[..tokens.len().min(1600)];
         fit_ladder(
             l,
-            config,
+            cfg_long(),
             tokens,
             &TrainOptions {
                 window: 128,
