@@ -240,7 +240,7 @@ fn spliced_recompute_continues_like_the_native_cache() {
 
 /// Fits the tiny ladder's top-k hidden maps once (k = 1, 2) into a fixture directory.
 fn tiny_topk_dir() -> &'static std::path::PathBuf {
-    use molt::train::{TrainOptions, read_corpus};
+    use molt::train::TrainOptions;
     use std::sync::OnceLock;
     static DIR: OnceLock<std::path::PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
@@ -248,20 +248,13 @@ fn tiny_topk_dir() -> &'static std::path::PathBuf {
         // Beside, not inside, the shared tiny projectors: other tests copy that directory.
         let _ = common::tiny_projectors();
         let dir = common::fixture_dir().join("topk-projectors");
-        let corpus = read_corpus(
-            &std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("projectors/corpus"),
-        )
-        .unwrap();
-        let model = Model::load(&l.rungs[0].path, "big", ModelOptions::default()).unwrap();
-        let tokens = model.tokenize(&corpus, false).unwrap();
-        let tokens = &tokens[..tokens.len().min(1600)];
         let fits = molt::train::topk::fit_topk_maps(
             l,
             ContextConfig {
                 hidden_tap: false,
                 ..common::cfg_topk()
             },
-            tokens,
+            &common::tiny_corpus_tokens(),
             &TrainOptions {
                 window: 128,
                 held_out_every: 4,
