@@ -15,17 +15,6 @@ use molt::train::{TrainOptions, fit_ladder, read_corpus};
 use molt::transplant::projector::TensorDtype;
 use std::path::PathBuf;
 
-fn cfg() -> ContextConfig {
-    ContextConfig {
-        n_ctx: 512,
-        n_batch: 256,
-        // One thread: the machines running this are shared, and a tiny model gains nothing
-        // from a second one.
-        n_threads: 1,
-        ..ContextConfig::default()
-    }
-}
-
 fn projectors(out: &std::path::Path) -> molt::train::TrainReport {
     let l = common::tiny_ladder();
     let corpus =
@@ -34,7 +23,7 @@ fn projectors(out: &std::path::Path) -> molt::train::TrainReport {
     let tokens = model.tokenize(&corpus, false).unwrap();
     fit_ladder(
         l,
-        cfg(),
+        common::cfg_conditions(),
         &tokens[..tokens.len().min(1600)],
         &TrainOptions {
             window: 128,
@@ -64,7 +53,7 @@ fn attention_tap_reads_entropies_without_changing_logits() {
     let toks = model
         .tokenize("the cache moves between two tokens", false)
         .unwrap();
-    let mut plain = Context::new(model.clone(), cfg()).unwrap();
+    let mut plain = Context::new(model.clone(), common::cfg_conditions()).unwrap();
     assert!(!plain.arm_attention_tap(), "no tap unless configured");
     // The same batches on both contexts (batch shape changes rounding).
     plain.decode(&toks[..toks.len() - 1]).unwrap();
@@ -73,7 +62,7 @@ fn attention_tap_reads_entropies_without_changing_logits() {
         model,
         ContextConfig {
             attention_tap: true,
-            ..cfg()
+            ..common::cfg_conditions()
         },
     )
     .unwrap();
@@ -132,7 +121,10 @@ fn conditions_pipeline_on_tiny_ladder() {
         projector_dirs: vec![proj],
         chat: false,
     };
-    let (report, logs) = conditions::run(l, cfg(), &opts, &mut |s| eprintln!("{s}")).unwrap();
+    let (report, logs) = conditions::run(l, common::cfg_conditions(), &opts, &mut |s| {
+        eprintln!("{s}")
+    })
+    .unwrap();
     let arm = |id: &str| report.summary.iter().find(|s| s.arm == id).unwrap();
     eprintln!("{}", page::table(&report));
 
@@ -232,7 +224,7 @@ fn conditions_pipeline_on_tiny_ladder() {
         molt::session::Routes::new(l, vec![dir.path().join("projectors")], Variant::Auto);
     let points = molt::bench::cost_sweep::run(
         l,
-        cfg(),
+        common::cfg_conditions(),
         &mut routes,
         &contexts,
         &molt::bench::cost_sweep::SweepOptions {
@@ -271,7 +263,7 @@ fn conditions_pipeline_on_tiny_ladder() {
     let (a, b) = (l.rungs[1].name().to_string(), l.rungs[0].name().to_string());
     let only = molt::bench::cost_sweep::run(
         l,
-        cfg(),
+        common::cfg_conditions(),
         &mut routes,
         &molt::bench::cost_sweep::raw_contexts(&tokens, 32 + 1 + molt::bench::cost_sweep::SEAM, 1),
         &molt::bench::cost_sweep::SweepOptions {

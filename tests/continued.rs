@@ -5,16 +5,11 @@
 
 mod common;
 
-use molt::engine::ContextConfig;
 use molt::session::{Event, GenerateOptions, LeverInfo, Prompt, Session, SessionOptions};
 
-fn cfg() -> ContextConfig {
-    ContextConfig {
-        n_ctx: 2048,
-        n_batch: 256,
-        n_threads: 2,
-        ..ContextConfig::default()
-    }
+/// A window for a two-turn conversation of a few hundred tokens.
+fn cfg() -> molt::engine::ContextConfig {
+    common::context(2048, 256)
 }
 
 fn levers(s: &mut Session, prompt: &str, force: Option<(usize, usize)>) -> Vec<LeverInfo> {

@@ -8,15 +8,6 @@ use molt::engine::{Context, ContextConfig, Model, ModelOptions, Sampler, Samplin
 use molt::kv::{KvSnapshot, ParseOptions};
 use molt::ladder::{Ladder, RungInfo};
 
-fn cfg() -> ContextConfig {
-    ContextConfig {
-        n_ctx: 512,
-        n_batch: 128,
-        n_threads: 2,
-        ..ContextConfig::default()
-    }
-}
-
 fn prompt_tokens(m: &Model) -> Vec<i32> {
     let t = m.tokenize("The quick brown fox explains memory pressure to the scheduler. fn main() { println!(\"hi\"); }", false).unwrap();
     assert!(t.len() > 8, "prompt too short: {t:?}");
@@ -34,7 +25,7 @@ fn max_abs(a: &[f32], b: &[f32]) -> f32 {
 /// Decodes a prompt, exports, and returns (ctx, blob, next token, reference logits after it).
 fn reference(rung: &RungInfo) -> (std::sync::Arc<Model>, Vec<u8>, i32, Vec<f32>) {
     let model = Model::load(&rung.path, rung.name(), ModelOptions::default()).unwrap();
-    let mut ctx = Context::new(model.clone(), cfg()).unwrap();
+    let mut ctx = Context::new(model.clone(), common::cfg()).unwrap();
     let toks = prompt_tokens(&model);
     ctx.decode(&toks).unwrap();
     let next = Sampler::new(SamplingParams::greedy()).sample(ctx.logits());
@@ -76,7 +67,7 @@ fn roundtrip_checks(ladder: &Ladder) {
             rung.name()
         );
         // unchanged re-import into a fresh context gives identical next-token logits
-        let mut fresh = Context::new(model.clone(), cfg()).unwrap();
+        let mut fresh = Context::new(model.clone(), common::cfg()).unwrap();
         fresh.import_state(&snap.to_bytes().unwrap()).unwrap();
         assert_eq!(fresh.n_past(), n);
         fresh.decode(&[next]).unwrap();
@@ -102,7 +93,7 @@ fn roundtrip_checks(ladder: &Ladder) {
         let path = rung.path.clone();
         drop(model);
         let reloaded = Model::load(&path, rung.name(), ModelOptions::default()).unwrap();
-        let mut ctx = Context::new(reloaded, cfg()).unwrap();
+        let mut ctx = Context::new(reloaded, common::cfg()).unwrap();
         ctx.import_state(&blob).unwrap();
         ctx.decode(&[next]).unwrap();
         let d = max_abs(ctx.logits(), &ref_logits);
@@ -237,7 +228,7 @@ fn generate_streams_tokens_named_by_rung_on_every_tiny_rung() {
     use molt::session::{Event, GenerateOptions, Prompt, Session};
     for name in ["big", "big-q8", "small"] {
         let l = common::tiny_ladder().clone();
-        let mut s = Session::new(l, cfg(), name).unwrap();
+        let mut s = Session::new(l, common::cfg(), name).unwrap();
         let mut seen = Vec::new();
         let g = s
             .generate(

@@ -7,19 +7,10 @@
 
 mod common;
 
-use molt::engine::{Context, ContextConfig, Model, ModelOptions};
+use molt::engine::{Context, Model, ModelOptions};
 use molt::ladder::RungInfo;
 use molt::pressure::{process_rss_bytes, resident_bytes_of_mapping};
 use molt::session::LiveRung;
-
-fn cfg(n_ctx: u32) -> ContextConfig {
-    ContextConfig {
-        n_ctx,
-        n_batch: 128,
-        n_threads: 2,
-        ..ContextConfig::default()
-    }
-}
 
 const TEXT: &str = "The scheduler parks the weights of a background job while keeping its cache, then maps them back when memory returns. fn main() { let v: Vec<u32> = (0..10).map(|x| x * x).collect(); }";
 
@@ -33,13 +24,13 @@ fn round_trip(info: &RungInfo, reference_path: &std::path::Path, n_ctx: u32) -> 
     let (prefix, next) = (&toks[..toks.len() - 1], toks[toks.len() - 1]);
     let expected = {
         let m = Model::load(reference_path, "reference", ModelOptions::default()).unwrap();
-        let mut c = Context::new(m, cfg(n_ctx)).unwrap();
+        let mut c = Context::new(m, common::context(n_ctx, 128)).unwrap();
         c.decode(prefix).unwrap();
         c.decode(&[next]).unwrap();
         c.logits().to_vec()
     };
 
-    let mut live = LiveRung::load(info, cfg(n_ctx)).unwrap();
+    let mut live = LiveRung::load(info, common::context(n_ctx, 128)).unwrap();
     live.ctx.decode(prefix).unwrap();
     let resident = live.weights_resident();
     assert!(resident > 0, "a decoded rung has resident weight pages");

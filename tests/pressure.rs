@@ -7,7 +7,7 @@
 
 mod common;
 
-use molt::engine::{Context, ContextConfig, Model, ModelOptions};
+use molt::engine::{Context, Model, ModelOptions};
 use molt::kv::{KvSnapshot, ParseOptions};
 use molt::pressure::{FixedBudget, Trace, TraceBudget};
 use molt::session::{
@@ -15,15 +15,6 @@ use molt::session::{
 };
 use molt::transplant::shift::shed_stream;
 use std::time::Duration;
-
-fn cfg() -> ContextConfig {
-    ContextConfig {
-        n_ctx: 512,
-        n_batch: 128,
-        n_threads: 2,
-        ..ContextConfig::default()
-    }
-}
 
 const TEXT: &str = "The scheduler parks the weights of a background job while keeping its cache, then maps them back when memory returns. fn main() { let v: Vec<u32> = (0..10).map(|x| x * x).collect(); } Shedding drops the oldest context but never the system prompt.";
 
@@ -49,14 +40,14 @@ fn live_shed_and_blob_shed_agree() {
         let (pinned, n) = (4usize, 16usize);
         let next = toks[7];
 
-        let mut live = Context::new(model.clone(), cfg()).unwrap();
+        let mut live = Context::new(model.clone(), common::cfg()).unwrap();
         live.decode(&toks).unwrap();
         live.shed_and_decode(pinned, n, &[next]).unwrap();
         assert_eq!(live.n_past(), toks.len() - n + 1);
         assert_eq!(live.seq_pos_max(), i32::try_from(toks.len() - n).unwrap());
         assert_eq!(live.seq_pos_min(), 0);
 
-        let mut src = Context::new(model.clone(), cfg()).unwrap();
+        let mut src = Context::new(model.clone(), common::cfg()).unwrap();
         src.decode(&toks).unwrap();
         let blob = src.export_state().unwrap();
         let opts = ParseOptions {
@@ -67,7 +58,7 @@ fn live_shed_and_blob_shed_agree() {
         let mut snap = KvSnapshot::parse(&blob, opts).unwrap();
         let stats = shed_stream(snap.single_stream_mut().unwrap(), 4, 16, &rope).unwrap();
         assert_eq!((stats.removed, stats.shifted), (n, toks.len() - pinned - n));
-        let mut dst = Context::new(model.clone(), cfg()).unwrap();
+        let mut dst = Context::new(model.clone(), common::cfg()).unwrap();
         dst.import_state(&snap.to_bytes().unwrap()).unwrap();
         assert_eq!(dst.n_past(), toks.len() - n);
         dst.decode(&[next]).unwrap();
@@ -90,7 +81,7 @@ fn live_shed_and_blob_shed_agree() {
             layer.k = layer.k.select(ndarray::Axis(0), &keep);
             layer.v = layer.v.select(ndarray::Axis(0), &keep);
         }
-        let mut wrong = Context::new(model.clone(), cfg()).unwrap();
+        let mut wrong = Context::new(model.clone(), common::cfg()).unwrap();
         wrong.import_state(&stale.to_bytes().unwrap()).unwrap();
         wrong.decode(&[next]).unwrap();
         let d_wrong = max_abs(live.logits(), wrong.logits());
@@ -107,7 +98,7 @@ fn shed_refuses_bad_ranges() {
     let l = common::tiny_ladder();
     let model = Model::load(&l.rungs[0].path, "big", ModelOptions::default()).unwrap();
     let toks = model.tokenize(TEXT, false).unwrap();
-    let mut ctx = Context::new(model, cfg()).unwrap();
+    let mut ctx = Context::new(model, common::cfg()).unwrap();
     ctx.decode(&toks[..10]).unwrap();
     let e = ctx
         .shed_and_decode(4, 7, &[toks[10]])
@@ -125,7 +116,7 @@ fn session(opts: SessionOptions) -> Session {
         observe_footprint: false,
         ..opts
     };
-    Session::with_options(common::tiny_ladder().clone(), cfg(), "big", opts).unwrap()
+    Session::with_options(common::tiny_ladder().clone(), common::cfg(), "big", opts).unwrap()
 }
 
 fn answer(s: &mut Session, max: usize, sink: &mut dyn FnMut(&Event)) -> molt::session::Generation {

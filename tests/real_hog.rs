@@ -5,7 +5,6 @@
 
 mod common;
 
-use molt::engine::ContextConfig;
 use molt::pressure::{BudgetSource, HogBudget, MIB, Tick, Trace};
 use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions};
 use std::path::Path;
@@ -44,12 +43,7 @@ fn hog_budget_follows_the_trace_through_the_os() {
 
 #[test]
 fn real_hog_parks_the_answer_and_lets_it_resume() {
-    let cfg = ContextConfig {
-        n_ctx: 512,
-        n_batch: 128,
-        n_threads: 2,
-        ..ContextConfig::default()
-    };
+    let cfg = common::cfg();
     let mut s = Session::with_options(
         common::tiny_ladder().clone(),
         cfg,

@@ -13,15 +13,6 @@ use molt::session::routes::{Routes, Variant};
 use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions};
 use molt::transplant::select::TokenRecompute;
 
-fn cfg() -> ContextConfig {
-    ContextConfig {
-        n_ctx: 1024,
-        n_batch: 256,
-        n_threads: 2,
-        ..ContextConfig::default()
-    }
-}
-
 const TEXT: &str = "The release captain this cycle keeps the staging host warm; the pager extension sits in the runbook. fn tally(xs: &[u32]) -> u32 { xs.iter().sum() } and the notes go on about budgets, hiring and a long design review of the cache.";
 
 fn max_abs(a: &[f32], b: &[f32]) -> f32 {
@@ -61,7 +52,7 @@ fn recomputing_over_a_native_cache_reproduces_it() {
     let l = common::tiny_ladder();
     let info = &l.rungs[2];
     let model = Model::load(&info.path, info.name(), ModelOptions::default()).unwrap();
-    let mut ctx = Context::new(model.clone(), cfg()).unwrap();
+    let mut ctx = Context::new(model.clone(), common::cfg_long()).unwrap();
     let toks = model.tokenize(TEXT, false).unwrap();
     assert!(toks.len() > 40, "{} tokens", toks.len());
     ctx.decode(&toks).unwrap();
@@ -96,11 +87,15 @@ fn recomputing_over_a_native_cache_reproduces_it() {
 }
 
 #[test]
+#[allow(
+    clippy::single_range_in_vec_init,
+    reason = "lists of spans, one of which holds a single span"
+)]
 fn bad_spans_are_refused_and_leave_the_cache_alone() {
     let l = common::tiny_ladder();
     let info = &l.rungs[2];
     let model = Model::load(&info.path, info.name(), ModelOptions::default()).unwrap();
-    let mut ctx = Context::new(model.clone(), cfg()).unwrap();
+    let mut ctx = Context::new(model.clone(), common::cfg_long()).unwrap();
     let toks = model.tokenize(TEXT, false).unwrap();
     ctx.decode(&toks).unwrap();
     let before = ctx.export_state().unwrap();
@@ -126,6 +121,10 @@ fn bad_spans_are_refused_and_leave_the_cache_alone() {
 }
 
 #[test]
+#[allow(
+    clippy::single_range_in_vec_init,
+    reason = "lists of spans, one of which holds a single span"
+)]
 fn a_whole_history_span_over_a_projected_cache_is_a_reprefill() {
     // Over the projected cells, one span of every position recomputes each in order: the
     // result is what a re-prefill builds. A few spans move the logits toward it.
@@ -134,8 +133,8 @@ fn a_whole_history_span_over_a_projected_cache_is_a_reprefill() {
     let p = routes.get(0, 2).unwrap();
     let ms = Model::load(&l.rungs[0].path, "big", ModelOptions::default()).unwrap();
     let md = Model::load(&l.rungs[2].path, "small", ModelOptions::default()).unwrap();
-    let mut src = Context::new(ms.clone(), cfg()).unwrap();
-    let mut dst = Context::new(md, cfg()).unwrap();
+    let mut src = Context::new(ms.clone(), common::cfg_long()).unwrap();
+    let mut dst = Context::new(md, common::cfg_long()).unwrap();
     let toks = ms.tokenize(TEXT, false).unwrap();
     src.decode(&toks).unwrap();
     let next = toks[3];
@@ -186,7 +185,7 @@ fn the_prompts_last_tokens_give_every_cached_position_a_mass() {
     let model = Model::load(&info.path, info.name(), ModelOptions::default()).unwrap();
     let c = ContextConfig {
         attention_tap: true,
-        ..cfg()
+        ..common::cfg_long()
     };
     let mut ctx = Context::new(model.clone(), c).unwrap();
     let toks = model.tokenize(TEXT, false).unwrap();
@@ -203,7 +202,7 @@ fn the_prompts_last_tokens_give_every_cached_position_a_mass() {
     );
     assert!(mass.iter().all(|&m| m >= 0.0));
     // The decode is the plain decode: same logits as without the tap.
-    let mut plain = Context::new(model, cfg()).unwrap();
+    let mut plain = Context::new(model, common::cfg_long()).unwrap();
     plain.decode(&toks).unwrap();
     assert!(max_abs(plain.logits(), ctx.logits()) < 1e-3);
     // Without a tap there is no mass, and the tokens are still decoded.
@@ -221,7 +220,7 @@ fn a_size_switch_with_token_recompute_reports_what_it_reread() {
             observe_footprint: false,
             ..SessionOptions::default()
         };
-        let mut s = Session::with_options(l.clone(), cfg(), "big", opts).unwrap();
+        let mut s = Session::with_options(l.clone(), common::cfg_long(), "big", opts).unwrap();
         let mut switches = Vec::new();
         let g = s
             .generate(

@@ -8,65 +8,12 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use molt::engine::{ContextConfig, Model, ModelOptions};
 use molt::server::client::{self, EventStream};
 use molt::server::{BudgetRequest, Server, ServerConfig};
 use molt::session::SessionOptions;
-use molt::session::routes::Variant;
-use molt::train::{TrainOptions, fit_ladder, read_corpus};
-use molt::transplant::projector::TensorDtype;
 use serde_json::{Value, json};
-
-fn cfg() -> ContextConfig {
-    ContextConfig {
-        n_ctx: 1024,
-        n_batch: 256,
-        // One thread: on a shared 2-core machine under load, ggml's two-thread barrier
-        // collapses tiny-model decode from hundreds of tokens/s to a few.
-        n_threads: 1,
-        ..ContextConfig::default()
-    }
-}
-
-/// The tiny ladder's projectors, fitted once per test process into a temporary directory.
-fn tiny_projectors() -> &'static PathBuf {
-    static DIR: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
-    &DIR.get_or_init(|| {
-        let t0 = Instant::now();
-        let l = common::tiny_ladder();
-        let tmp = tempfile::tempdir().unwrap();
-        let out = tmp.path().to_path_buf();
-        let corpus =
-            read_corpus(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("projectors/corpus"))
-                .unwrap();
-        let model = Model::load(&l.rungs[0].path, "big", ModelOptions::default()).unwrap();
-        let tokens = model.tokenize(&corpus, false).unwrap();
-        let tokens = &tokens[..tokens.len().min(1600)];
-        fit_ladder(
-            l,
-            cfg(),
-            tokens,
-            &TrainOptions {
-                window: 128,
-                held_out_every: 4,
-                variants: vec![Variant::Auto],
-                dtype: TensorDtype::F32,
-                out_dir: out.clone(),
-                skip_head: 0,
-                restore_spread: false,
-            },
-            &mut |_| {},
-        )
-        .unwrap();
-        eprintln!("tiny ladder and projectors ready in {:.1?}", t0.elapsed());
-        (tmp, out)
-    })
-    .1
-}
 
 /// The tests run one at a time: the resident-set test measures the whole process, and a
 /// rung's context cost is measured at load as the change in the process's anonymous memory,
@@ -100,9 +47,9 @@ impl Running {
 async fn start(edit: impl FnOnce(&mut ServerConfig)) -> Running {
     let mut config = ServerConfig {
         addr: "127.0.0.1:0".parse().unwrap(),
-        context: cfg(),
+        context: common::cfg_server(),
         session: SessionOptions {
-            projector_dirs: vec![tiny_projectors().clone()],
+            projector_dirs: vec![common::tiny_projectors().clone()],
             // This process is the client as well as the server: its anonymous memory grows with
             // the streamed events the test keeps, so observing it would charge the client's
             // buffers to the rung. The tiny rungs sit ~0.5 MiB apart; the policy must work from

@@ -13,16 +13,6 @@ use molt::kv::{KvSnapshot, ParseOptions};
 use molt::ladder::RungInfo;
 use ndarray::Array2;
 
-fn cfg() -> ContextConfig {
-    ContextConfig {
-        n_ctx: 512,
-        n_batch: 256,
-        n_threads: 2,
-        hidden_tap: true,
-        ..ContextConfig::default()
-    }
-}
-
 const TEXT: &str = "The scheduler parks the weights of a background job while keeping its cache, then maps them back when memory returns. fn main() { let v: Vec<u32> = (0..10).map(|x| x * x).collect(); }";
 
 /// Per-layer K and V (post-RoPE, as cached) of an exported blob, rows in position order.
@@ -62,7 +52,8 @@ fn recompute_error(
     k: usize,
 ) -> (f32, f32) {
     let n_layer = native.len();
-    let mut pf = PartialForward::open(&info.path, &info.sha256, n_layer, k, cfg()).unwrap();
+    let mut pf =
+        PartialForward::open(&info.path, &info.sha256, n_layer, k, common::cfg_topk()).unwrap();
     assert_eq!(pf.first_layer(), n_layer - k);
     let positions: Vec<i32> = (0..i32::try_from(boundary.nrows()).unwrap()).collect();
     let blob = pf.run(boundary.view(), &positions).unwrap();
@@ -87,7 +78,7 @@ fn recompute_matches_native(info: &RungInfo, ks: &[usize], tol: f32) {
     let model = Model::load(&info.path, info.name(), ModelOptions::default()).unwrap();
     let n_layer = model.n_layer();
     let toks = model.tokenize(TEXT, false).unwrap();
-    let mut ctx = Context::new(model, cfg()).unwrap();
+    let mut ctx = Context::new(model, common::cfg_topk()).unwrap();
     let boundaries: Vec<usize> = (0..n_layer - 1).collect();
     assert!(ctx.set_hidden_layers(&boundaries));
     // Two decodes (a prompt and a token) so rows from several calls must line up.
@@ -145,11 +136,11 @@ fn hidden_tap_does_not_change_logits_and_follows_truncation() {
     let toks = model.tokenize(TEXT, false).unwrap();
     let plain_cfg = ContextConfig {
         hidden_tap: false,
-        ..cfg()
+        ..common::cfg_topk()
     };
     let mut plain = Context::new(model.clone(), plain_cfg).unwrap();
     assert!(!plain.set_hidden_layers(&[1]), "no tap unless configured");
-    let mut tapped = Context::new(model, cfg()).unwrap();
+    let mut tapped = Context::new(model, common::cfg_topk()).unwrap();
     assert!(tapped.set_hidden_layers(&[1]));
     plain.decode(&toks).unwrap();
     tapped.decode(&toks).unwrap();
@@ -198,7 +189,7 @@ fn spliced_recompute_continues_like_the_native_cache() {
     let n_layer = model.n_layer();
     let toks = model.tokenize(TEXT, false).unwrap();
     let k = 2;
-    let mut src = Context::new(model.clone(), cfg()).unwrap();
+    let mut src = Context::new(model.clone(), common::cfg_topk()).unwrap();
     src.set_hidden_layers(&[n_layer - k - 1]);
     src.decode(&toks).unwrap();
     let hidden = src.hidden_states(n_layer - k - 1).unwrap();
@@ -212,7 +203,7 @@ fn spliced_recompute_continues_like_the_native_cache() {
         dst_sha256: &info.sha256,
         dst_layers: n_layer,
     };
-    let mut dst = Context::new(model.clone(), cfg()).unwrap();
+    let mut dst = Context::new(model.clone(), common::cfg_topk()).unwrap();
     let t = transplant_with(&src, &mut dst, &p, Some(&rc), Reread::NONE, next).unwrap();
     assert_eq!(t.topk, Some(k));
     assert!(t.recompute_ms > 0.0 && t.recompute_ms <= t.cost_ms, "{t:?}");
@@ -232,7 +223,7 @@ fn spliced_recompute_continues_like_the_native_cache() {
         ..rc
     };
     src.truncate(toks.len());
-    let mut dst2 = Context::new(model, cfg()).unwrap();
+    let mut dst2 = Context::new(model, common::cfg_topk()).unwrap();
     transplant_with(&src, &mut dst2, &p, Some(&bad), Reread::NONE, next).unwrap();
     src.decode(&[next]).unwrap();
     let d2 = src
@@ -249,7 +240,7 @@ fn spliced_recompute_continues_like_the_native_cache() {
 
 /// Fits the tiny ladder's top-k hidden maps once (k = 1, 2) into a fixture directory.
 fn tiny_topk_dir() -> &'static std::path::PathBuf {
-    use molt::train::{TrainOptions, read_corpus};
+    use molt::train::TrainOptions;
     use std::sync::OnceLock;
     static DIR: OnceLock<std::path::PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
@@ -257,20 +248,13 @@ fn tiny_topk_dir() -> &'static std::path::PathBuf {
         // Beside, not inside, the shared tiny projectors: other tests copy that directory.
         let _ = common::tiny_projectors();
         let dir = common::fixture_dir().join("topk-projectors");
-        let corpus = read_corpus(
-            &std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("projectors/corpus"),
-        )
-        .unwrap();
-        let model = Model::load(&l.rungs[0].path, "big", ModelOptions::default()).unwrap();
-        let tokens = model.tokenize(&corpus, false).unwrap();
-        let tokens = &tokens[..tokens.len().min(1600)];
         let fits = molt::train::topk::fit_topk_maps(
             l,
             ContextConfig {
                 hidden_tap: false,
-                ..cfg()
+                ..common::cfg_topk()
             },
-            tokens,
+            &common::tiny_corpus_tokens(),
             &TrainOptions {
                 window: 128,
                 held_out_every: 4,
@@ -312,7 +296,7 @@ fn topk_switch_mid_answer_on_tiny_ladder() {
             observe_footprint: false,
             ..SessionOptions::default()
         };
-        let mut s = Session::with_options(l.clone(), cfg(), "big", opts).unwrap();
+        let mut s = Session::with_options(l.clone(), common::cfg_topk(), "big", opts).unwrap();
         let mut switches = Vec::new();
         let g = s
             .generate(
@@ -376,7 +360,7 @@ fn topk_switch_mid_answer_on_real_ladder() {
         l,
         ContextConfig {
             hidden_tap: false,
-            ..cfg()
+            ..common::cfg_topk()
         },
         &tokens[..tokens.len().min(1024)],
         &TrainOptions {
@@ -401,7 +385,7 @@ fn topk_switch_mid_answer_on_real_ladder() {
             observe_footprint: false,
             ..SessionOptions::default()
         };
-        let mut s = Session::with_options(l.clone(), cfg(), "tier0", opts).unwrap();
+        let mut s = Session::with_options(l.clone(), common::cfg_topk(), "tier0", opts).unwrap();
         let mut switches = Vec::new();
         let g = s
             .generate(

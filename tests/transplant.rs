@@ -5,28 +5,13 @@
 
 mod common;
 
-use molt::engine::{
-    Context, ContextConfig, Model, ModelOptions, Sampler, SamplingParams, log_softmax,
-};
+use molt::engine::{Context, Model, ModelOptions, Sampler, SamplingParams, log_softmax};
 use molt::ladder::Ladder;
 use molt::session::migrate::{Reread, reprefill, transplant, transplant_with};
 use molt::session::routes::{Routes, Variant, binding};
 use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions, Strategy, jsd};
-use molt::train::{TrainOptions, fit_ladder, read_corpus};
 use molt::transplant::anchor::Anchor;
 use molt::transplant::project::identity_projector;
-use molt::transplant::projector::TensorDtype;
-use std::path::PathBuf;
-use std::sync::OnceLock;
-
-fn cfg() -> ContextConfig {
-    ContextConfig {
-        n_ctx: 1024,
-        n_batch: 256,
-        n_threads: 2,
-        ..ContextConfig::default()
-    }
-}
 
 const TEXT: &str = "The scheduler parks the weights of a background job while keeping its cache, then maps them back when memory returns. fn main() { let v: Vec<u32> = (0..10).map(|x| x * x).collect(); }";
 
@@ -43,8 +28,8 @@ fn max_abs(a: &[f32], b: &[f32]) -> f32 {
 fn identity_is_lossless(ladder: &Ladder, rung: usize, tol: f32) {
     let info = &ladder.rungs[rung];
     let model = Model::load(&info.path, info.name(), ModelOptions::default()).unwrap();
-    let mut src = Context::new(model.clone(), cfg()).unwrap();
-    let mut dst = Context::new(model.clone(), cfg()).unwrap();
+    let mut src = Context::new(model.clone(), common::cfg_long()).unwrap();
+    let mut dst = Context::new(model.clone(), common::cfg_long()).unwrap();
     let toks = model.tokenize(TEXT, false).unwrap();
     src.decode(&toks).unwrap();
     let next = Sampler::new(SamplingParams::greedy()).sample(src.logits());
@@ -69,7 +54,7 @@ fn identity_is_lossless(ladder: &Ladder, rung: usize, tol: f32) {
     let mut wrong = identity_projector(&binding(info));
     wrong.dst.rope.freq_base *= 0.01;
     src.truncate(toks.len());
-    let mut dst2 = Context::new(model, cfg()).unwrap();
+    let mut dst2 = Context::new(model, common::cfg_long()).unwrap();
     transplant(&src, &mut dst2, &wrong, next).unwrap();
     let d2 = max_abs(src.logits(), dst2.logits());
     assert!(
@@ -86,52 +71,29 @@ fn identity_sandwich_is_lossless_on_tiny_rungs() {
     }
 }
 
-/// Fits the tiny ladder's projectors once per process on a small corpus of the repository.
-fn tiny_projectors() -> &'static PathBuf {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let l = common::tiny_ladder();
-        let out = common::fixture_dir().join("projectors");
-        let corpus =
-            read_corpus(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("projectors/corpus"))
-                .unwrap();
-        let model = Model::load(&l.rungs[0].path, "big", ModelOptions::default()).unwrap();
-        let tokens = model.tokenize(&corpus, false).unwrap();
-        let tokens = &tokens[..tokens.len().min(1600)];
-        let report = fit_ladder(
-            l,
-            cfg(),
-            tokens,
-            &TrainOptions {
-                window: 128,
-                held_out_every: 4,
-                variants: vec![Variant::Auto],
-                dtype: TensorDtype::F32,
-                out_dir: out.clone(),
-                skip_head: 0,
-                restore_spread: false,
-            },
-            &mut |_| {},
-        )
-        .unwrap();
-        assert_eq!(report.routes.len(), 6, "every ordered pair of 3 rungs");
-        for r in &report.routes {
-            assert!(r.fit.k.held_out.is_finite() && r.fit.v.held_out.is_finite());
-            assert!(
-                r.fit.k.train <= r.fit.k.held_out * 1.5 + 1e-3,
-                "{}: train {} held {}",
-                r.route,
-                r.fit.k.train,
-                r.fit.k.held_out
-            );
-        }
-        out
-    })
+/// The fit the tiny routes below are read from, made afresh: every ordered pair of the three
+/// rungs gets a route, and no route's K map does much better on its training rows than on
+/// the rows it never saw.
+#[test]
+fn fitting_the_tiny_ladder_covers_every_route_without_overfitting() {
+    let dir = tempfile::tempdir().unwrap();
+    let report = common::fit_tiny_projectors(dir.path());
+    assert_eq!(report.routes.len(), 6, "every ordered pair of 3 rungs");
+    for r in &report.routes {
+        assert!(r.fit.k.held_out.is_finite() && r.fit.v.held_out.is_finite());
+        assert!(
+            r.fit.k.train <= r.fit.k.held_out * 1.5 + 1e-3,
+            "{}: train {} held {}",
+            r.route,
+            r.fit.k.train,
+            r.fit.k.held_out
+        );
+    }
 }
 
 #[test]
 fn fitted_precision_route_is_nearly_exact_on_tiny_rungs() {
-    let dir = tiny_projectors();
+    let dir = common::tiny_projectors();
     let l = common::tiny_ladder();
     let mut routes = Routes::new(l, vec![dir.clone()], Variant::Auto);
     let p = routes.get(0, 1).unwrap();
@@ -149,14 +111,14 @@ fn fitted_precision_route_is_nearly_exact_on_tiny_rungs() {
 
 #[test]
 fn migration_mid_answer_continues_at_the_right_positions_on_tiny_rungs() {
-    let dir = tiny_projectors();
+    let dir = common::tiny_projectors();
     let l = common::tiny_ladder().clone();
     let opts = SessionOptions {
         projector_dirs: vec![dir.clone()],
         measure_seam: true,
         ..SessionOptions::default()
     };
-    let mut s = Session::with_options(l, cfg(), "big", opts).unwrap();
+    let mut s = Session::with_options(l, common::cfg_long(), "big", opts).unwrap();
     let mut events = Vec::new();
     let g = s
         .generate(
@@ -221,7 +183,7 @@ fn reprefill_switch_goes_through_the_same_loop() {
         projector_dirs: vec![],
         ..SessionOptions::default()
     };
-    let mut s = Session::with_options(l, cfg(), "big", opts).unwrap();
+    let mut s = Session::with_options(l, common::cfg_long(), "big", opts).unwrap();
     let g = s
         .generate(
             &Prompt::Text(TEXT.into()),
@@ -249,7 +211,7 @@ fn missing_and_foreign_projectors_are_clear_errors() {
         "{e}"
     );
     // A projector fitted for other files: copy big->small over small->big's name.
-    let dir = tiny_projectors();
+    let dir = common::tiny_projectors();
     let tmp = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(tmp.path().join("tiny")).unwrap();
     std::fs::copy(
@@ -273,12 +235,12 @@ struct TinyRoute {
 
 fn tiny_big_to_small() -> TinyRoute {
     let l = common::tiny_ladder();
-    let mut routes = Routes::new(l, vec![tiny_projectors().clone()], Variant::Auto);
+    let mut routes = Routes::new(l, vec![common::tiny_projectors().clone()], Variant::Auto);
     let p = routes.get(0, 2).unwrap();
     let ms = Model::load(&l.rungs[0].path, "big", ModelOptions::default()).unwrap();
     let md = Model::load(&l.rungs[2].path, "small", ModelOptions::default()).unwrap();
-    let mut src = Context::new(ms.clone(), cfg()).unwrap();
-    let dst = Context::new(md, cfg()).unwrap();
+    let mut src = Context::new(ms.clone(), common::cfg_long()).unwrap();
+    let dst = Context::new(md, common::cfg_long()).unwrap();
     let toks = ms.tokenize(TEXT, false).unwrap();
     src.decode(&toks).unwrap();
     let next = toks[3];
@@ -517,7 +479,7 @@ fn real_ladder_migration_mid_answer_scores_within_bound() {
             strategy,
             ..SessionOptions::default()
         };
-        let mut s = Session::with_options(l.clone(), cfg(), "tier0", opts).unwrap();
+        let mut s = Session::with_options(l.clone(), common::cfg_long(), "tier0", opts).unwrap();
         let g = s
             .generate(
                 &Prompt::User("Explain in a few sentences how an operating system reclaims memory from background apps.".into()),
@@ -543,7 +505,7 @@ fn real_ladder_migration_mid_answer_scores_within_bound() {
     let (_, base) = run(Strategy::Reprefill);
     let judge = |g: &molt::session::Generation| {
         let model = Model::load(&l.rungs[0].path, "tier0", ModelOptions::default()).unwrap();
-        let mut ctx = Context::new(model.clone(), cfg()).unwrap();
+        let mut ctx = Context::new(model.clone(), common::cfg_long()).unwrap();
         let text = model
             .apply_chat_template(&s.conversation()[..1], true)
             .unwrap();
@@ -615,7 +577,7 @@ fn background_refill_takes_over_with_the_native_cache() {
     // 32 tokens between every two generated tokens, and takes over the live cache once caught
     // up: from then on the session's logits are those of a fresh native read of the history
     // (up to batch-order rounding), while without the refill they stay the projection's.
-    let dir = tiny_projectors();
+    let dir = common::tiny_projectors();
     let l = common::tiny_ladder().clone();
     let run = |refill: usize| {
         let opts = SessionOptions {
@@ -624,7 +586,7 @@ fn background_refill_takes_over_with_the_native_cache() {
             observe_footprint: false,
             ..SessionOptions::default()
         };
-        let mut s = Session::with_options(l.clone(), cfg(), "big", opts).unwrap();
+        let mut s = Session::with_options(l.clone(), common::cfg_long(), "big", opts).unwrap();
         let mut levers = Vec::new();
         let g = s
             .generate(
@@ -644,7 +606,7 @@ fn background_refill_takes_over_with_the_native_cache() {
         let hist = s.history().to_vec();
         let live = s.rung_mut(2).unwrap();
         assert_eq!(live.ctx.n_past(), hist.len());
-        let mut fresh = Context::new(live.ctx.model().clone(), cfg()).unwrap();
+        let mut fresh = Context::new(live.ctx.model().clone(), common::cfg_long()).unwrap();
         fresh.decode(&hist).unwrap();
         let d = max_abs(live.ctx.logits(), fresh.logits());
         (g, levers, d)
@@ -742,7 +704,7 @@ fn anchors_are_fitted_on_the_template_opening_and_bound_to_their_rung() {
     // session's default switch splices the anchor into its head re-read.
     let l = common::tiny_ladder().clone();
     let dir = tempfile::tempdir().unwrap();
-    let written = molt::train::write_anchors(&l, cfg(), dir.path()).unwrap();
+    let written = molt::train::write_anchors(&l, common::cfg_long(), dir.path()).unwrap();
     assert_eq!(written.len(), l.rungs.len());
     let model = Model::load(&l.rungs[2].path, "small", ModelOptions::default()).unwrap();
     let opening = molt::train::template_opening(&model).unwrap();
@@ -766,12 +728,12 @@ fn anchors_are_fitted_on_the_template_opening_and_bound_to_their_rung() {
     assert!(none.anchor(2).unwrap().is_none(), "no file: no anchor");
 
     let opts = SessionOptions {
-        projector_dirs: vec![tiny_projectors().clone(), dir.path().to_path_buf()],
+        projector_dirs: vec![common::tiny_projectors().clone(), dir.path().to_path_buf()],
         observe_footprint: false,
         ..SessionOptions::default()
     };
     assert_eq!(opts.head_reread, molt::session::DEFAULT_HEAD_REREAD);
-    let mut s = Session::with_options(l.clone(), cfg(), "big", opts).unwrap();
+    let mut s = Session::with_options(l.clone(), common::cfg_long(), "big", opts).unwrap();
     let g = s
         .generate(
             &Prompt::User(TEXT.into()),

@@ -37,6 +37,23 @@ impl SamplingParams {
         }
     }
 
+    /// Temperature and nucleus sampling without a top-k limit, as a request or the command
+    /// line asks for it: a temperature of 0 (or below) is [`greedy`](Self::greedy), whatever
+    /// `top_p` and `seed` say. The ranges a caller accepts are its own to check.
+    #[must_use]
+    pub fn nucleus(temperature: f32, top_p: f32, seed: u64) -> Self {
+        if temperature > 0.0 {
+            Self {
+                temperature,
+                top_p,
+                top_k: 0,
+                seed,
+            }
+        } else {
+            Self::greedy()
+        }
+    }
+
     /// A chat preset: temperature 0.7, top-p 0.9, top-k 40, seeded.
     pub fn balanced(seed: u64) -> Self {
         Self {
@@ -158,6 +175,23 @@ mod tests {
     fn greedy_picks_argmax() {
         let mut s = Sampler::new(SamplingParams::greedy());
         assert_eq!(s.sample(&[0.1, 3.0, -1.0, 2.9]), 1);
+    }
+
+    #[test]
+    fn nucleus_is_greedy_at_temperature_zero_and_unlimited_in_k_above() {
+        assert_eq!(
+            SamplingParams::nucleus(0.0, 0.5, 9),
+            SamplingParams::greedy()
+        );
+        assert_eq!(
+            SamplingParams::nucleus(0.8, 0.9, 9),
+            SamplingParams {
+                temperature: 0.8,
+                top_p: 0.9,
+                top_k: 0,
+                seed: 9,
+            }
+        );
     }
 
     #[test]

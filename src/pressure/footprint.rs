@@ -206,7 +206,8 @@ pub fn return_freed_buffers_to_os() {
 /// show in RSS. Call after freeing a rung.
 pub fn trim_heap() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim only releases free memory of the allocator's own arenas.
+    // SAFETY: malloc_trim only releases free memory of the allocator's own arenas; it has no
+    // preconditions and is thread-safe.
     unsafe {
         libc::malloc_trim(0);
     }

@@ -108,7 +108,7 @@ impl Lever {
 
     /// Order of execution within a plan: memory is freed (shed, demote, park) before it is
     /// taken (promote, resume, admit).
-    fn phase(&self) -> u8 {
+    pub(super) fn phase(&self) -> u8 {
         match self {
             Lever::Shed { .. } => 0,
             Lever::Demote { .. } => 1,

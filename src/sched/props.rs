@@ -3,8 +3,9 @@
 //! - **no overshoot after enforcement**: a round's usage after its plan is within the budget
 //!   whenever any configuration could be (and, when none can, it is the least possible);
 //! - **no termination**: every tenant survives every round, and an admitted one stays admitted;
-//! - **lever order**: actions run frees-before-takes in the documented phase order; nobody is
-//!   shed while a configuration without shedding fits, nobody parked while one without
+//! - **lever order**: actions run frees-before-takes in the documented order (the rule stated
+//!   on its own in `must_precede`; `Lever::phase` is checked against it pair by pair); nobody
+//!   is shed while a configuration without shedding fits, nobody parked while one without
 //!   parking fits (checked by brute force over all configurations);
 //! - **one tenant**: [`decide_one`] and [`plan`] agree, as the `one` module promises;
 //! - **hysteresis**: re-planning the state a plan produced, under the same budget, changes
@@ -147,15 +148,65 @@ fn floor(s: &Snapshot) -> u64 {
         .sum()
 }
 
-fn phase(l: &Lever) -> u8 {
-    match l {
-        Lever::Shed { .. } => 0,
-        Lever::Demote { .. } => 1,
-        Lever::Park { .. } => 2,
-        Lever::Promote { .. } => 3,
-        Lever::Resume { .. } => 4,
-        Lever::Admit { .. } => 5,
-        Lever::Defer => 6,
+/// The rule `Lever::phase` implements, stated as what each step needs rather than as a
+/// ranking: whether `a` must run before `b` in one plan (`same_tenant`: both act on one
+/// tenant).
+fn must_precede(a: &Lever, b: &Lever, same_tenant: bool) -> bool {
+    let frees = |l: &Lever| {
+        matches!(
+            l,
+            Lever::Shed { .. } | Lever::Demote { .. } | Lever::Park { .. }
+        )
+    };
+    let takes = |l: &Lever| {
+        matches!(
+            l,
+            Lever::Promote { .. } | Lever::Resume { .. } | Lever::Admit { .. }
+        )
+    };
+    // Memory is freed before it is taken.
+    (frees(a) && takes(b))
+        // A waiting tenant gets only the headroom left once the running ones have taken theirs.
+        || (matches!(a, Lever::Promote { .. } | Lever::Resume { .. })
+            && matches!(b, Lever::Admit { .. }))
+        // A deferral changes nothing; it follows everything that does.
+        || (!matches!(a, Lever::Defer) && matches!(b, Lever::Defer))
+        || (same_tenant
+            && matches!(
+                (a, b),
+                // A tenant's context is shed before its cache moves or is parked, so neither
+                // carries what is dropped; it is parked on the rung its demotion reached, and
+                // it resumes on the rung its promotion reached.
+                (Lever::Shed { .. }, Lever::Demote { .. } | Lever::Park { .. })
+                    | (Lever::Demote { .. }, Lever::Park { .. })
+                    | (Lever::Promote { .. }, Lever::Resume { .. })
+            ))
+}
+
+/// One lever of every kind.
+const EVERY_LEVER: [Lever; 7] = [
+    Lever::Defer,
+    Lever::Admit { rung: 0 },
+    Lever::Demote { from: 0, to: 1 },
+    Lever::Park { rung: 1 },
+    Lever::Shed { tokens: 1 },
+    Lever::Promote { from: 1, to: 0 },
+    Lever::Resume { rung: 0 },
+];
+
+#[test]
+fn phase_orders_every_pair_of_levers_as_the_rule_requires() {
+    for a in &EVERY_LEVER {
+        for b in &EVERY_LEVER {
+            if must_precede(a, b, true) {
+                assert!(
+                    a.phase() < b.phase(),
+                    "{a:?} must run before {b:?}: phases {} and {}",
+                    a.phase(),
+                    b.phase()
+                );
+            }
+        }
     }
 }
 
@@ -194,9 +245,13 @@ proptest! {
                 prop_assert!(!a.admitted || b.admitted);
                 prop_assert!(b.context_tokens >= b.pinned_tokens);
             }
-            // Actions in phase order.
-            let phases: Vec<u8> = p.actions.iter().map(|(_, l)| phase(l)).collect();
-            prop_assert!(phases.windows(2).all(|w| w[0] <= w[1]), "{:?}", p.actions);
+            // Actions in the order the rule requires: no action runs after one it must precede.
+            for (i, (ta, a)) in p.actions.iter().enumerate() {
+                for (tb, b) in &p.actions[i + 1..] {
+                    prop_assert!(!must_precede(b, a, ta == tb),
+                        "{:?} ran after {:?}: {:?}", b, a, p.actions);
+                }
+            }
             s = next;
             for t in s.tenants.iter_mut().filter(|t| t.is_running()) {
                 t.context_tokens += tokens_per_round;

@@ -34,8 +34,8 @@ use super::openai::{
     finish_reason, mib,
 };
 use super::stream::{CancelGuard, ChunkStream, Chunks};
-use super::worker::{EngineStatus, Job, Shared, Update, rss_bytes, sampling};
-use crate::engine::{ChatMessage, Model};
+use super::worker::{EngineStatus, Job, Shared, Update, rss_bytes};
+use crate::engine::{ChatMessage, Model, SamplingParams};
 use crate::pressure::Tick;
 use crate::session::GenerateOptions;
 
@@ -213,7 +213,7 @@ async fn prepare(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<P
     }
     let opts = GenerateOptions {
         max_tokens,
-        sampling: sampling(req.temperature, req.top_p, req.seed),
+        sampling: SamplingParams::nucleus(req.temperature, req.top_p, req.seed),
         force_switch,
     };
     Ok(Prepared {

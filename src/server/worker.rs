@@ -31,12 +31,15 @@ use super::budget::ServerBudget;
 use super::error::ApiError;
 use super::openai::mib;
 use super::record::Recorder;
-use crate::engine::{ChatMessage, SamplingParams};
+use crate::engine::ChatMessage;
 use crate::pressure::{Tick, TraceRefs, process_rss_bytes};
 use crate::sched::RungCost;
 use crate::session::{Event, GenerateOptions, Generation, Prompt, Session, StopReason};
 
 /// What the engine tells the HTTP side about one job.
+// A session event is the large variant (a switch's report) and the one sent for every token;
+// boxing it would allocate per token to shrink updates that only pass through a channel.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Update {
     /// Memory is short: admission deferred.
@@ -421,8 +424,14 @@ pub fn run(mut session: Session, shared: &Shared) {
         publish(shared, &mut session, Some(job.id.clone()), false);
         let loaded_before = session.loaded();
         let last = answer(&mut session, shared, &job, &cancel, &mut projected);
+        // Hand memory freed by an unloaded rung back to the system. glibc keeps freed heap
+        // memory for reuse, and after a rung's contexts are freed it raises its mmap
+        // threshold, so the next rung's buffers come from the heap and fragment it: measured
+        // on the tiny ladder, 600 answers with 1200 rung loads took the resident set from 29
+        // to 59 MiB by default and kept it at 26 MiB with a small mmap threshold. A service
+        // that exists to give memory back when asked must actually give it back.
         if session.loaded() != loaded_before {
-            trim_heap();
+            crate::pressure::trim_heap();
         }
         // Publish before the client hears the end, so a status query made after `[DONE]`
         // sees the rung the answer ended on.
@@ -617,36 +626,6 @@ fn answer(
             shared.recorder.service(&job.id, "failed", api.json());
             Some(Update::Failed(api))
         }
-    }
-}
-
-/// Hands memory freed by an unloaded rung back to the system. glibc keeps freed heap memory
-/// for reuse, and after a rung's contexts are freed it raises its mmap threshold, so the next
-/// rung's buffers come from the heap and fragment it: measured on the tiny ladder, 600
-/// answers with 1200 rung loads took the resident set from 29 to 59 MiB by default and kept
-/// it at 26 MiB with a small mmap threshold. A service that exists to give memory back when
-/// asked must actually give it back.
-fn trim_heap() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim only releases free memory of the allocator's own arenas; it has no
-    // preconditions and is thread-safe.
-    unsafe {
-        libc::malloc_trim(0);
-    }
-}
-
-/// Sampling from a request's temperature, nucleus and seed (0 = greedy).
-#[must_use]
-pub fn sampling(temperature: f32, top_p: f32, seed: u64) -> SamplingParams {
-    if temperature > 0.0 {
-        SamplingParams {
-            temperature,
-            top_p,
-            top_k: 0,
-            seed,
-        }
-    } else {
-        SamplingParams::greedy()
     }
 }
 

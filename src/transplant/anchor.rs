@@ -18,7 +18,6 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 
 use super::error::ProjectorError;
 use crate::kv::KvSnapshot;
@@ -79,7 +78,7 @@ impl Anchor {
             file: self.file.clone(),
             sha256: self.sha256.clone(),
             tokens: self.tokens.clone(),
-            state_sha256: hex::encode(Sha256::digest(&self.state)),
+            state_sha256: super::framed::sha256_hex(&self.state),
         };
         let json = serde_json::to_vec_pretty(&header).map_err(|e| ProjectorError::Invalid {
             file: PathBuf::from(file_name(&self.rung)),
@@ -133,15 +132,7 @@ impl Anchor {
                 found_file: header.file,
             });
         }
-        let computed = hex::encode(Sha256::digest(state));
-        if computed != header.state_sha256 {
-            return Err(ProjectorError::Checksum {
-                file,
-                section: "state",
-                stored: header.state_sha256,
-                computed,
-            });
-        }
+        super::framed::check_sha256(&file, "state", header.state_sha256, state)?;
         let invalid = |reason: String| ProjectorError::Invalid {
             file: file.clone(),
             reason,

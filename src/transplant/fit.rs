@@ -460,23 +460,13 @@ pub fn fit_route(
             })
             .collect();
         let cand = &candidates[j][best];
-        let kf = kc
-            .into_iter()
-            .nth(best)
-            .ok_or(TransplantError::TooFewRows {
-                what: "depth candidates",
-                rows: 0,
-                needed: 1,
-            })?;
-        let vf = vc
-            .into_iter()
-            .nth(best)
-            .ok_or(TransplantError::TooFewRows {
-                what: "depth candidates",
-                rows: 0,
-                needed: 1,
-            })?;
-        let (mut kf, mut vf) = (kf, vf);
+        let no_candidate = || TransplantError::TooFewRows {
+            what: "depth candidates",
+            rows: 0,
+            needed: 1,
+        };
+        let mut kf = kc.into_iter().nth(best).ok_or_else(no_candidate)?;
+        let mut vf = vc.into_iter().nth(best).ok_or_else(no_candidate)?;
         if opts.restore_spread && fitted {
             ctx.restore_spread(&mut kf, &src_k, dst_k[j], cand, dst.head_dim)?;
             ctx.restore_spread(&mut vf, &src_v, dst_v[j], cand, dst.head_dim)?;

@@ -1,9 +1,12 @@
 //! The layout the hidden-map (`.molt-hmap`) and anchor (`.molt-anchor`) files share: an
-//! 8-byte magic, a u32 format version, a u64 header length, the JSON header, then the data —
-//! and their atomic write (a temporary beside the file, then renamed).
+//! 8-byte magic, a u32 format version, a u64 header length, the JSON header (which records
+//! the data's sha256), then the data — and their atomic write (a temporary beside the file,
+//! then renamed).
 
 use std::fs;
 use std::path::Path;
+
+use sha2::{Digest, Sha256};
 
 use super::error::ProjectorError;
 
@@ -55,6 +58,34 @@ pub(crate) fn unframe<'a>(
         return Err(short("header", hlen, rest.len()));
     }
     Ok(rest.split_at(hlen))
+}
+
+/// The sha256 of `data` in hex, as a header records it.
+pub(crate) fn sha256_hex(data: &[u8]) -> String {
+    hex::encode(Sha256::digest(data))
+}
+
+/// Checks `data`, the `section` of `file`, against the sha256 its header records.
+///
+/// # Errors
+/// [`ProjectorError::Checksum`], naming `file` and `section`.
+pub(crate) fn check_sha256(
+    file: &Path,
+    section: &'static str,
+    stored: String,
+    data: &[u8],
+) -> Result<(), ProjectorError> {
+    let computed = sha256_hex(data);
+    if computed == stored {
+        Ok(())
+    } else {
+        Err(ProjectorError::Checksum {
+            file: file.to_path_buf(),
+            section,
+            stored,
+            computed,
+        })
+    }
 }
 
 /// `file` ends inside `section`, which needs `needed` bytes where `available` are left.

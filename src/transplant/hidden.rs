@@ -21,7 +21,6 @@ use std::path::{Path, PathBuf};
 
 use ndarray::{Array1, Array2, ArrayView2, Axis};
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 
 use super::error::{ProjectorError, TransplantError};
 use super::projector::RungBinding;
@@ -171,7 +170,7 @@ impl HiddenMap {
             d_in: self.affine.d_in(),
             d_out: self.affine.d_out(),
             fit: self.fit.clone(),
-            data_sha256: hex::encode(Sha256::digest(&data)),
+            data_sha256: super::framed::sha256_hex(&data),
         };
         let json = serde_json::to_vec_pretty(&header).map_err(|e| {
             ProjectorError::Transplant(TransplantError::Unsupported {
@@ -247,15 +246,7 @@ impl HiddenMap {
                 }
             });
         }
-        let computed = hex::encode(Sha256::digest(data));
-        if computed != header.data_sha256 {
-            return Err(ProjectorError::Checksum {
-                file,
-                section: "data",
-                stored: header.data_sha256,
-                computed,
-            });
-        }
+        super::framed::check_sha256(&file, "data", header.data_sha256, data)?;
         if header.k == 0
             || header.k >= header.dst.n_layer
             || header.src_layer + 1 >= header.src.n_layer

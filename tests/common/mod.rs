@@ -1,7 +1,9 @@
-//! Shared fixtures: the tiny ladder (generated once per test process) and the real ladder
-//! (present only after `molt-run fetch`).
+//! Shared fixtures: the tiny ladder (generated once per test process), its fitted projectors,
+//! the contexts the tests run the tiny models in, and the real ladder (present only after
+//! `molt-run fetch`).
 #![allow(dead_code)]
 
+use molt::engine::{ContextConfig, Token};
 use molt::ladder::{FetchOptions, Ladder, Manifest, fetch};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -83,13 +85,95 @@ pub fn real_ladder() -> Option<&'static Ladder> {
     .as_ref()
 }
 
+/// A context for the tiny models: `n_ctx` tokens, decoded `n_batch` at a time on two threads.
+pub fn context(n_ctx: u32, n_batch: u32) -> ContextConfig {
+    ContextConfig {
+        n_ctx,
+        n_batch,
+        n_threads: 2,
+        ..ContextConfig::default()
+    }
+}
+
+/// The usual tiny-model context: 512 tokens in batches of 128.
+pub fn cfg() -> ContextConfig {
+    context(512, 128)
+}
+
+/// Room for a history, its answer and a switch: 1024 tokens in batches of 256. The tiny
+/// projectors are fitted with it.
+pub fn cfg_long() -> ContextConfig {
+    context(1024, 256)
+}
+
+/// The service's tests: [`cfg_long`] on one thread (see [`one_thread`]).
+pub fn cfg_server() -> ContextConfig {
+    one_thread(cfg_long())
+}
+
+/// The conditions benchmark's tests: 512 tokens in batches of 256, one thread (see
+/// [`one_thread`]).
+pub fn cfg_conditions() -> ContextConfig {
+    one_thread(context(512, 256))
+}
+
+/// The top-k recompute tests: 512 tokens in batches of 256, the hidden-state tap on.
+pub fn cfg_topk() -> ContextConfig {
+    ContextConfig {
+        hidden_tap: true,
+        ..context(512, 256)
+    }
+}
+
+/// `c` on one thread: on a shared 2-core machine under load, ggml's two-thread barrier
+/// collapses tiny-model decode from hundreds of tokens/s to a few, and a tiny model gains
+/// nothing from a second thread.
+pub fn one_thread(c: ContextConfig) -> ContextConfig {
+    ContextConfig { n_threads: 1, ..c }
+}
+
+/// What the tiny projectors and hidden maps are fitted on: the first 1600 tokens of the
+/// project's corpus (`projectors/corpus`), as the tiny big rung tokenizes it.
+pub fn tiny_corpus_tokens() -> Vec<Token> {
+    use molt::engine::{Model, ModelOptions};
+    use molt::train::read_corpus;
+    let l = tiny_ladder();
+    let corpus = read_corpus(&Path::new(env!("CARGO_MANIFEST_DIR")).join("projectors/corpus"))
+        .expect("corpus");
+    let model = Model::load(&l.rungs[0].path, "big", ModelOptions::default()).expect("big");
+    let mut tokens = model.tokenize(&corpus, false).expect("tokenize");
+    tokens.truncate(1600);
+    tokens
+}
+
+/// Fits the tiny ladder's projectors (every ordered route, the automatic variant) into
+/// `out/tiny/`: what [`tiny_projectors`] holds, and what a test of the fit itself fits.
+pub fn fit_tiny_projectors(out: &Path) -> molt::train::TrainReport {
+    use molt::session::Variant;
+    use molt::train::{TrainOptions, fit_ladder};
+    use molt::transplant::projector::TensorDtype;
+    fit_ladder(
+        tiny_ladder(),
+        cfg_long(),
+        &tiny_corpus_tokens(),
+        &TrainOptions {
+            window: 128,
+            held_out_every: 4,
+            variants: vec![Variant::Auto],
+            dtype: TensorDtype::F32,
+            out_dir: out.to_path_buf(),
+            skip_head: 0,
+            restore_spread: false,
+        },
+        &mut |_| {},
+    )
+    .expect("fitting tiny projectors")
+}
+
 /// The tiny ladder's fitted projectors (`<dir>/tiny/*.molt-proj`), fitted once and reused while
 /// every route still loads against the current tiny files (generation is deterministic).
 pub fn tiny_projectors() -> &'static PathBuf {
-    use molt::engine::{ContextConfig, Model, ModelOptions};
     use molt::session::{Routes, Variant};
-    use molt::train::{TrainOptions, fit_ladder, read_corpus};
-    use molt::transplant::projector::TensorDtype;
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
         let l = tiny_ladder();
@@ -100,36 +184,9 @@ pub fn tiny_projectors() -> &'static PathBuf {
             .flat_map(|i| (0..n).map(move |j| (i, j)))
             .filter(|(i, j)| i != j)
             .all(|(i, j)| routes.get(i, j).is_ok());
-        if current {
-            return out;
+        if !current {
+            fit_tiny_projectors(&out);
         }
-        let config = ContextConfig {
-            n_ctx: 1024,
-            n_batch: 256,
-            n_threads: 2,
-            ..ContextConfig::default()
-        };
-        let corpus = read_corpus(&Path::new(env!("CARGO_MANIFEST_DIR")).join("projectors/corpus"))
-            .expect("corpus");
-        let model = Model::load(&l.rungs[0].path, "big", ModelOptions::default()).expect("big");
-        let tokens = model.tokenize(&corpus, false).expect("tokenize");
-        let tokens = &tokens[..tokens.len().min(1600)];
-        fit_ladder(
-            l,
-            config,
-            tokens,
-            &TrainOptions {
-                window: 128,
-                held_out_every: 4,
-                variants: vec![Variant::Auto],
-                dtype: TensorDtype::F32,
-                out_dir: out.clone(),
-                skip_head: 0,
-                restore_spread: false,
-            },
-            &mut |_| {},
-        )
-        .expect("fitting tiny projectors");
         out
     })
 }

@@ -3,7 +3,7 @@
 use crate::common::GlobalArgs;
 use anyhow::{Result, bail};
 use molt::bench::{RunInfo, speed};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Bench options.
 #[derive(clap::Args, Debug)]
@@ -256,12 +256,8 @@ fn run_cost_sweep(g: &GlobalArgs, a: &Args) -> Result<()> {
             p.flops_avoided * 100.0
         );
     }
-    std::fs::create_dir_all(&a.out_dir)?;
-    let path = a.out_dir.join("cost_sweep.json");
     let doc = serde_json::json!({ "run": info, "threads": config.n_threads, "reps": a.reps, "lengths": a.lengths, "contexts": a.contexts, "head_reread": a.head_reread, "points": points });
-    std::fs::write(&path, serde_json::to_string_pretty(&doc)?)?;
-    eprintln!("wrote {}", path.display());
-    Ok(())
+    write_result(&a.out_dir, "cost_sweep.json", &doc)
 }
 
 fn run_recall(g: &GlobalArgs, a: &Args) -> Result<()> {
@@ -368,16 +364,13 @@ fn run_recall(g: &GlobalArgs, a: &Args) -> Result<()> {
         seconds: t0.elapsed().as_secs_f64(),
         run: serde_json::to_value(info)?,
     };
-    std::fs::create_dir_all(&a.out_dir)?;
     let name = if a.quick {
         "recall-quick.json"
     } else {
         "recall.json"
     };
-    let path = a.out_dir.join(name);
-    std::fs::write(&path, serde_json::to_string_pretty(&doc)?)?;
+    write_result(&a.out_dir, name, &doc)?;
     let _ = std::fs::remove_file(a.out_dir.join("recall.partial.json"));
-    eprintln!("wrote {}", path.display());
     Ok(())
 }
 
@@ -408,11 +401,8 @@ fn run_speed(g: &GlobalArgs, a: &Args) -> Result<()> {
         );
         rows.push(s);
     }
-    let path = a.out_dir.join("speed.json");
     let doc = serde_json::json!({ "run": info, "threads": threads, "prefill_tokens": a.prefill_tokens, "decode_tokens": a.decode_tokens, "reps": a.reps, "rungs": rows });
-    std::fs::write(&path, serde_json::to_string_pretty(&doc)?)?;
-    eprintln!("wrote {}", path.display());
-    Ok(())
+    write_result(&a.out_dir, "speed.json", &doc)
 }
 
 fn run_footprint(g: &GlobalArgs, a: &Args) -> Result<()> {
@@ -484,8 +474,6 @@ fn run_footprint(g: &GlobalArgs, a: &Args) -> Result<()> {
             k.max_abs_logit_delta
         );
     }
-    std::fs::create_dir_all(&a.out_dir)?;
-    let path = a.out_dir.join("footprint.json");
     let doc = serde_json::json!({
         "run": info,
         "n_ctx": config.n_ctx,
@@ -494,9 +482,7 @@ fn run_footprint(g: &GlobalArgs, a: &Args) -> Result<()> {
         "cache_type": config.cache_type,
         "rungs": rungs,
     });
-    std::fs::write(&path, serde_json::to_string_pretty(&doc)?)?;
-    eprintln!("wrote {}", path.display());
-    Ok(())
+    write_result(&a.out_dir, "footprint.json", &doc)
 }
 
 fn run_qos(g: &GlobalArgs, a: &Args) -> Result<()> {
@@ -553,8 +539,6 @@ fn run_qos(g: &GlobalArgs, a: &Args) -> Result<()> {
         report.killed,
         report.wall_s
     );
-    std::fs::create_dir_all(&a.out_dir)?;
-    let path = a.out_dir.join("qos.json");
     let doc = serde_json::json!({
         "run": info,
         "trace": a.qos_trace.file_name().map(|n| n.to_string_lossy().to_string()),
@@ -566,12 +550,19 @@ fn run_qos(g: &GlobalArgs, a: &Args) -> Result<()> {
         "tenant_specs": opts.tenants,
         "report": report,
     });
-    std::fs::write(&path, serde_json::to_string_pretty(&doc)?)?;
+    write_result(&a.out_dir, "qos.json", &doc)
+}
+
+/// One `--tails` item: a token count, or nothing (`--tails ''` measures no tail).
+/// Writes a benchmark's JSON document as `dir/name` (creating `dir`) and says so.
+fn write_result(dir: &Path, name: &str, doc: &impl serde::Serialize) -> Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let path = dir.join(name);
+    std::fs::write(&path, serde_json::to_string_pretty(doc)?)?;
     eprintln!("wrote {}", path.display());
     Ok(())
 }
 
-/// One `--tails` item: a token count, or nothing (`--tails ''` measures no tail).
 fn parse_tail(s: &str) -> Result<Option<usize>, String> {
     if s.trim().is_empty() {
         return Ok(None);

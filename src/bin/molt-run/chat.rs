@@ -802,15 +802,7 @@ impl Chat {
             Event::Stall { reason } => self.renderer.note(&format!(
                 "⏸ {reason} — /budget to give memory back, Ctrl-C to stop"
             )),
-            Event::Lever(l) => self.renderer.note(&format!(
-                "⏸ {} on {} ({} tokens, {:.0} ms, RSS {} → {} MiB)",
-                l.lever,
-                l.rung,
-                l.tokens,
-                l.cost_ms,
-                l.rss_before >> 20,
-                l.rss_after >> 20
-            )),
+            Event::Lever(l) => self.renderer.note(&common::lever_line(&l)),
             Event::Budget { .. } | Event::Footprint(_) | Event::Done(_) => {}
         }
     }

@@ -1,10 +1,12 @@
-//! Options every subcommand shares, and their validation into typed settings.
+//! Options every subcommand shares, their validation into typed settings, and the lines the
+//! subcommands print for a session's events.
 
 use anyhow::{Context as _, Result, bail};
 use molt::engine::{CacheType, ContextConfig, SamplingParams};
 use molt::ladder::{Ladder, search};
 use molt::pressure::{Trace, TraceRefs};
 use molt::sched::RungCost;
+use molt::session::LeverInfo;
 use std::path::{Path, PathBuf};
 
 /// Global options.
@@ -79,16 +81,7 @@ pub fn sampling(temperature: f32, top_p: f32, seed: u64) -> Result<SamplingParam
     if !(0.0..=5.0).contains(&temperature) || !(0.0..=1.0).contains(&top_p) || top_p == 0.0 {
         bail!("--temperature must be in 0..=5 and --top-p in (0, 1]");
     }
-    Ok(if temperature > 0.0 {
-        SamplingParams {
-            temperature,
-            top_p,
-            top_k: 0,
-            seed,
-        }
-    } else {
-        SamplingParams::greedy()
-    })
+    Ok(SamplingParams::nucleus(temperature, top_p, seed))
 }
 
 /// Checks a trace file before any model loads: readable, valid JSON, every `of` naming a rung
@@ -128,4 +121,18 @@ pub fn measure_rungs(session: &mut molt::session::Session) -> Result<Vec<(String
         ));
     }
     Ok(done)
+}
+
+/// A park, resume, shed or relayout as one line: `⏸ park on tier1 (812 tokens, 40 ms, RSS
+/// 1900 → 1100 MiB)`.
+pub fn lever_line(l: &LeverInfo) -> String {
+    format!(
+        "⏸ {} on {} ({} tokens, {:.0} ms, RSS {} → {} MiB)",
+        l.lever,
+        l.rung,
+        l.tokens,
+        l.cost_ms,
+        l.rss_before >> 20,
+        l.rss_after >> 20
+    )
 }

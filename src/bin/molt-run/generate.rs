@@ -311,15 +311,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
                     footprints.push(f.clone());
                     return;
                 }
-                Event::Lever(l) => format!(
-                    "\n⏸ {} on {} ({} tokens, {:.0} ms, RSS {} → {} MiB)\n",
-                    l.lever,
-                    l.rung,
-                    l.tokens,
-                    l.cost_ms,
-                    l.rss_before >> 20,
-                    l.rss_after >> 20
-                ),
+                Event::Lever(l) => format!("\n{}\n", common::lever_line(l)),
                 Event::Token { text, rung, .. } => {
                     match per_rung.last_mut() {
                         Some((r, n)) if r == rung => *n += 1,
