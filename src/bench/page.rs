@@ -8,7 +8,9 @@ use std::path::{Path, PathBuf};
 
 use super::BenchError;
 use super::conditions::{ArmSummary, ConditionsReport, PairedComparison, TimingComparison};
-use super::figures::{FigureSet, QosDoc, ResidualDoc, SweepDoc, read_json};
+use super::cost_sweep::SweepDoc;
+use super::figures::{FigureSet, ResidualDoc, read_json, serde_word};
+use super::qos::QosDoc;
 use super::speed::Rate;
 use crate::session::routes::RouteKind;
 
@@ -405,7 +407,7 @@ fn sweep_section(doc: &SweepDoc) -> String {
             s,
             "| {} | {} | {} | {} | {} | {:.1}× | {} | {:.4} | {:.4} | {:.2} | {} | {} |",
             p.route,
-            p.kind,
+            serde_word(&p.kind),
             p.context_tokens,
             rate(Some(&p.transplant_ms), 1),
             rate(Some(&p.reprefill_ms), 0),
@@ -414,8 +416,8 @@ fn sweep_section(doc: &SweepDoc) -> String {
             p.transplant_jsd,
             p.reprefill_jsd,
             p.seam_ratio,
-            pair(p.transplant_jsd_mean, p.reprefill_jsd_mean, 4),
-            f(p.seam_mean_ratio, 2),
+            pair(Some(p.transplant_jsd_mean), Some(p.reprefill_jsd_mean), 4),
+            f(Some(p.seam_mean_ratio), 2),
         );
     }
     if doc.points.iter().any(|p| !p.tails.is_empty()) {
@@ -446,7 +448,7 @@ fn sweep_section(doc: &SweepDoc) -> String {
                     t.jsd,
                     t.jsd_mean,
                     f(t.seam_mean_ratio, 2),
-                    f(p.seam_mean_ratio, 2),
+                    f(Some(p.seam_mean_ratio), 2),
                 );
             }
         }
@@ -466,8 +468,8 @@ fn residual_section(doc: &ResidualDoc) -> String {
             s,
             "| {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.3} |",
             r.route,
-            r.kind,
-            r.variant,
+            serde_word(&r.kind),
+            serde_word(&r.variant),
             r.fit.k.held_out,
             r.fit.k.train,
             r.fit.v.held_out,
@@ -847,7 +849,7 @@ fn qos_section(doc: &QosDoc) -> String {
             s,
             "| {} | {} | {} | {} | {} | {} | {} | {} |",
             t.name,
-            t.class,
+            serde_word(&t.class),
             t.tokens,
             t.stop,
             t.rungs.join(" → "),
