@@ -21,6 +21,9 @@
 //! - `qos.png` ([`qos()`]) — several tenants sharing one moving budget: budget against
 //!   modelled and measured usage per round, and each tenant's rung and state (`qos.json`,
 //!   [`QosDoc`]).
+//! - `recall_frontier.png` ([`recall_frontier()`]) and `recall_lengths.png`
+//!   ([`recall_lengths()`]) — recall of the context's facts against switch cost per arm, and
+//!   by context length (`recall.json`, [`RecallDoc`]).
 //!
 //! [`draw_all`] draws whichever of them have their JSON present and says why the others were
 //! skipped.
@@ -36,11 +39,13 @@ use super::BenchError;
 use super::conditions::{ArmSummary, ConditionsReport, TokenSeries};
 use super::cost_sweep::SweepDoc;
 use super::qos::QosDoc;
+use super::recall::RecallDoc;
 
 mod conditions;
 mod cost_sweep;
 mod hero;
 mod qos;
+pub mod recall;
 mod residuals;
 mod seams;
 
@@ -48,6 +53,7 @@ pub use conditions::conditions;
 pub use cost_sweep::cost_sweep;
 pub use hero::hero;
 pub use qos::qos;
+pub use recall::{recall_frontier, recall_lengths};
 pub use residuals::{ResidualDoc, residuals};
 pub use seams::seams;
 
@@ -200,6 +206,21 @@ pub fn draw_all(results: &Path, out: &Path) -> Result<FigureSet, BenchError> {
         written.push(qos(&doc, &out.join("qos.png"))?);
     } else {
         missing("qos", "qos.json");
+    }
+    let recall_path = results.join("recall.json");
+    if recall_path.exists() {
+        let doc: RecallDoc = read_json(&recall_path)?;
+        written.push(recall_frontier(&doc, &out.join("recall_frontier.png"))?);
+        match recall_lengths(&doc, &out.join("recall_lengths.png"))? {
+            Some(f) => written.push(f),
+            None => set.skipped.push((
+                "recall_lengths".into(),
+                "recall.json has no size route".into(),
+            )),
+        }
+    } else {
+        missing("recall_frontier", "recall.json");
+        missing("recall_lengths", "recall.json");
     }
     set.written = written;
     Ok(set)
