@@ -14,7 +14,7 @@
 //! the next [`SEAM`] teacher-forced steps, averaged over the contexts. The re-prefill's
 //! divergence is the floor: it is what the destination says with a perfect cache of its own.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::speed::Rate;
 use crate::engine::{ContextConfig, Token};
@@ -24,7 +24,7 @@ use crate::session::routes::{RouteKind, Routes, binding, route_kind};
 use crate::session::{LiveRung, SessionError, jsd};
 
 /// One route at one length.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SweepPoint {
     /// `src→dst`.
     pub route: String,
@@ -71,8 +71,34 @@ pub struct SweepPoint {
     /// The transplant with part of the history re-read natively on the destination: tail
     /// recompute (its last `tail` tokens) or head re-read (its first `head` tokens), one
     /// entry per requested length.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tails: Vec<TailPoint>,
+}
+
+/// `results/cost_sweep.json`: the sweep's points with the run's settings.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SweepDoc {
+    /// Machine and versions ([`super::RunInfo`]).
+    #[serde(default)]
+    pub run: serde_json::Value,
+    /// Threads per context.
+    #[serde(default)]
+    pub threads: u32,
+    /// Repetitions per method.
+    #[serde(default)]
+    pub reps: usize,
+    /// Context lengths.
+    #[serde(default)]
+    pub lengths: Vec<usize>,
+    /// Where the contexts came from: `chat` (conversations in the chat form a session
+    /// holds) or `raw` (windows of the corpus text); absent in older files: raw windows.
+    #[serde(default)]
+    pub contexts: Option<String>,
+    /// Head re-read of the measured switch (absent in older files: none).
+    #[serde(default)]
+    pub head_reread: usize,
+    /// One per route and length.
+    pub points: Vec<SweepPoint>,
 }
 
 /// The transplant with a native re-read (tail recompute or head re-read) at one sweep point.

@@ -33,7 +33,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::engine::{
     ChatMessage, Context, ContextConfig, EngineError, Model, ModelOptions, Sampler, SamplingParams,
@@ -86,7 +86,7 @@ pub enum QosError {
 }
 
 /// One tenant of the run.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TenantSpec {
     /// Short name ("chat", "batch-1", ...).
     pub name: String,
@@ -170,7 +170,7 @@ impl QosOptions {
 }
 
 /// One action of the apply step, as performed.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ActionRecord {
     /// Round.
     pub round: usize,
@@ -185,12 +185,13 @@ pub struct ActionRecord {
 }
 
 /// A tenant's state at the end of a round.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TenantState {
     /// Tenant.
     pub tenant: TenantId,
     /// "waiting", "running", "parked" or "done" (not yet arrived tenants are omitted).
-    pub state: &'static str,
+    #[serde(deserialize_with = "state_name")]
+    pub state: StateWord,
     /// Rung name (policy's rung for parked tenants).
     pub rung: String,
     /// Tokens in its cache (+ the one about to be decoded).
@@ -199,8 +200,25 @@ pub struct TenantState {
     pub generated: usize,
 }
 
+/// [`TenantState::state`]'s type under another name: serde borrows a field written `&str`
+/// from the input, which would tie a read report to its file's text; through the alias it is
+/// read by [`state_name`] instead, into the writer's own words.
+type StateWord = &'static str;
+
+/// The states [`TenantState::state`] is written with.
+const STATE_WORDS: [&str; 4] = ["waiting", "running", "parked", "done"];
+
+/// Reads [`TenantState::state`] back as one of [`STATE_WORDS`]; any other word is an error.
+fn state_name<'de, D: serde::Deserializer<'de>>(d: D) -> Result<StateWord, D::Error> {
+    let s = String::deserialize(d)?;
+    STATE_WORDS
+        .into_iter()
+        .find(|w| *w == s)
+        .ok_or_else(|| serde::de::Error::unknown_variant(&s, &STATE_WORDS))
+}
+
 /// One round.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RoundRecord {
     /// Round index (the trace's token clock).
     pub round: usize,
@@ -233,7 +251,7 @@ pub struct RoundRecord {
 }
 
 /// Summary of one tenant.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TenantReport {
     /// Tenant id.
     pub tenant: TenantId,
@@ -260,7 +278,7 @@ pub struct TenantReport {
 }
 
 /// The whole run.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct QosReport {
     /// Calibrated costs per rung.
     pub costs: Vec<RungCost>,
@@ -284,6 +302,38 @@ pub struct QosReport {
     pub killed: usize,
     /// Wall time, s.
     pub wall_s: f64,
+}
+
+/// `results/qos.json`: the run's report with the settings it ran under.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct QosDoc {
+    /// Machine and versions ([`super::RunInfo`]).
+    #[serde(default)]
+    pub run: serde_json::Value,
+    /// The budget trace's file name.
+    #[serde(default)]
+    pub trace: Option<String>,
+    /// Whether a real memory hog followed the trace (otherwise its budgets were replayed as
+    /// numbers).
+    #[serde(default)]
+    pub real_hog: bool,
+    /// Context length of every tenant's context.
+    #[serde(default)]
+    pub n_ctx: u32,
+    /// Batch size.
+    #[serde(default)]
+    pub n_batch: u32,
+    /// Threads per context.
+    #[serde(default)]
+    pub threads: u32,
+    /// The scheduler's policy.
+    #[serde(default)]
+    pub policy: Policy,
+    /// The tenants as specified.
+    #[serde(default)]
+    pub tenant_specs: Vec<TenantSpec>,
+    /// What happened.
+    pub report: QosReport,
 }
 
 enum State {
