@@ -256,7 +256,15 @@ fn run_cost_sweep(g: &GlobalArgs, a: &Args) -> Result<()> {
             p.flops_avoided * 100.0
         );
     }
-    let doc = serde_json::json!({ "run": info, "threads": config.n_threads, "reps": a.reps, "lengths": a.lengths, "contexts": a.contexts, "head_reread": a.head_reread, "points": points });
+    let doc = molt::bench::cost_sweep::SweepDoc {
+        run: serde_json::to_value(info)?,
+        threads: config.n_threads,
+        reps: a.reps,
+        lengths: a.lengths.clone(),
+        contexts: serde_json::to_value(a.contexts)?.as_str().map(String::from),
+        head_reread: a.head_reread,
+        points,
+    };
     write_result(&a.out_dir, "cost_sweep.json", &doc)
 }
 
@@ -539,17 +547,20 @@ fn run_qos(g: &GlobalArgs, a: &Args) -> Result<()> {
         report.killed,
         report.wall_s
     );
-    let doc = serde_json::json!({
-        "run": info,
-        "trace": a.qos_trace.file_name().map(|n| n.to_string_lossy().to_string()),
-        "real_hog": a.real_hog,
-        "n_ctx": config.n_ctx,
-        "n_batch": config.n_batch,
-        "threads": config.n_threads,
-        "policy": opts.policy,
-        "tenant_specs": opts.tenants,
-        "report": report,
-    });
+    let doc = molt::bench::qos::QosDoc {
+        run: serde_json::to_value(info)?,
+        trace: a
+            .qos_trace
+            .file_name()
+            .map(|n| n.to_string_lossy().to_string()),
+        real_hog: a.real_hog,
+        n_ctx: config.n_ctx,
+        n_batch: config.n_batch,
+        threads: config.n_threads,
+        policy: opts.policy,
+        tenant_specs: opts.tenants.clone(),
+        report,
+    };
     write_result(&a.out_dir, "qos.json", &doc)
 }
 
