@@ -594,13 +594,10 @@ async fn streamed(addr: SocketAddr, body: &Value) -> (Value, Vec<Value>, Value) 
     (start, switches, summary)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn answers_start_fresh_on_the_rung_the_budget_holds() {
-    let _serial = serial().await;
-    let srv = start(|_| {}).await;
-    let addr = srv.addr;
-    // An answer that migrates by transplant (forced down to small, then promoted back to big
-    // since nothing limits the budget) leaves projected cells in the cache.
+/// An answer that migrates by transplant (forced down to small, then promoted back to big
+/// since nothing limits the budget) leaves projected cells in the cache; the next request with
+/// no budget goes to big without migrating. Returns its start event.
+async fn after_a_transplanted_answer(addr: std::net::SocketAddr) -> serde_json::Value {
     let mut body = chat(12, false);
     body["molt"] = json!({"force_switch": {"at": 3, "to": "small"}});
     let r = client::post_json(addr, "/v1/chat/completions", &body)
@@ -615,13 +612,38 @@ async fn answers_start_fresh_on_the_rung_the_budget_holds() {
             .iter()
             .all(|s| s["method"] == "molt")
     );
-    // The next answer does not build on them: with no budget it starts on big, reading its
-    // prompt there from scratch, and never migrates.
     let (start, switches, summary) = streamed(addr, &chat(12, true)).await;
     assert_eq!(start["rung"], "big");
-    assert_eq!(start["reused_tokens"], 0);
     assert!(switches.is_empty(), "{switches:?}");
     assert_eq!(summary["rungs_used"], json!(["big"]));
+    start
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_with_projected_cells_is_built_on_only_when_they_can_be_refreshed() {
+    let _serial = serial().await;
+    // Token recompute on (the default): the session re-reads the projected cells the next
+    // prompt looks at, so the next answer builds on the cache.
+    let srv = start(|_| {}).await;
+    let start_ev = after_a_transplanted_answer(srv.addr).await;
+    assert!(
+        start_ev["reused_tokens"].as_u64().unwrap() > 0,
+        "{start_ev}"
+    );
+    srv.shutdown().await;
+    // Off: nothing would re-read them, so the next answer reads its prompt from scratch.
+    let srv = start(|c| c.session.token_recompute = None).await;
+    let start_ev = after_a_transplanted_answer(srv.addr).await;
+    assert_eq!(start_ev["reused_tokens"], 0, "{start_ev}");
+    srv.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_start_fresh_on_the_rung_the_budget_holds() {
+    let _serial = serial().await;
+    let srv = start(|_| {}).await;
+    let addr = srv.addr;
+    after_a_transplanted_answer(addr).await;
     // A budget cut while idle: the next answer starts on small, no migration.
     let cut = small_only_budget(addr).await;
     set_budget(addr, json!({"mib": cut})).await;

@@ -221,6 +221,10 @@ pub fn default_arms(names: &[String]) -> Vec<Arm> {
         neighbours: 8,
         ..TokenRecompute::attention(r)
     };
+    let random_follow = |r: f64| TokenRecompute {
+        rule: SelectRule::Random,
+        ..follow(r)
+    };
     let random = |r: f64| TokenRecompute {
         rule: SelectRule::Random,
         ..TokenRecompute::attention(r)
@@ -250,6 +254,8 @@ pub fn default_arms(names: &[String]) -> Vec<Arm> {
         Arm::transplant("attn-r05-w8", h, 0, Some(wide(0.05))),
         Arm::transplant("attn-r10-w8", h, 0, Some(wide(0.10))),
         Arm::transplant("random-r10", h, 0, Some(random(0.10))),
+        Arm::transplant("random-r05-f8", h, 0, Some(random_follow(0.05))),
+        Arm::transplant("random-r10-f8", h, 0, Some(random_follow(0.10))),
         Arm::transplant("random-r20", h, 0, Some(random(0.20))),
     ];
     if names.is_empty() {

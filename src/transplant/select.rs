@@ -103,8 +103,10 @@ const MAX_SPANS: usize = 48;
 /// The positions to re-read, as ordered, disjoint ranges inside `lo .. hi` (the cache between
 /// the natively re-read head and tail). Positions from `always` on are always re-read: the
 /// observation window (the question) and whatever came after it — the window's own mass is
-/// mostly its attention to itself, and the question is what the answer reads next. The rest
-/// of `ceil(fraction × (hi − lo))` positions is chosen among the earlier ones: by
+/// mostly its attention to itself, and the question is what the answer reads next. Besides
+/// them, `ceil(fraction × (always − lo))` positions are chosen among the earlier ones (a
+/// share of the context before the question, so a short context still gets its facts
+/// re-read, not only its question): by
 /// `scores[p]`, position `p`'s attention mass ([`SelectRule::Attention`]; missing entries
 /// count as 0), after a max-pool over each position and its neighbours (SnapKV's clustering),
 /// or by chance from `seed` ([`SelectRule::Random`]); each chosen position is widened by
@@ -121,17 +123,15 @@ pub fn select_spans(
     if hi <= lo || setting.fraction <= 0.0 {
         return Vec::new();
     }
-    let total = hi - lo;
     let always = always.clamp(lo, hi);
+    let hi_sel = always;
+    let n = hi_sel - lo;
     #[allow(
         clippy::cast_possible_truncation,
         clippy::cast_sign_loss,
         clippy::cast_precision_loss
     )]
-    let budget = ((setting.fraction.min(1.0) * total as f64).ceil() as usize).clamp(1, total);
-    let hi_sel = always;
-    let n = hi_sel - lo;
-    let want = budget.saturating_sub(hi - always).min(n);
+    let want = ((setting.fraction.min(1.0) * n as f64).ceil() as usize).min(n);
     let score = |p: usize| scores.get(p).copied().unwrap_or(0.0);
     let k = setting.neighbours;
     let end_all = hi;
