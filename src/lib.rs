@@ -15,6 +15,7 @@
 //! - [`transplant`]: RoPE sandwich, ridge, maps and projector files;
 //! - [`train`]: fitting a ladder's projectors from its own caches;
 //! - [`pressure`] and [`sched`]: budgets, footprints and the policy that keeps Molt inside them;
+//! - [`tenants`]: the actuator that applies a multi-tenant plan to live tenants;
 //! - [`bench`]: the benchmark programs;
 //! - [`tiny`]: tiny random-weight models of the real architecture, for hermetic tests.
 
@@ -27,6 +28,7 @@ pub mod pressure;
 pub mod sched;
 pub mod server;
 pub mod session;
+pub mod tenants;
 pub mod tiny;
 pub mod train;
 pub mod transplant;

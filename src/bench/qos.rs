@@ -1,28 +1,23 @@
 //! Three tenants, one budget, real engines: a foreground conversation and two background batch
 //! jobs share one moving budget over the real ladder.
 //!
-//! Every round: read the budget; take a [`Snapshot`] of the tenants (rung, parked, context,
+//! Every round: tenants whose arrival round has come [arrive](Tenants::arrive); read the
+//! budget; take a [`Snapshot`] of the tenants ([`Tenants::views`]: rung, parked, context,
 //! pinned prompt) and the calibrated [`RungCost`]s; [`plan`] — pure — picks the levers in order
 //! of increasing harm (defer admission, demote, park, shed; and their undoing when memory
-//! returns); **one apply step** performs the plan's actions on the engines, in the plan's
-//! order, before anyone takes a step; the footprint is sampled (the policy's usage and the
-//! operating system's); then every running tenant decodes one token. Nobody is ever
-//! terminated: a tenant leaves only when its answer is complete.
+//! returns); **one apply step**, [`Tenants::apply`], performs the plan's actions on the
+//! engines, in the plan's order, before anyone takes a step; the footprint is sampled (the
+//! policy's usage and the operating system's); then every running tenant decodes one token.
+//! Nobody is ever terminated: a tenant leaves only when its answer is complete.
 //!
-//! Engines: one memory-mapped [`Model`] per rung, loaded while some running tenant is on it and
-//! dropped (unmapped) when none is; one small [`Context`] per running tenant over it. Hence the
-//! cost model: a rung's weights and the anonymous memory its model load adds (weights
-//! llama.cpp repacks, tokenizer tables) once per resident rung, plus
-//! [`RungCost::tenant_bytes`] (the context's KV and compute buffers) per running tenant,
+//! The bench keeps what is its own: the scenario and its trace replay, sampling and the
+//! answers' text, the measurements and the report. Engines and moves belong to the actuator
+//! ([`crate::tenants`]): one memory-mapped model per resident rung, one small context per
+//! running tenant over it. Hence the cost model: a rung's weights and the anonymous memory
+//! its model load adds (weights llama.cpp repacks, tokenizer tables) once per resident rung,
+//! plus [`RungCost::tenant_bytes`] (the context's KV and compute buffers) per running tenant,
 //! plus KV per context token for every admitted tenant. All of it is calibrated at start by
-//! loading each rung once and measuring `RssAnon`.
-//!
-//! Moves are Molt's: a demotion or promotion exports the tenant's cache, projects it
-//! ([`project_blob`]) and imports it into a context on the destination; a parked tenant's
-//! cache is projected when it is demoted, and when it resumes on another rung than its
-//! layout. Shedding a running tenant uses llama.cpp's own position shift
-//! ([`Context::shed_and_decode`]); shedding a parked one re-rotates the exported keys
-//! ([`shed_blob`]).
+//! loading each rung once and measuring `RssAnon` ([`calibrate`]).
 //!
 //! Measured usage after enforcement = resident pages of every mapped rung file + the growth of
 //! `RssAnon` above the bench's own floor (taken after calibration, with every projector
@@ -42,15 +37,14 @@ use crate::engine::{
 use crate::ladder::Ladder;
 use crate::pressure::{
     BudgetSource, PressureError, Tick, process_anon_rss_bytes, process_rss_bytes,
-    resident_bytes_of_mapping, return_freed_buffers_to_os, trim_heap,
+    return_freed_buffers_to_os, trim_heap,
 };
 use crate::sched::{
-    Lever, Plan, PlanMode, Policy, RungCost, SchedError, Snapshot, TenantClass, TenantId,
-    TenantView, apply, plan, usage,
+    Lever, PlanMode, Policy, RungCost, SchedError, Snapshot, TenantClass, TenantId, apply, plan,
+    usage,
 };
-use crate::session::migrate::project_blob;
-use crate::session::{RouteError, Routes, Variant, chat_pinned_prefix, routes};
-use crate::transplant::shift::shed_blob;
+use crate::session::{Routes, Variant};
+use crate::tenants::{Arrival, Phase, Tenants, TenantsError};
 
 /// Errors of the `QoS` bench.
 #[derive(Debug, thiserror::Error)]
@@ -69,17 +63,9 @@ pub enum QosError {
     /// The planner refused the snapshot (a bug: the bench builds it).
     #[error("scheduler: {0}")]
     Sched(#[from] SchedError),
-    /// A projector is missing or unusable.
+    /// The actuator could not perform a plan or a step.
     #[error(transparent)]
-    Route(#[from] RouteError),
-    /// A cache could not be projected or shed.
-    #[error("tenant {tenant}: {message}")]
-    Cache {
-        /// The tenant.
-        tenant: u64,
-        /// What failed.
-        message: String,
-    },
+    Tenants(#[from] TenantsError),
     /// Bad options.
     #[error("{0}")]
     Options(String),
@@ -335,142 +321,6 @@ pub struct QosDoc {
     /// What happened.
     pub report: QosReport,
 }
-
-enum State {
-    NotArrived,
-    Waiting,
-    Live { ctx: Context, rung: usize },
-    Parked { blob: Vec<u8>, layout: usize },
-    Done,
-}
-
-struct Tenant {
-    id: TenantId,
-    spec: TenantSpec,
-    state: State,
-    /// The policy's rung (for a parked tenant, possibly above the blob's layout).
-    rung: usize,
-    history: Vec<Token>,
-    /// Sampled, not decoded yet.
-    pending: Option<Token>,
-    pinned: usize,
-    out: Vec<Token>,
-    stream: Utf8Stream,
-    text: String,
-    sampler: Sampler,
-    report: TenantReport,
-}
-
-impl Tenant {
-    fn context_tokens(&self) -> usize {
-        self.history.len() + usize::from(self.pending.is_some())
-    }
-
-    fn view(&self) -> Option<TenantView> {
-        let base = TenantView::new(self.id.0, self.spec.class)
-            .with_order(self.spec.priority, self.id.0)
-            .with_rung(self.rung);
-        let tokens = self.context_tokens() as u64;
-        let pinned = (self.pinned as u64).min(tokens);
-        match &self.state {
-            State::NotArrived | State::Done => None,
-            State::Waiting => Some(base.with_context(tokens, 0).waiting()),
-            State::Live { .. } => Some(base.with_context(tokens, pinned)),
-            State::Parked { .. } => Some(base.with_context(tokens, pinned).with_parked(true)),
-        }
-    }
-
-    fn bump(&mut self, lever: &str) {
-        *self.report.levers.entry(lever.to_owned()).or_default() += 1;
-    }
-}
-
-/// The engines: one model per resident rung, the ladder's projectors.
-struct Engines<'a> {
-    ladder: &'a Ladder,
-    config: ContextConfig,
-    models: Vec<Option<Arc<Model>>>,
-    routes: Routes,
-}
-
-impl Engines<'_> {
-    fn model(&mut self, rung: usize) -> Result<Arc<Model>, QosError> {
-        if let Some(m) = &self.models[rung] {
-            return Ok(Arc::clone(m));
-        }
-        let info = &self.ladder.rungs[rung];
-        let m =
-            Model::load(&info.path, info.name(), ModelOptions::default()).map_err(|source| {
-                QosError::Engine {
-                    what: format!("loading {}", info.name()),
-                    source,
-                }
-            })?;
-        self.models[rung] = Some(Arc::clone(&m));
-        Ok(m)
-    }
-
-    fn context(&mut self, rung: usize) -> Result<Context, QosError> {
-        let m = self.model(rung)?;
-        Context::new(m, self.config).map_err(|source| QosError::Engine {
-            what: format!("context on {}", self.ladder.rungs[rung].name()),
-            source,
-        })
-    }
-
-    fn name(&self, rung: usize) -> &str {
-        self.ladder.rungs[rung].name()
-    }
-
-    /// Drops the models no running tenant uses (their weights are unmapped, their heap
-    /// pages handed back).
-    fn release(&mut self, tenants: &[Tenant]) {
-        let mut freed = false;
-        for (r, slot) in self.models.iter_mut().enumerate() {
-            let used = tenants
-                .iter()
-                .any(|t| matches!(t.state, State::Live { rung, .. } if rung == r));
-            if !used && slot.is_some() {
-                *slot = None;
-                freed = true;
-            }
-        }
-        if freed {
-            trim_heap();
-        }
-    }
-
-    fn mapped_resident(&self) -> u64 {
-        self.models
-            .iter()
-            .enumerate()
-            .filter(|(_, m)| m.is_some())
-            .map(|(r, _)| resident_bytes_of_mapping(&self.ladder.rungs[r].path).unwrap_or(0))
-            .sum()
-    }
-
-    /// Projects a cache between layouts; an empty cache (everything shed) stays empty.
-    fn project(
-        &mut self,
-        tenant: TenantId,
-        blob: &[u8],
-        cells: usize,
-        from: usize,
-        to: usize,
-    ) -> Result<Vec<u8>, QosError> {
-        if cells == 0 {
-            return Ok(Vec::new());
-        }
-        let p = self.routes.get(from, to)?;
-        project_blob(blob, &p, self.config.cache_type)
-            .map(|(bytes, _, _)| bytes)
-            .map_err(|message| QosError::Cache {
-                tenant: tenant.0,
-                message,
-            })
-    }
-}
-
 fn engine_err(what: String) -> impl FnOnce(EngineError) -> QosError {
     move |source| QosError::Engine { what, source }
 }
@@ -512,6 +362,43 @@ pub fn calibrate(
         );
     }
     Ok(costs)
+}
+
+/// What the bench keeps of one tenant: its spec, its sampler and answer, its report. Its
+/// engines, cache and placement are the actuator's.
+struct Tenant {
+    id: TenantId,
+    spec: TenantSpec,
+    arrived: bool,
+    out: Vec<Token>,
+    stream: Utf8Stream,
+    text: String,
+    sampler: Sampler,
+    report: TenantReport,
+}
+
+impl Tenant {
+    fn bump(&mut self, lever: &str) {
+        *self.report.levers.entry(lever.to_owned()).or_default() += 1;
+    }
+}
+
+/// The report's name for an action.
+fn lever_word(lever: Lever) -> &'static str {
+    match lever {
+        Lever::Defer => "defer",
+        Lever::Admit { .. } => "admit",
+        Lever::Shed { .. } => "shed",
+        Lever::Demote { from, to } | Lever::Promote { from, to } => {
+            if to > from {
+                "demote"
+            } else {
+                "promote"
+            }
+        }
+        Lever::Park { .. } => "park",
+        Lever::Resume { .. } => "resume",
+    }
 }
 
 /// Runs the scenario under `budget` (one reading per round, the round index as the token
@@ -569,20 +456,13 @@ pub fn run(
             c.kv_bytes_per_token
         ));
     }
-    let mut engines = Engines {
+    let mut live = Tenants::new(
         ladder,
-        config: opts.config,
-        models: vec![None; ladder.rungs.len()],
-        routes: Routes::new(ladder, opts.projector_dirs.clone(), opts.variant),
-    };
+        opts.config,
+        Routes::new(ladder, opts.projector_dirs.clone(), opts.variant),
+    );
     // Every route is loaded now, so projector matrices are part of the floor.
-    for a in 0..ladder.rungs.len() {
-        for b in 0..ladder.rungs.len() {
-            if a != b {
-                engines.routes.get(a, b)?;
-            }
-        }
-    }
+    live.load_routes()?;
     trim_heap();
     let floor = process_anon_rss_bytes()?;
     let mut tenants: Vec<Tenant> = opts
@@ -592,11 +472,7 @@ pub fn run(
         .map(|(i, spec)| Tenant {
             id: TenantId(i as u64),
             spec: spec.clone(),
-            state: State::NotArrived,
-            rung: 0,
-            history: Vec::new(),
-            pending: None,
-            pinned: 0,
+            arrived: false,
             out: Vec::new(),
             stream: Utf8Stream::new(),
             text: String::new(),
@@ -620,19 +496,30 @@ pub fn run(
     let mut actions_log = Vec::new();
     let budget_source = budget.describe();
     for round in 0..opts.max_rounds {
-        for t in &mut tenants {
-            if matches!(t.state, State::NotArrived) && t.spec.arrival_round <= round {
-                t.state = State::Waiting;
+        for (t, prompt) in tenants.iter_mut().zip(&prompts) {
+            if !t.arrived && t.spec.arrival_round <= round {
+                live.arrive(
+                    t.id,
+                    Arrival {
+                        name: t.spec.name.clone(),
+                        class: t.spec.class,
+                        priority: t.spec.priority,
+                        prompt: prompt.clone(),
+                        chat: t.spec.chat,
+                    },
+                )?;
+                t.arrived = true;
             }
         }
-        if tenants.iter().all(|t| matches!(t.state, State::Done)) {
+        let phase = |live: &Tenants<'_>, t: &Tenant| live.observe(t.id).map(|o| o.phase);
+        if tenants.iter().all(|t| phase(&live, t) == Some(Phase::Done)) {
             break;
         }
         let b = budget.budget(Tick {
             token_index: round as u64,
             elapsed_ms: u64::try_from(t_start.elapsed().as_millis()).unwrap_or(u64::MAX),
         })?;
-        let views: Vec<TenantView> = tenants.iter().filter_map(Tenant::view).collect();
+        let views = live.views();
         if views.is_empty() {
             continue;
         }
@@ -640,69 +527,64 @@ pub fn run(
         let p = plan(&snapshot, &opts.policy)?;
         let after = apply(&p, &snapshot)?;
         let t_apply = Instant::now();
-        apply_on_engines(
-            &p,
-            &mut tenants,
-            &mut engines,
-            &prompts,
-            round,
-            &mut actions_log,
-        )?;
-        engines.release(&tenants);
+        let applied = live.apply(&p, &snapshot)?;
         let apply_ms = t_apply.elapsed().as_secs_f64() * 1e3;
-        // Keep the policy's rungs as the plan left them (a parked tenant's may differ from
-        // its cache's layout).
-        for v in &after.tenants {
-            if let Some(t) = tenants.iter_mut().find(|t| t.id == v.id) {
-                t.rung = v.rung;
+        for a in applied {
+            if a.performed
+                && let Some(t) = tenants.iter_mut().find(|t| t.id == a.tenant)
+            {
+                t.bump(lever_word(a.lever));
             }
+            actions_log.push(ActionRecord {
+                round,
+                tenant: a.tenant,
+                lever: a.lever,
+                ms: a.ms,
+                detail: a.detail,
+            });
         }
         let modelled_after = usage(&after);
         let measured_after =
-            engines.mapped_resident() + process_anon_rss_bytes()?.saturating_sub(floor);
+            live.mapped_resident_bytes() + process_anon_rss_bytes()?.saturating_sub(floor);
         let signed = |x: u64| i64::try_from(x).unwrap_or(i64::MAX);
         let states = tenants
             .iter()
-            .filter(|t| !matches!(t.state, State::NotArrived))
-            .map(|t| TenantState {
-                tenant: t.id,
-                state: match t.state {
-                    State::Waiting => "waiting",
-                    State::Live { .. } => "running",
-                    State::Parked { .. } => "parked",
-                    State::Done | State::NotArrived => "done",
-                },
-                rung: engines.name(t.rung).to_owned(),
-                context_tokens: t.context_tokens(),
-                generated: t.out.len(),
+            .filter_map(|t| {
+                let o = live.observe(t.id)?;
+                Some(TenantState {
+                    tenant: t.id,
+                    state: match o.phase {
+                        Phase::Waiting => "waiting",
+                        Phase::Running => "running",
+                        Phase::Parked => "parked",
+                        Phase::Done => "done",
+                    },
+                    rung: live.rung_name(o.rung).to_owned(),
+                    context_tokens: o.context_tokens,
+                    generated: t.out.len(),
+                })
             })
             .collect();
         // Everyone running takes one step.
         let mut stepped = Vec::new();
         for t in &mut tenants {
-            match &mut t.state {
-                State::Live { ctx, rung } => {
-                    let rung = *rung;
-                    if let Some(pending) = t.pending.take() {
-                        ctx.decode(&[pending])
-                            .map_err(engine_err(format!("{} decoding", t.spec.name)))?;
-                        t.history.push(pending);
-                    }
-                    let tok = t.sampler.sample(ctx.logits());
-                    let name = engines.name(rung).to_owned();
+            match phase(&live, t) {
+                Some(Phase::Running) => {
+                    let Some(step) = live.step(t.id, &mut t.sampler)? else {
+                        continue;
+                    };
+                    let name = live.rung_name(step.rung).to_owned();
                     if t.report.rungs.last() != Some(&name) {
                         t.report.rungs.push(name);
                     }
-                    let eog = ctx.model().is_eog(tok);
-                    let full = t.history.len() + 2 > opts.config.n_ctx as usize;
-                    if !eog {
-                        let piece = t.stream.push(&ctx.model().token_bytes(tok));
+                    let full = step.cached + 2 > opts.config.n_ctx as usize;
+                    if let Some(bytes) = &step.bytes {
+                        let piece = t.stream.push(bytes);
                         t.text.push_str(&piece);
-                        t.out.push(tok);
-                        t.pending = Some(tok);
+                        t.out.push(step.token);
                         stepped.push((t.id, piece));
                     }
-                    let stop = if eog {
+                    let stop = if step.eog {
                         Some("eos")
                     } else if t.out.len() >= t.spec.max_tokens {
                         Some("length")
@@ -714,18 +596,18 @@ pub fn run(
                     if let Some(stop) = stop {
                         t.report.stop = stop.into();
                         t.report.finished_round = Some(round);
-                        t.state = State::Done;
+                        live.finish(t.id);
                     }
                 }
-                State::Waiting => {
+                Some(Phase::Waiting) => {
                     t.report.stall_rounds += 1;
                     t.report.deferred_rounds += 1;
                 }
-                State::Parked { .. } => t.report.stall_rounds += 1,
-                State::NotArrived | State::Done => {}
+                Some(Phase::Parked) => t.report.stall_rounds += 1,
+                Some(Phase::Done) | None => {}
             }
         }
-        engines.release(&tenants);
+        live.release_idle();
         let record = RoundRecord {
             round,
             budget_bytes: b.bytes,
@@ -784,208 +666,4 @@ pub fn run(
         killed: 0,
         wall_s: t_start.elapsed().as_secs_f64(),
     })
-}
-
-/// Takes the last decoded token back out of a live cache, so that the cache ends before the
-/// token to decode next (the state every export assumes).
-fn unpend(t: &mut Tenant) {
-    if t.pending.is_none()
-        && let State::Live { ctx, .. } = &mut t.state
-        && let Some(last) = t.history.pop()
-    {
-        let n = ctx.n_past();
-        ctx.truncate(n.saturating_sub(1));
-        t.pending = Some(last);
-    }
-}
-
-/// The one apply step: performs the plan's actions on the engines, in the plan's order.
-#[allow(clippy::too_many_lines)]
-fn apply_on_engines(
-    plan: &Plan,
-    tenants: &mut [Tenant],
-    engines: &mut Engines<'_>,
-    prompts: &[Vec<Token>],
-    round: usize,
-    log: &mut Vec<ActionRecord>,
-) -> Result<(), QosError> {
-    for &(id, lever) in &plan.actions {
-        let t0 = Instant::now();
-        let Some(t) = tenants.iter_mut().find(|t| t.id == id) else {
-            continue;
-        };
-        let name = t.spec.name.clone();
-        let detail = match lever {
-            Lever::Defer => {
-                t.bump("defer");
-                "waits for headroom".to_owned()
-            }
-            Lever::Admit { rung } => {
-                let mut ctx = engines.context(rung)?;
-                let prompt = &prompts[usize::try_from(id.0).unwrap_or(0)];
-                ctx.decode(prompt)
-                    .map_err(engine_err(format!("{name} prefill")))?;
-                t.pinned = if t.spec.chat {
-                    chat_pinned_prefix(ctx.model(), prompt)
-                } else {
-                    0
-                };
-                t.history.clone_from(prompt);
-                t.pending = None;
-                t.rung = rung;
-                t.state = State::Live { ctx, rung };
-                t.bump("admit");
-                format!(
-                    "prefilled {} tokens on {}",
-                    prompt.len(),
-                    engines.name(rung)
-                )
-            }
-            Lever::Shed { tokens } => {
-                unpend(t);
-                let pinned = t.pinned.min(t.history.len());
-                let n = usize::try_from(tokens)
-                    .unwrap_or(usize::MAX)
-                    .min(t.history.len() - pinned);
-                match &mut t.state {
-                    State::Live { ctx, .. } => {
-                        let p = t.pending.take().unwrap_or(0);
-                        ctx.shed_and_decode(pinned, n, &[p])
-                            .map_err(engine_err(format!("{name} shed")))?;
-                        t.history.drain(pinned..pinned + n);
-                        t.history.push(p);
-                    }
-                    State::Parked { blob, layout } => {
-                        let rope = routes::binding(&engines.ladder.rungs[*layout]).rope;
-                        let fail = |m: String| QosError::Cache {
-                            tenant: id.0,
-                            message: m,
-                        };
-                        *blob = shed_blob(blob, pinned, n, &rope)
-                            .map_err(|e| fail(format!("shed: {e}")))?;
-                        t.history.drain(pinned..pinned + n);
-                    }
-                    _ => {}
-                }
-                t.bump("shed");
-                format!("dropped {n} tokens after {pinned} pinned")
-            }
-            Lever::Demote { from, to } | Lever::Promote { from, to } => {
-                let kind = if to > from { "demote" } else { "promote" };
-                t.bump(kind);
-                unpend(t);
-                let state = std::mem::replace(&mut t.state, State::Done);
-                match state {
-                    State::Live { ctx, rung } => {
-                        let blob = ctx
-                            .export_state()
-                            .map_err(engine_err(format!("{name} export")))?;
-                        drop(ctx);
-                        let bytes = engines.project(id, &blob, t.history.len(), rung, to)?;
-                        drop(blob);
-                        let mut dst = engines.context(to)?;
-                        if !bytes.is_empty() {
-                            dst.import_state(&bytes)
-                                .map_err(engine_err(format!("{name} import")))?;
-                        }
-                        let p = t.pending.take().unwrap_or(0);
-                        dst.decode(&[p])
-                            .map_err(engine_err(format!("{name} first decode")))?;
-                        t.history.push(p);
-                        t.state = State::Live { ctx: dst, rung: to };
-                        t.rung = to;
-                        format!(
-                            "transplanted {} cells {} -> {}",
-                            t.history.len() - 1,
-                            engines.name(rung),
-                            engines.name(to)
-                        )
-                    }
-                    State::Parked { blob, layout } if to > layout => {
-                        let bytes = engines.project(id, &blob, t.history.len(), layout, to)?;
-                        t.state = State::Parked {
-                            blob: bytes,
-                            layout: to,
-                        };
-                        t.rung = to;
-                        format!(
-                            "parked cache projected {} -> {}",
-                            engines.name(layout),
-                            engines.name(to)
-                        )
-                    }
-                    other => {
-                        t.state = other;
-                        t.rung = to;
-                        "parked cache stays in its smaller layout until it resumes".to_owned()
-                    }
-                }
-            }
-            Lever::Park { .. } => {
-                unpend(t);
-                let state = std::mem::replace(&mut t.state, State::Done);
-                match state {
-                    State::Live { ctx, rung } => {
-                        let blob = ctx
-                            .export_state()
-                            .map_err(engine_err(format!("{name} park")))?;
-                        let n = blob.len();
-                        drop(ctx);
-                        t.state = State::Parked { blob, layout: rung };
-                        t.bump("park");
-                        format!(
-                            "parked on {}, {} KiB of cache kept",
-                            engines.name(rung),
-                            n >> 10
-                        )
-                    }
-                    other => {
-                        t.state = other;
-                        "already parked".to_owned()
-                    }
-                }
-            }
-            Lever::Resume { rung } => {
-                let state = std::mem::replace(&mut t.state, State::Done);
-                match state {
-                    State::Parked { blob, layout } => {
-                        let bytes = if layout == rung {
-                            blob
-                        } else {
-                            engines.project(id, &blob, t.history.len(), layout, rung)?
-                        };
-                        let mut ctx = engines.context(rung)?;
-                        if !t.history.is_empty() {
-                            ctx.import_state(&bytes)
-                                .map_err(engine_err(format!("{name} resume")))?;
-                        }
-                        t.state = State::Live { ctx, rung };
-                        t.rung = rung;
-                        t.bump("resume");
-                        format!(
-                            "resumed on {} (cache in {} layout)",
-                            engines.name(rung),
-                            engines.name(layout)
-                        )
-                    }
-                    other => {
-                        t.state = other;
-                        "not parked".to_owned()
-                    }
-                }
-            }
-        };
-        log.push(ActionRecord {
-            round,
-            tenant: id,
-            lever,
-            ms: t0.elapsed().as_secs_f64() * 1e3,
-            detail,
-        });
-    }
-    if !plan.actions.is_empty() {
-        // Exports, projections and sheds leave freed arrays in the heap.
-        trim_heap();
-    }
-    Ok(())
 }
