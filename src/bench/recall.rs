@@ -698,6 +698,30 @@ pub fn run(
     Ok((rows, answers))
 }
 
+/// Recomputes a document's rows from its answers with this build's arm defaults (which arm a
+/// session uses when nothing is set): for a run whose models were read before the default
+/// changed. Nothing is re-measured; `items` must be the run's item file.
+pub fn resummarise(doc: &mut RecallDoc, items: &[RecallItem]) {
+    let kinds: BTreeMap<String, RouteKind> = doc
+        .rows
+        .iter()
+        .map(|r| {
+            let k = if r.route_kind == "size" {
+                RouteKind::Size
+            } else {
+                RouteKind::Precision
+            };
+            (r.route.clone(), k)
+        })
+        .collect();
+    let ran: Vec<RecallItem> = items
+        .iter()
+        .filter(|i| doc.answers.iter().any(|a| a.id == i.id))
+        .cloned()
+        .collect();
+    doc.rows = summarise(&ran, &doc.answers, &kinds, &doc.options);
+}
+
 /// Rows from the answers: per arm × route × length × switch point, recall beside the native
 /// destination's on the same items and the re-prefill's cost at the same points.
 fn summarise(

@@ -67,15 +67,17 @@ pub struct TokenRecompute {
 }
 
 impl TokenRecompute {
-    /// What a session does at a size switch when nothing is set: a tenth of the cache by
-    /// attention, each chosen position with one neighbour before and eight after it (the
-    /// value follows the words the question attends to), the question always (see
-    /// `results/recall.json`).
+    /// What a session does at a size switch when nothing is set: a twentieth of the context
+    /// before the question by attention, each chosen position with one neighbour before and
+    /// eight after it (the value follows the words the question attends to), and the question
+    /// always. The recall benchmark's frontier point (`results/recall.json`, arm
+    /// `attn-r05-f8`): the facts kept at every length at about a quarter of a re-prefill's
+    /// cost at 1,024 tokens, where a tenth (`attn-r10-f8`) kept no more and cost 1.6× as much.
     #[must_use]
     pub fn default_size() -> Self {
         Self {
             follow: 8,
-            ..Self::attention(0.10)
+            ..Self::attention(0.05)
         }
     }
 

@@ -126,6 +126,10 @@ pub struct Args {
     /// A smoke check: one item per context length and switch point.
     #[arg(long)]
     pub quick: bool,
+    /// Recompute the rows of this recall.json from its answers with this build's defaults
+    /// (nothing is re-measured), and write it back.
+    #[arg(long, value_name = "FILE")]
+    pub recall_resummarise: Option<PathBuf>,
     /// Run only the first N items of every context length and switch point.
     #[arg(long)]
     pub recall_sample: Option<usize>,
@@ -270,6 +274,14 @@ fn run_cost_sweep(g: &GlobalArgs, a: &Args) -> Result<()> {
 
 fn run_recall(g: &GlobalArgs, a: &Args) -> Result<()> {
     use molt::bench::recall;
+    if let Some(path) = &a.recall_resummarise {
+        let mut doc: recall::RecallDoc = serde_json::from_slice(&std::fs::read(path)?)?;
+        let (items, _) = recall::read_items(&a.recall_items)?;
+        recall::resummarise(&mut doc, &items);
+        std::fs::write(path, serde_json::to_string_pretty(&doc)?)?;
+        eprintln!("rewrote the rows of {}", path.display());
+        return Ok(());
+    }
     let ladder = g.open_ladder()?;
     let mut config = g.context_config()?;
     config.n_ctx = config.n_ctx.max(4096);
