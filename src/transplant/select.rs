@@ -286,18 +286,22 @@ mod tests {
         );
         assert_eq!(s.last(), Some(&(160..200)), "{s:?}");
         assert!(s.iter().any(|r| r.contains(&50)), "{s:?}");
-        // 49 positions of budget: 40 for the window, the rest (9, widened) before it.
-        assert!(covered(&s) <= 40 + 9 * 3, "{s:?}");
-        // A budget smaller than the window: the window alone.
+        // A quarter of the 156 positions before the window (39, widened), and the window.
+        assert!(
+            covered(&s) >= 40 + 39 && covered(&s) <= 40 + 39 * 3,
+            "{s:?}"
+        );
+        // A short context still gets a position chosen before its window.
         let s = select_spans(
             &scores,
             4,
             200,
             160,
-            &setting(0.05, SelectRule::Attention),
+            &setting(0.005, SelectRule::Attention),
             0,
         );
-        assert_eq!(s, vec![160..200]);
+        assert_eq!(s.len(), 2, "{s:?}");
+        assert!(s[0].contains(&50) && s[1] == (160..200), "{s:?}");
     }
 
     #[test]
