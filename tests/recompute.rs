@@ -6,7 +6,7 @@
 
 mod common;
 
-use molt::engine::{Context, ContextConfig, Model, ModelOptions, Span, Token};
+use molt::engine::{Context, ContextConfig, Model, ModelOptions, Span};
 use molt::kv::KvSnapshot;
 use molt::session::migrate::{Exported, Reread, reprefill, transplant_exported};
 use molt::session::routes::{Routes, Variant};
@@ -37,16 +37,6 @@ fn rows_at(blob: &[u8], pos: i32) -> Vec<f32> {
         .collect()
 }
 
-fn spans<'a>(toks: &'a [Token], ranges: &[std::ops::Range<usize>]) -> Vec<Span<'a>> {
-    ranges
-        .iter()
-        .map(|r| Span {
-            start: r.start,
-            tokens: &toks[r.clone()],
-        })
-        .collect()
-}
-
 #[test]
 fn recomputing_over_a_native_cache_reproduces_it() {
     let l = common::tiny_ladder();
@@ -70,7 +60,7 @@ fn recomputing_over_a_native_cache_reproduces_it() {
         35..38,
         40..41,
     ];
-    let n = ctx.recompute_spans(&spans(&toks, &ranges)).unwrap();
+    let n = ctx.recompute_spans(&Span::of(&toks, &ranges)).unwrap();
     assert_eq!(n, ranges.iter().map(ExactSizeIterator::len).sum::<usize>());
     assert_eq!(ctx.n_past(), toks.len(), "nothing added, nothing lost");
     assert_eq!(ctx.seq_pos_max(), i32::try_from(toks.len() - 1).unwrap());
@@ -148,7 +138,7 @@ fn a_whole_history_span_over_a_projected_cache_is_a_reprefill() {
         export_ms: 0.0,
     };
     let run = |dst: &mut Context, ranges: &[std::ops::Range<usize>]| {
-        let sp = spans(&toks, ranges);
+        let sp = Span::of(&toks, ranges);
         let t = transplant_exported(
             &exported,
             dst,

@@ -634,13 +634,7 @@ pub fn run(
                                 .filter(|r| r.end <= window_at)
                                 .map(|r| src.ctx.model().detokenize(&history[r.clone()]))
                                 .collect();
-                            let spans: Vec<Span> = ranges
-                                .iter()
-                                .map(|r| Span {
-                                    start: r.start,
-                                    tokens: &history[r.clone()],
-                                })
-                                .collect();
+                            let spans = Span::of(&history, &ranges);
                             let t = migrate::transplant_exported(
                                 &Exported {
                                     blob: &read.blob,

@@ -128,6 +128,23 @@ pub struct Span<'a> {
     pub tokens: &'a [Token],
 }
 
+impl<'a> Span<'a> {
+    /// The spans of `history` at `ranges` (positions as indices into it).
+    ///
+    /// # Panics
+    /// When a range reaches past `history`.
+    #[must_use]
+    pub fn of(history: &'a [Token], ranges: &[std::ops::Range<usize>]) -> Vec<Self> {
+        ranges
+            .iter()
+            .map(|r| Self {
+                start: r.start,
+                tokens: &history[r.clone()],
+            })
+            .collect()
+    }
+}
+
 impl Context {
     /// Creates a context over `model`.
     ///

@@ -115,12 +115,7 @@ impl Session {
         else {
             return Ok(None);
         };
-        self.projected = self
-            .projected
-            .iter()
-            .filter(|r| r.start < keep)
-            .map(|r| r.start..r.end.min(keep))
-            .collect();
+        // The caller has cut the projected ranges to the `keep` positions the prompt reuses.
         let n_proj = covered(&self.projected);
         if n_proj == 0 || keep == 0 {
             return Ok(None);
@@ -166,13 +161,7 @@ impl Session {
             rung: name.clone(),
             source,
         };
-        let spans: Vec<Span> = ranges
-            .iter()
-            .map(|r| Span {
-                start: r.start,
-                tokens: &tokens[r.clone()],
-            })
-            .collect();
+        let spans = Span::of(tokens, &ranges);
         let done = {
             let live = self.live();
             let done = live.ctx.recompute_spans(&spans).map_err(wrap)?;

@@ -155,17 +155,6 @@ impl Session {
         select_spans(scores, lo, hi, always, &setting, avail as u64)
     }
 
-    /// The history's tokens of `ranges`.
-    fn spans_of<'a>(&'a self, ranges: &[Range<usize>]) -> Vec<Span<'a>> {
-        ranges
-            .iter()
-            .map(|r| Span {
-                start: r.start,
-                tokens: &self.history[r.clone()],
-            })
-            .collect()
-    }
-
     /// The destination's anchor for a head re-read (none when the head re-read is off or no
     /// anchor is shipped); a damaged or foreign anchor is not used, and `note` says why (the
     /// head is then decoded whole).
@@ -372,7 +361,7 @@ impl Session {
                 });
                 let anchor = self.anchor_for(to, &mut note);
                 let rc = topk.as_ref().map(|t| self.recompute_for(to, t));
-                let spans = self.spans_of(&ranges);
+                let spans = Span::of(&self.history, &ranges);
                 let reread = self.reread(src.ctx.n_past(), anchor.as_deref(), &spans);
                 migrate::transplant_with(&src.ctx, &mut dst.ctx, p, rc.as_ref(), reread, last)
                     .map(|t| (t, SwitchMethod::Molt))
@@ -477,7 +466,7 @@ impl Session {
                 self.arm_hidden_tap(to, &mut dst.ctx);
                 let anchor = self.anchor_for(to, &mut note);
                 let rc = topk.as_ref().map(|t| self.recompute_for(to, t));
-                let spans = self.spans_of(&ranges);
+                let spans = Span::of(&self.history, &ranges);
                 // The load is reported apart (both strategies pay it): the switch's own cost
                 // is the export plus everything after the load.
                 let r = match &projector {
