@@ -20,6 +20,7 @@ mod model;
 pub mod partial;
 mod quantize;
 mod sampling;
+pub mod system;
 pub mod tap;
 mod text;
 

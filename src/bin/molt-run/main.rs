@@ -57,6 +57,11 @@ enum Command {
 }
 
 fn main() {
+    // Before anything that may run code compiled for this build's CPU (README, "Portable build").
+    if let Err(e) = molt::engine::system::check_cpu() {
+        eprintln!("molt-run: error: {e}");
+        std::process::exit(2);
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Fetch(a) => fetch::run(&cli.global, &a),
