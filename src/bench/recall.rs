@@ -29,7 +29,7 @@ use crate::ladder::Ladder;
 use crate::session::migrate::{self, Exported, Reread};
 use crate::session::routes::{RouteKind, Routes, Variant, route_kind};
 use crate::session::{DEFAULT_HEAD_REREAD, LiveRung, SessionOptions};
-use crate::transplant::select::{SelectRule, TokenRecompute, select_spans};
+use crate::transplant::select::{SelectRule, TokenRecompute, Unit, select_spans, sentence_ends};
 
 /// Where the switch falls in the answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -225,6 +225,10 @@ pub fn default_arms(names: &[String]) -> Vec<Arm> {
         rule: SelectRule::Random,
         ..follow(r)
     };
+    let random_sent = |r: f64| TokenRecompute {
+        rule: SelectRule::Random,
+        ..TokenRecompute::sentences(r)
+    };
     let random = |r: f64| TokenRecompute {
         rule: SelectRule::Random,
         ..TokenRecompute::attention(r)
@@ -257,6 +261,10 @@ pub fn default_arms(names: &[String]) -> Vec<Arm> {
         Arm::transplant("random-r05-f8", h, 0, Some(random_follow(0.05))),
         Arm::transplant("random-r10-f8", h, 0, Some(random_follow(0.10))),
         Arm::transplant("random-r20", h, 0, Some(random(0.20))),
+        Arm::transplant("sent-r10", h, 0, Some(TokenRecompute::sentences(0.10))),
+        Arm::transplant("sent-r15", h, 0, Some(TokenRecompute::sentences(0.15))),
+        Arm::transplant("sent-r20", h, 0, Some(TokenRecompute::sentences(0.20))),
+        Arm::transplant("random-sent-r15", h, 0, Some(random_sent(0.15))),
     ];
     if names.is_empty() {
         return all;
@@ -623,7 +631,23 @@ pub fn run(
                                     SelectRule::Random => &[],
                                 };
                                 let always = read.tokens.len().saturating_sub(r.window);
-                                select_spans(scores, h, n_past - tl, always, &r, n_past as u64)
+                                let ends = if r.unit == Unit::Sentence {
+                                    let m = src.ctx.model();
+                                    let pieces: Vec<Vec<u8>> =
+                                        history.iter().map(|&t| m.token_bytes(t)).collect();
+                                    sentence_ends(&pieces)
+                                } else {
+                                    Vec::new()
+                                };
+                                select_spans(
+                                    scores,
+                                    &ends,
+                                    h,
+                                    n_past - tl,
+                                    always,
+                                    &r,
+                                    n_past as u64,
+                                )
                             });
                             let window_at = read
                                 .tokens

@@ -17,7 +17,9 @@ use std::ops::Range;
 use std::time::Instant;
 
 use crate::engine::{Span, Token};
-use crate::transplant::select::{SelectRule, TokenRecompute, covered, select_spans};
+use crate::transplant::select::{
+    SelectRule, TokenRecompute, Unit, covered, select_spans, sentence_ends,
+};
 
 use super::{LeverInfo, Session, SessionError};
 
@@ -96,6 +98,23 @@ impl Session {
                 .is_some_and(|t| t.rule == SelectRule::Attention)
     }
 
+    /// Where the first `n` positions of the history end a sentence, when `setting` re-reads
+    /// whole sentences (empty otherwise: nothing to compute).
+    pub(super) fn sentence_ends(&self, setting: &TokenRecompute, n: usize) -> Vec<bool> {
+        if setting.unit != Unit::Sentence {
+            return Vec::new();
+        }
+        let Some(live) = self.rungs.iter().flatten().next() else {
+            return Vec::new();
+        };
+        let model = live.ctx.model();
+        let pieces: Vec<Vec<u8>> = self.history[..n.min(self.history.len())]
+            .iter()
+            .map(|&t| model.token_bytes(t))
+            .collect();
+        sentence_ends(&pieces)
+    }
+
     /// After a new prompt's tokens `tokens[keep..]` were decoded with the attention tap armed
     /// on their last `window`: re-reads natively the projected positions before `keep` that
     /// those tokens attend to most (the share [`TokenRecompute::fraction`] of the projected
@@ -130,8 +149,10 @@ impl Session {
         let lo = self.projected[0].start;
         #[allow(clippy::cast_precision_loss)]
         let fraction = (setting.fraction * n_proj as f64 / (keep - lo) as f64).min(1.0);
+        let ends = self.sentence_ends(&setting, keep);
         let chosen = select_spans(
             &scores,
+            &ends,
             lo,
             keep,
             keep,

@@ -152,7 +152,8 @@ impl Session {
         // The question (the observation window at the prompt's end) and the answer so far.
         let prompt_end = if scores.is_empty() { hi } else { scores.len() };
         let always = prompt_end.saturating_sub(setting.window);
-        select_spans(scores, lo, hi, always, &setting, avail as u64)
+        let ends = self.sentence_ends(&setting, avail);
+        select_spans(scores, &ends, lo, hi, always, &setting, avail as u64)
     }
 
     /// The destination's anchor for a head re-read (none when the head re-read is off or no

@@ -48,6 +48,68 @@ impl std::str::FromStr for SelectRule {
     }
 }
 
+/// What a chosen position brings with it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Unit {
+    /// The position, `neighbours` each side and `follow` after it; `fraction` counts the
+    /// chosen positions before they are widened.
+    #[default]
+    Position,
+    /// The whole sentence (or line) around it, up to [`MAX_SENTENCE`] positions: a fact is
+    /// stated in a sentence, and the words the question attends to ("the port for the
+    /// gateway") may stand before the value or after it. `fraction` is then the share of the
+    /// context re-read in all, filled sentence by sentence in order of attention.
+    Sentence,
+}
+
+/// The longest sentence re-read whole; a longer one is re-read around the chosen position
+/// (a quarter of this before it, the rest after).
+pub const MAX_SENTENCE: usize = 48;
+
+/// Which positions end a sentence or a line, from each token's text: a token holding a line
+/// break, or ending in `.`, `!` or `?` when the next token starts with white space (so the
+/// point inside `2.41` or `v1.2` does not end one).
+#[must_use]
+pub fn sentence_ends<S: AsRef<[u8]>>(pieces: &[S]) -> Vec<bool> {
+    (0..pieces.len())
+        .map(|i| {
+            let p = pieces[i].as_ref();
+            if p.contains(&b'\n') {
+                return true;
+            }
+            let ends_mark = p
+                .iter()
+                .rev()
+                .find(|b| !b.is_ascii_whitespace())
+                .is_some_and(|b| matches!(b, b'.' | b'!' | b'?'));
+            let next_space = pieces
+                .get(i + 1)
+                .is_none_or(|n| n.as_ref().first().is_none_or(u8::is_ascii_whitespace));
+            ends_mark && next_space
+        })
+        .collect()
+}
+
+/// The sentence around `p` inside `lo .. hi`, by `ends`, capped at [`MAX_SENTENCE`].
+fn sentence_around(ends: &[bool], p: usize, lo: usize, hi: usize) -> Range<usize> {
+    let end_at = |q: usize| ends.get(q).copied().unwrap_or(false);
+    let mut s = p;
+    while s > lo && !end_at(s - 1) {
+        s -= 1;
+    }
+    let mut e = p;
+    while e < hi && !end_at(e) {
+        e += 1;
+    }
+    let e = (e + 1).min(hi);
+    if e - s <= MAX_SENTENCE {
+        return s..e;
+    }
+    let s = s.max(p.saturating_sub(MAX_SENTENCE / 4));
+    s..e.min(s + MAX_SENTENCE)
+}
+
 /// Selective token recompute at a size switch: re-read `fraction` of the cached positions
 /// natively on the destination, chosen by `rule`.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -64,6 +126,9 @@ pub struct TokenRecompute {
     /// that name a fact ("the auditor … is"), and the value follows them.
     #[serde(default)]
     pub follow: usize,
+    /// What a chosen position brings with it.
+    #[serde(default)]
+    pub unit: Unit,
 }
 
 impl TokenRecompute {
@@ -91,6 +156,17 @@ impl TokenRecompute {
             window: 32,
             neighbours: 1,
             follow: 0,
+            unit: Unit::Position,
+        }
+    }
+
+    /// Attention-guided recompute of whole sentences until `fraction` of the context before
+    /// the question is re-read.
+    #[must_use]
+    pub fn sentences(fraction: f64) -> Self {
+        Self {
+            unit: Unit::Sentence,
+            ..Self::attention(fraction)
         }
     }
 }
@@ -112,10 +188,14 @@ const MAX_SPANS: usize = 48;
 /// `scores[p]`, position `p`'s attention mass ([`SelectRule::Attention`]; missing entries
 /// count as 0), after a max-pool over each position and its neighbours (SnapKV's clustering),
 /// or by chance from `seed` ([`SelectRule::Random`]); each chosen position is widened by
-/// `neighbours` each side, then spans closer than two positions are merged.
+/// `neighbours` each side, then spans closer than two positions are merged. With
+/// [`Unit::Sentence`] each chosen position brings its sentence (by `ends`, see
+/// [`sentence_ends`]; without them, a [`MAX_SENTENCE`] window) and `fraction` bounds the
+/// positions re-read in all.
 #[must_use]
 pub fn select_spans(
     scores: &[f32],
+    ends: &[bool],
     lo: usize,
     hi: usize,
     always: usize,
@@ -159,9 +239,30 @@ pub fn select_spans(
         }
     }
     let mut chosen = vec![false; n];
-    for &p in order.iter().take(want) {
-        for q in p.saturating_sub(k).max(lo)..(p + k + 1 + setting.follow).min(hi) {
-            chosen[q - lo] = true;
+    match setting.unit {
+        Unit::Position => {
+            for &p in order.iter().take(want) {
+                for q in p.saturating_sub(k).max(lo)..(p + k + 1 + setting.follow).min(hi) {
+                    chosen[q - lo] = true;
+                }
+            }
+        }
+        Unit::Sentence => {
+            let mut taken = 0;
+            for &p in &order {
+                if taken >= want {
+                    break;
+                }
+                if chosen[p - lo] {
+                    continue;
+                }
+                for q in sentence_around(ends, p, lo, hi) {
+                    if !chosen[q - lo] {
+                        chosen[q - lo] = true;
+                        taken += 1;
+                    }
+                }
+            }
         }
     }
     let mut spans: Vec<Range<usize>> = Vec::new();
@@ -211,7 +312,77 @@ mod tests {
             window: 32,
             neighbours: 1,
             follow: 0,
+            unit: Unit::Position,
         }
+    }
+
+    #[test]
+    fn sentences_end_at_line_breaks_and_stops_before_a_space() {
+        let pieces = [
+            "The", " port", " is", " 7", "3", "1", "9", ".", " Version", " 2", ".", "4", "1", "\n",
+            "Next", "?",
+        ];
+        let ends = sentence_ends(&pieces);
+        let at: Vec<usize> = (0..pieces.len()).filter(|&i| ends[i]).collect();
+        // "." after 9 ends (next is " Version"), the one inside "2.41" does not, "\n" does,
+        // and the last "?" does (nothing follows).
+        assert_eq!(at, vec![7, 13, 15]);
+    }
+
+    #[test]
+    fn a_sentence_comes_whole_and_the_budget_bounds_the_total() {
+        // Three sentences: 0..10, 10..30, 30..60; the question attends to position 20, inside
+        // the middle one, whose value (position 12) stands before the words it attends to.
+        let mut ends = vec![false; 80];
+        ends[9] = true;
+        ends[29] = true;
+        ends[59] = true;
+        let mut scores = vec![0.0f32; 80];
+        scores[20] = 5.0;
+        scores[45] = 1.0;
+        let set = TokenRecompute::sentences(0.3);
+        let s = select_spans(&scores, &ends, 0, 80, 60, &set, 0);
+        assert_eq!(s, vec![10..30, 60..80], "{s:?}");
+        // A larger share takes the next sentence too.
+        let s = select_spans(
+            &scores,
+            &ends,
+            0,
+            80,
+            60,
+            &TokenRecompute::sentences(0.5),
+            0,
+        );
+        assert_eq!(s, vec![10..80], "{s:?}");
+        // Position unit with the same share misses the value before the attended words.
+        let s = select_spans(
+            &scores,
+            &ends,
+            0,
+            80,
+            60,
+            &setting(0.01, SelectRule::Attention),
+            0,
+        );
+        assert!(!s.iter().any(|r| r.contains(&12)), "{s:?}");
+    }
+
+    #[test]
+    fn a_long_sentence_is_cut_around_the_chosen_position() {
+        let ends = vec![false; 300];
+        let mut scores = vec![0.0f32; 300];
+        scores[150] = 1.0;
+        let s = select_spans(
+            &scores,
+            &ends,
+            0,
+            300,
+            300,
+            &TokenRecompute::sentences(0.01),
+            0,
+        );
+        // 149 is first of the tied pool; a quarter of 48 before it, the rest after.
+        assert_eq!(s, vec![137..185], "{s:?}");
     }
 
     #[test]
@@ -220,6 +391,7 @@ mod tests {
         scores[30] = 1.0;
         let s = select_spans(
             &scores,
+            &[],
             0,
             100,
             100,
@@ -239,12 +411,28 @@ mod tests {
         let mut scores = vec![0.1f32; 100];
         scores[40] = 5.0;
         scores[70] = 3.0;
-        let s = select_spans(&scores, 4, 96, 96, &setting(0.02, SelectRule::Attention), 0);
+        let s = select_spans(
+            &scores,
+            &[],
+            4,
+            96,
+            96,
+            &setting(0.02, SelectRule::Attention),
+            0,
+        );
         // 2 positions wanted; the pool makes 39..=41 tie with 40, so the heaviest cluster
         // (around 40) is chosen and widened by one neighbour.
         assert!(s.iter().any(|r| r.contains(&40)), "{s:?}");
         assert!(s.iter().all(|r| r.start >= 4 && r.end <= 96));
-        let s = select_spans(&scores, 4, 96, 96, &setting(0.1, SelectRule::Attention), 0);
+        let s = select_spans(
+            &scores,
+            &[],
+            4,
+            96,
+            96,
+            &setting(0.1, SelectRule::Attention),
+            0,
+        );
         assert!(s.iter().any(|r| r.contains(&40)) && s.iter().any(|r| r.contains(&70)));
     }
 
@@ -253,7 +441,7 @@ mod tests {
         let scores: Vec<f32> = (0..500).map(|i| ((i * 37) % 101) as f32).collect();
         for rule in [SelectRule::Attention, SelectRule::Random] {
             for frac in [0.01, 0.15, 0.5, 1.0] {
-                let s = select_spans(&scores, 4, 480, 480, &setting(frac, rule), 7);
+                let s = select_spans(&scores, &[], 4, 480, 480, &setting(frac, rule), 7);
                 assert!(s.len() <= MAX_SPANS);
                 assert!(s.windows(2).all(|w| w[0].end + MERGE_GAP < w[1].start));
                 assert!(
@@ -266,7 +454,15 @@ mod tests {
             }
         }
         assert_eq!(
-            select_spans(&scores, 4, 480, 480, &setting(1.0, SelectRule::Random), 1),
+            select_spans(
+                &scores,
+                &[],
+                4,
+                480,
+                480,
+                &setting(1.0, SelectRule::Random),
+                1
+            ),
             vec![4..480]
         );
     }
@@ -278,6 +474,7 @@ mod tests {
         scores[190] = 100.0; // inside the window: ignored as a score
         let s = select_spans(
             &scores,
+            &[],
             4,
             200,
             160,
@@ -294,6 +491,7 @@ mod tests {
         // A short context still gets a position chosen before its window.
         let s = select_spans(
             &scores,
+            &[],
             4,
             200,
             160,
@@ -306,17 +504,37 @@ mod tests {
 
     #[test]
     fn nothing_to_choose_is_nothing_chosen() {
-        assert!(select_spans(&[], 10, 10, 10, &setting(0.2, SelectRule::Attention), 0).is_empty());
         assert!(
-            select_spans(&[1.0; 8], 0, 8, 8, &setting(0.0, SelectRule::Attention), 0).is_empty()
+            select_spans(
+                &[],
+                &[],
+                10,
+                10,
+                10,
+                &setting(0.2, SelectRule::Attention),
+                0
+            )
+            .is_empty()
+        );
+        assert!(
+            select_spans(
+                &[1.0; 8],
+                &[],
+                0,
+                8,
+                8,
+                &setting(0.0, SelectRule::Attention),
+                0
+            )
+            .is_empty()
         );
     }
 
     #[test]
     fn random_depends_on_the_seed_only() {
-        let a = select_spans(&[], 0, 300, 300, &setting(0.1, SelectRule::Random), 3);
-        let b = select_spans(&[], 0, 300, 300, &setting(0.1, SelectRule::Random), 3);
-        let c = select_spans(&[], 0, 300, 300, &setting(0.1, SelectRule::Random), 4);
+        let a = select_spans(&[], &[], 0, 300, 300, &setting(0.1, SelectRule::Random), 3);
+        let b = select_spans(&[], &[], 0, 300, 300, &setting(0.1, SelectRule::Random), 3);
+        let c = select_spans(&[], &[], 0, 300, 300, &setting(0.1, SelectRule::Random), 4);
         assert_eq!(a, b);
         assert_ne!(a, c);
     }
