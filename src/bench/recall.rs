@@ -229,6 +229,10 @@ pub fn default_arms(names: &[String]) -> Vec<Arm> {
         rule: SelectRule::Random,
         ..TokenRecompute::sentences(r)
     };
+    let sent_floor = |r: f64, min_positions: usize| TokenRecompute {
+        min_positions,
+        ..TokenRecompute::sentences(r)
+    };
     let random = |r: f64| TokenRecompute {
         rule: SelectRule::Random,
         ..TokenRecompute::attention(r)
@@ -265,6 +269,18 @@ pub fn default_arms(names: &[String]) -> Vec<Arm> {
         Arm::transplant("sent-r15", h, 0, Some(TokenRecompute::sentences(0.15))),
         Arm::transplant("sent-r20", h, 0, Some(TokenRecompute::sentences(0.20))),
         Arm::transplant("random-sent-r15", h, 0, Some(random_sent(0.15))),
+        Arm::transplant("sent-r10-m48", h, 0, Some(sent_floor(0.10, 48))),
+        Arm::transplant("sent-r10-m64", h, 0, Some(sent_floor(0.10, 64))),
+        Arm::transplant("sent-r08-m64", h, 0, Some(sent_floor(0.08, 64))),
+        Arm::transplant(
+            "random-sent-r10-m64",
+            h,
+            0,
+            Some(TokenRecompute {
+                rule: SelectRule::Random,
+                ..sent_floor(0.10, 64)
+            }),
+        ),
     ];
     if names.is_empty() {
         return all;

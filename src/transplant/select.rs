@@ -63,6 +63,30 @@ pub enum Unit {
     Sentence,
 }
 
+impl Unit {
+    /// The unit's name in flags and benchmark arms.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Position => "position",
+            Self::Sentence => "sentence",
+        }
+    }
+}
+
+impl std::str::FromStr for Unit {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "position" => Ok(Self::Position),
+            "sentence" => Ok(Self::Sentence),
+            other => Err(format!(
+                "unknown recompute unit {other:?} (expected position or sentence)"
+            )),
+        }
+    }
+}
+
 /// The longest sentence re-read whole; a longer one is re-read around the chosen position
 /// (a quarter of this before it, the rest after).
 pub const MAX_SENTENCE: usize = 48;
@@ -129,20 +153,28 @@ pub struct TokenRecompute {
     /// What a chosen position brings with it.
     #[serde(default)]
     pub unit: Unit,
+    /// At least this many positions are chosen (when the context before the question holds
+    /// them), whatever `fraction` gives: a fact is stated in a sentence or two of a few dozen
+    /// tokens whatever the context's length, so a share alone re-reads too little of a short
+    /// context to bring its fact whole.
+    #[serde(default)]
+    pub min_positions: usize,
 }
 
 impl TokenRecompute {
-    /// What a session does at a size switch when nothing is set: a twentieth of the context
-    /// before the question by attention, each chosen position with one neighbour before and
-    /// eight after it (the value follows the words the question attends to), and the question
-    /// always. The recall benchmark's frontier point (`results/recall.json`, arm
-    /// `attn-r05-f8`): the facts kept at every length at about a quarter of a re-prefill's
-    /// cost at 1,024 tokens, where a tenth (`attn-r10-f8`) kept no more and cost 1.6× as much.
+    /// What a session does at a size switch when nothing is set: whole sentences chosen by
+    /// the source's attention from the question, until a tenth of the context before the
+    /// question is re-read and at least 64 positions (a short context's fact sentence is as
+    /// long as a long one's), and the question always. The recall benchmark's frontier point
+    /// (`results/recall.json`, arm `sent-r10-m64`): the position unit with eight followers
+    /// (`attn-r05-f8`, the earlier default) lost values that stand before the words the
+    /// question names ("port 7319 for the gateway"), and a share alone re-read too little of
+    /// a 256-token context; at 1,024 tokens and more the floor is below the share.
     #[must_use]
     pub fn default_size() -> Self {
         Self {
-            follow: 8,
-            ..Self::attention(0.05)
+            min_positions: 64,
+            ..Self::sentences(0.10)
         }
     }
 
@@ -157,6 +189,7 @@ impl TokenRecompute {
             neighbours: 1,
             follow: 0,
             unit: Unit::Position,
+            min_positions: 0,
         }
     }
 
@@ -213,7 +246,9 @@ pub fn select_spans(
         clippy::cast_sign_loss,
         clippy::cast_precision_loss
     )]
-    let want = ((setting.fraction.min(1.0) * n as f64).ceil() as usize).min(n);
+    let want = ((setting.fraction.min(1.0) * n as f64).ceil() as usize)
+        .max(setting.min_positions)
+        .min(n);
     let score = |p: usize| scores.get(p).copied().unwrap_or(0.0);
     let k = setting.neighbours;
     let end_all = hi;
@@ -313,6 +348,7 @@ mod tests {
             neighbours: 1,
             follow: 0,
             unit: Unit::Position,
+            min_positions: 0,
         }
     }
 
@@ -365,6 +401,35 @@ mod tests {
             0,
         );
         assert!(!s.iter().any(|r| r.contains(&12)), "{s:?}");
+    }
+
+    #[test]
+    fn the_floor_takes_more_than_the_share_of_a_short_context() {
+        // Same three sentences; a share of 0.05 (3 positions) would stop after the first
+        // sentence it takes, the floor of 40 takes the next sentence by attention too.
+        let mut ends = vec![false; 80];
+        ends[9] = true;
+        ends[29] = true;
+        ends[59] = true;
+        let mut scores = vec![0.0f32; 80];
+        scores[20] = 5.0;
+        scores[45] = 1.0;
+        let share = TokenRecompute::sentences(0.05);
+        let s = select_spans(&scores, &ends, 0, 80, 60, &share, 0);
+        assert_eq!(s, vec![10..30, 60..80], "{s:?}");
+        let floor = TokenRecompute {
+            min_positions: 40,
+            ..share
+        };
+        let s = select_spans(&scores, &ends, 0, 80, 60, &floor, 0);
+        assert_eq!(s, vec![10..80], "{s:?}");
+        // A floor larger than the context takes all of it, no more.
+        let all = TokenRecompute {
+            min_positions: 1000,
+            ..share
+        };
+        let s = select_spans(&scores, &ends, 0, 80, 60, &all, 0);
+        assert_eq!(s, vec![0..80], "{s:?}");
     }
 
     #[test]
@@ -544,5 +609,9 @@ mod tests {
         assert_eq!("attention".parse::<SelectRule>(), Ok(SelectRule::Attention));
         assert_eq!("random".parse::<SelectRule>(), Ok(SelectRule::Random));
         assert!("residual".parse::<SelectRule>().is_err());
+        for u in [Unit::Position, Unit::Sentence] {
+            assert_eq!(u.name().parse::<Unit>(), Ok(u));
+        }
+        assert!("paragraph".parse::<Unit>().is_err());
     }
 }

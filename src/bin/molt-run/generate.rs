@@ -77,15 +77,23 @@ pub struct Args {
     pub head_reread: usize,
     /// Selective token recompute at a size-route switch: the share of the cached positions the
     /// destination re-reads natively, chosen by the source's attention from the prompt's last
-    /// tokens (the question), each with one neighbour before and eight after, the question
-    /// itself always; projected cells a later prompt looks at are re-read before it is
-    /// answered. 0 turns it off (the projection alone keeps the text fluent and loses the
+    /// tokens (the question), each bringing its whole sentence, the question itself always;
+    /// projected cells a later prompt looks at are re-read before it is answered (see
+    /// `--recompute-unit` and `--recompute-floor`). 0 turns it off (the projection alone keeps the text fluent and loses the
     /// context's facts: see the recall benchmark).
     #[arg(long, value_name = "FRACTION", default_value_t = molt::transplant::select::TokenRecompute::default_size().fraction)]
     pub token_recompute: f64,
     /// How selective token recompute chooses: attention (default) or random (the control).
     #[arg(long, value_name = "RULE", default_value = "attention")]
     pub recompute_rule: molt::transplant::select::SelectRule,
+    /// What a chosen position brings with it: its whole sentence (`sentence`) or itself with
+    /// its neighbours (`position`).
+    #[arg(long, value_name = "UNIT", default_value = molt::transplant::select::TokenRecompute::default_size().unit.name())]
+    pub recompute_unit: molt::transplant::select::Unit,
+    /// At least this many positions are re-read at a size switch, whatever the share gives
+    /// (a short context's fact sentence is as long as a long context's).
+    #[arg(long, value_name = "N", default_value_t = molt::transplant::select::TokenRecompute::default_size().min_positions)]
+    pub recompute_floor: usize,
     /// Background refill (0, off, by default): after a molt switch, re-read the history
     /// natively on the destination, N tokens between every two generated tokens, in a context
     /// of its own, and take over the live cache once caught up.
@@ -96,18 +104,19 @@ pub struct Args {
     pub out: Option<PathBuf>,
 }
 
-/// The `--token-recompute` setting: off at 0, else the default rule's shape at that share.
-fn token_recompute(
-    fraction: f64,
-    rule: molt::transplant::select::SelectRule,
-) -> Result<Option<molt::transplant::select::TokenRecompute>> {
+/// The `--token-recompute` setting: off at 0, else the default's shape at that share with the
+/// rule, unit and floor given.
+fn token_recompute(a: &Args) -> Result<Option<molt::transplant::select::TokenRecompute>> {
+    let fraction = a.token_recompute;
     if !(0.0..=1.0).contains(&fraction) {
         anyhow::bail!("--token-recompute {fraction} is not a share between 0 and 1");
     }
     Ok(
         (fraction > 0.0).then(|| molt::transplant::select::TokenRecompute {
             fraction,
-            rule,
+            rule: a.recompute_rule,
+            unit: a.recompute_unit,
+            min_positions: a.recompute_floor,
             ..molt::transplant::select::TokenRecompute::default_size()
         }),
     )
@@ -235,7 +244,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         tail_recompute: a.tail_recompute,
         head_reread: a.head_reread,
         refill_chunk: a.refill,
-        token_recompute: token_recompute(a.token_recompute, a.recompute_rule)?,
+        token_recompute: token_recompute(a)?,
         ..SessionOptions::default()
     };
     let mut session = Session::with_options(ladder, config, &start, opts)?;
