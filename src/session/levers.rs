@@ -13,6 +13,7 @@
 
 use std::time::Instant;
 
+use super::error::MigrationStep;
 use super::migrate;
 use super::rung::ParkedRung;
 use super::{FootprintSample, LeverInfo, Session, SessionError, Strategy, routes};
@@ -75,10 +76,8 @@ impl Session {
     /// [`SessionError::Engine`] if the cache cannot be exported (nothing is freed then).
     pub fn park_weights(&mut self) -> Result<LeverInfo, SessionError> {
         if self.is_parked() {
-            return Err(SessionError::Migration {
-                from: self.current_rung().to_string(),
-                to: self.current_rung().to_string(),
-                message: "already parked".into(),
+            return Err(SessionError::AlreadyParked {
+                rung: self.current_rung().to_string(),
             });
         }
         let budget = Budget {
@@ -287,10 +286,10 @@ impl Session {
         } else {
             let projector = self.routes.get(from, to)?;
             migrate::project_blob(&p.rung.blob, &projector, self.config.cache_type)
-                .map_err(|message| SessionError::Migration {
+                .map_err(|source| SessionError::Migration {
                     from: self.ladder.rungs[from].name().to_string(),
                     to: self.ladder.rungs[to].name().to_string(),
-                    message,
+                    source,
                 })?
                 .0
         };
@@ -325,13 +324,12 @@ impl Session {
         {
             let layout = p.layout;
             let rope = routes::binding(&self.ladder.rungs[layout]).rope;
-            let fail = |message: String| SessionError::Migration {
-                from: self.ladder.rungs[layout].name().to_string(),
-                to: self.ladder.rungs[layout].name().to_string(),
-                message,
-            };
-            p.rung.blob = shed_blob(&p.rung.blob, pinned, n, &rope)
-                .map_err(|e| fail(format!("shed: {e}")))?;
+            p.rung.blob =
+                shed_blob(&p.rung.blob, pinned, n, &rope).map_err(|e| SessionError::Migration {
+                    from: self.ladder.rungs[layout].name().to_string(),
+                    to: self.ladder.rungs[layout].name().to_string(),
+                    source: MigrationStep::Shed.fail(e),
+                })?;
             p.rung.n_past -= n;
             crate::pressure::trim_heap();
         }
@@ -406,13 +404,13 @@ impl Session {
                         p.rung.blob = bytes;
                         self.projected = super::native::all(cells);
                     }
-                    Err(message) => {
+                    Err(source) => {
                         let from = self.ladder.rungs[p.layout].name().to_string();
                         self.parked = Some(p);
                         return Err(SessionError::Migration {
                             from,
                             to: self.ladder.rungs[to].name().to_string(),
-                            message,
+                            source,
                         });
                     }
                 }

@@ -14,6 +14,7 @@ use crate::transplant::anchor::Anchor;
 use crate::transplant::projector::Projector;
 use crate::transplant::select::select_spans;
 
+use super::error::MigrationStep;
 use super::routes::{self, RouteKind};
 use super::{LiveRung, ParkedRung, Session, SessionError, Strategy, SwitchInfo, jsd, migrate};
 
@@ -437,7 +438,7 @@ impl Session {
                 return Err(SessionError::Migration {
                     from: from_name,
                     to: self.ladder.rungs[to].name().to_string(),
-                    message: format!("export: {e}"),
+                    source: MigrationStep::Export.fail(e),
                 });
             }
         };
@@ -530,12 +531,9 @@ impl Session {
                         // holds.
                         self.history.clear();
                         let _ = self.ensure_loaded(from);
-                        Err(SessionError::Migration {
-                            from: from_name,
-                            to: self.ladder.rungs[to].name().to_string(),
-                            message: format!(
-                                "{e}; and the source could not be restored after it: {r}"
-                            ),
+                        Err(SessionError::SourceLost {
+                            switch: Box::new(e),
+                            restore: Box::new(r),
                         })
                     }
                 }
