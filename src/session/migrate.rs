@@ -25,8 +25,17 @@ use super::SessionError;
 use super::error::{MigrationCause, MigrationError, MigrationStep};
 
 /// Where the time of one switch went, ms. `cost_ms` is the decision-to-first-logits total.
+///
+/// Serialized flattened inside [`super::SwitchInfo`], so the field order and the skipped
+/// zeros here are the switch record's JSON keys: keep them as they are.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SwitchTimings {
+    /// The whole switch, decision to first logits.
+    pub cost_ms: f64,
+    /// Loading the destination's weights, paid by every strategy and reported apart from
+    /// `cost_ms`. The session fills it; the functions here get a loaded destination and leave
+    /// it 0.
+    pub load_ms: f64,
     /// Source state export.
     pub export_ms: f64,
     /// Parse + projection + serialization in the destination's layout.
@@ -42,40 +51,51 @@ pub struct SwitchTimings {
     #[serde(default)]
     pub recompute_ms: f64,
     /// Destination blocks recomputed natively (`None`: all projected).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub topk: Option<usize>,
     /// Tail recompute: the last positions re-read natively on the destination after the
-    /// import, inside `first_decode_ms` (0: every position kept as projected).
-    #[serde(default)]
+    /// import, inside `first_decode_ms` (0: every position kept as projected). Not written to
+    /// the switch record, whose keys predate it (the arm's options name the tail).
+    #[serde(default, skip_serializing)]
     pub tail: usize,
     /// Head re-read: the first positions computed natively on the destination and spliced
     /// over their projected cells (0: none).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub head: usize,
     /// Of `head`, the positions taken from the destination's shipped anchor (its native state
     /// of the template's opening) rather than decoded.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub head_anchored: usize,
     /// Time of the head re-read (anchor import, decode, export), inside `cost_ms`.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_zero_f")]
     pub head_ms: f64,
     /// Selective token recompute: positions re-read natively on the destination over the
     /// imported cache, chosen by the source's attention (0: none).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub recomputed: usize,
     /// The spans those positions formed.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub spans: usize,
     /// Time of the selective recompute, inside `first_decode_ms`'s neighbour: after the import,
     /// before the first decode; inside `cost_ms`.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_zero_f")]
     pub spans_ms: f64,
-    /// The whole switch, decision to first logits.
-    pub cost_ms: f64,
     /// Cells carried (transplant) or tokens re-read (re-prefill).
     pub cells: usize,
-    /// FLOPs the projection spent (0 for a re-prefill, whose cost is `flops_reprefill`).
+    /// FLOPs the projection spent (0 for a re-prefill, whose cost is `flops_reprefill`). In a
+    /// [`super::SwitchInfo`], the switch's own FLOPs: the projection plus the destination's
+    /// first decode.
     pub flops: f64,
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's skip_serializing_if passes a reference
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)]
+fn is_zero_f(x: &f64) -> bool {
+    *x == 0.0
 }
 
 fn ms(t: Instant) -> f64 {
@@ -487,6 +507,7 @@ pub fn transplant_exported(
         spans: spans.len(),
         spans_ms,
         cost_ms: src.export_ms + ms(t1),
+        load_ms: 0.0,
         cells,
         flops,
     })

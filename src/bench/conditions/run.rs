@@ -335,7 +335,7 @@ fn generate_once(setup: &Setup<'_>, spec: &RunSpec<'_>) -> Result<Outcome, Bench
                     let over = to_i64(rss().saturating_sub(baseline)) - to_i64(*bytes);
                     drop_overshoot = Some(drop_overshoot.map_or(over, |d| d.max(over)));
                 }
-                Event::Switch(info) => pending_load += info.load_ms,
+                Event::Switch(info) => pending_load += info.timings.load_ms,
                 Event::Token {
                     index,
                     rung,
@@ -418,8 +418,8 @@ fn timed_run(o: &Outcome, rep: usize) -> TimedRun {
         total_ms: g.total_ms,
         max_stall_ms: max_stall,
         max_stall_excl_load_ms: max_stall_excl,
-        switch_cost_ms: g.switches.iter().map(|s| s.cost_ms).sum(),
-        load_ms: g.switches.iter().map(|s| s.load_ms).sum(),
+        switch_cost_ms: g.switches.iter().map(|s| s.timings.cost_ms).sum(),
+        load_ms: g.switches.iter().map(|s| s.timings.load_ms).sum(),
         switches: g.switches.clone(),
         peak_footprint_bytes: rows.iter().map(|r| r.footprint_bytes).max().unwrap_or(0),
         max_overshoot_bytes: if g.killed { None } else { max_overshoot },

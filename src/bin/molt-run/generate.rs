@@ -323,7 +323,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
                 }
                 Event::Switch(s) => format!(
                     "\n⇆ {} → {} ({}, {:.0} ms, pressure {:.2})\n",
-                    s.from, s.to, s.method, s.cost_ms, s.pressure
+                    s.from, s.to, s.method, s.timings.cost_ms, s.pressure
                 ),
                 _ => return,
             };
