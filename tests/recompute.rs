@@ -8,8 +8,8 @@ mod common;
 
 use molt::engine::{Context, ContextConfig, Model, ModelOptions, Span};
 use molt::kv::KvSnapshot;
+use molt::routes::{Routes, Variant};
 use molt::session::migrate::{Exported, Reread, reprefill, transplant_exported};
-use molt::session::routes::{Routes, Variant};
 use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions};
 use molt::transplant::select::TokenRecompute;
 

@@ -180,8 +180,8 @@ fn partial_forward_matches_real_tier2() {
 /// time is reported inside the switch cost.
 #[test]
 fn spliced_recompute_continues_like_the_native_cache() {
+    use molt::routes::binding;
     use molt::session::migrate::{Recompute, Reread, transplant_with};
-    use molt::session::routes::binding;
     use molt::transplant::project::identity_projector;
     let l = common::tiny_ladder();
     let info = &l.rungs[0];
@@ -283,7 +283,8 @@ fn tiny_topk_dir() -> &'static std::path::PathBuf {
 /// small rung's last 2 blocks, reports the time inside the switch cost, and keeps decoding.
 #[test]
 fn topk_switch_mid_answer_on_tiny_ladder() {
-    use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions, routes};
+    use molt::routes;
+    use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions};
     let l = common::tiny_ladder().clone();
     let dir = tiny_topk_dir().clone();
     let run = |topk: Option<usize>, dirs: Vec<std::path::PathBuf>| {
@@ -379,7 +380,7 @@ fn topk_switch_mid_answer_on_real_ladder() {
     let tier2 = l.rungs.iter().position(|r| r.name() == "tier2").unwrap();
     let run = |topk: Option<usize>| {
         let opts = SessionOptions {
-            projector_dirs: molt::session::routes::search_dirs(Some(&dir)),
+            projector_dirs: molt::routes::search_dirs(Some(&dir)),
             topk_recompute: topk,
             measure_seam: true,
             observe_footprint: false,

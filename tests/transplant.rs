@@ -7,8 +7,8 @@ mod common;
 
 use molt::engine::{Context, Model, ModelOptions, Sampler, SamplingParams, log_softmax};
 use molt::ladder::Ladder;
+use molt::routes::{Routes, Variant, binding};
 use molt::session::migrate::{Reread, reprefill, transplant, transplant_with};
-use molt::session::routes::{Routes, Variant, binding};
 use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions, Strategy, jsd};
 use molt::transplant::anchor::Anchor;
 use molt::transplant::project::identity_projector;

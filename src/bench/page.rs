@@ -13,7 +13,7 @@ use super::figures::{FigureSet, ResidualDoc, read_json, serde_word};
 use super::qos::QosDoc;
 use super::recall::RecallDoc;
 use super::speed::Rate;
-use crate::session::routes::RouteKind;
+use crate::routes::RouteKind;
 
 mod recall;
 

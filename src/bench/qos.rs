@@ -39,11 +39,11 @@ use crate::pressure::{
     BudgetSource, PressureError, Tick, process_anon_rss_bytes, process_rss_bytes,
     return_freed_buffers_to_os, trim_heap,
 };
+use crate::routes::{Routes, Variant};
 use crate::sched::{
     Lever, PlanMode, Policy, RungCost, SchedError, Snapshot, TenantClass, TenantId, apply, plan,
     usage,
 };
-use crate::session::{Routes, Variant};
 use crate::tenants::{Arrival, Phase, Tenants, TenantsError};
 
 /// Errors of the `QoS` bench.

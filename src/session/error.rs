@@ -15,7 +15,7 @@ use crate::sched::SchedError;
 use crate::transplant::TransplantError;
 use crate::transplant::shift::ShedError;
 
-use super::RouteError;
+use crate::routes::RouteError;
 
 /// Errors from a session.
 #[derive(Debug, thiserror::Error)]

@@ -16,9 +16,10 @@ use std::time::Instant;
 use super::error::MigrationStep;
 use super::migrate;
 use super::rung::ParkedRung;
-use super::{FootprintSample, LeverInfo, Session, SessionError, Strategy, routes};
+use super::{FootprintSample, LeverInfo, Session, SessionError, Strategy};
 use crate::engine::Token;
 use crate::pressure::{Budget, process_rss_bytes};
+use crate::routes;
 use crate::transplant::shift::shed_blob;
 
 /// A parked rung as the session holds it.

@@ -14,7 +14,6 @@ pub mod migrate;
 mod native;
 mod options;
 mod refill;
-pub mod routes;
 mod rung;
 mod switch;
 
@@ -23,13 +22,13 @@ pub use error::{MigrationCause, MigrationError, MigrationStep, SessionError};
 pub use events::{Event, FootprintSample, Generation, LeverInfo, StopReason, Summary, SwitchInfo};
 pub use levers::chat_pinned_prefix;
 pub use options::{DEFAULT_HEAD_REREAD, GenerateOptions, Prompt, SessionOptions, Strategy};
-pub use routes::{RouteError, RouteKind, Routes, Variant};
 pub use rung::{LiveRung, ParkedRung};
 pub use switch::SwitchMethod;
 
 use crate::engine::{ChatMessage, ContextConfig, Sampler, Token, Utf8Stream, softmax};
 use crate::ladder::Ladder;
 use crate::pressure::{Budget, BudgetSource, Tick};
+use crate::routes::Routes;
 use crate::sched::{Decision, TenantClass, TenantView, decide_one};
 use crate::transplant::select::SelectRule;
 use std::ops::Range;

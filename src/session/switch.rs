@@ -15,8 +15,8 @@ use crate::transplant::projector::Projector;
 use crate::transplant::select::select_spans;
 
 use super::error::MigrationStep;
-use super::routes::{self, RouteKind};
 use super::{LiveRung, ParkedRung, Session, SessionError, Strategy, SwitchInfo, jsd, migrate};
+use crate::routes::{self, RouteKind};
 
 /// How a switch carried the conversation's state to the destination.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

@@ -1,8 +1,9 @@
 //! [`TenantsError`]: why the actuator could not carry out a plan or a step.
 
 use crate::engine::EngineError;
+use crate::routes::RouteError;
 use crate::sched::{SchedError, TenantId};
-use crate::session::{MigrationError, RouteError};
+use crate::session::MigrationError;
 
 /// An action or a step failed, or a plan or an arrival does not fit the tenants.
 #[derive(Debug, thiserror::Error)]

@@ -58,9 +58,10 @@ use std::time::Instant;
 use crate::engine::{Context, ContextConfig, Model, ModelOptions, Sampler, Token};
 use crate::ladder::Ladder;
 use crate::pressure::{resident_bytes_of_mapping, trim_heap};
+use crate::routes::{self, Routes};
 use crate::sched::{self, Lever, Plan, SchedError, Snapshot, TenantClass, TenantId, TenantView};
 use crate::session::migrate::project_blob;
-use crate::session::{MigrationStep, Routes, chat_pinned_prefix, routes};
+use crate::session::{MigrationStep, chat_pinned_prefix};
 use crate::transplant::shift::shed_blob;
 
 pub use error::TenantsError;

@@ -22,10 +22,11 @@ use crate::bench::metrics::{Judge, NativeAttention, repetition};
 use crate::engine::{AttentionCapture, ChatMessage, ContextConfig, SamplingParams, Token};
 use crate::ladder::Ladder;
 use crate::pressure::{Trace, TraceBudget, process_rss_bytes};
+use crate::routes::Variant;
+use crate::routes::{RouteKind, Routes, binding, route_kind};
 use crate::sched::{Policy, RungCost};
-use crate::session::routes::{RouteKind, Routes, binding, route_kind};
 use crate::session::{
-    Event, GenerateOptions, Generation, Prompt, Session, SessionOptions, Strategy, Variant,
+    Event, GenerateOptions, Generation, Prompt, Session, SessionOptions, Strategy,
 };
 use crate::transplant::anchor::Anchor;
 use crate::transplant::hidden::HiddenMap;

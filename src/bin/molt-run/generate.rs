@@ -6,7 +6,8 @@ use crate::shipped;
 use anyhow::{Context as _, Result, bail};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use molt::pressure::TraceBudget;
-use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions, Strategy, routes};
+use molt::routes;
+use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions, Strategy};
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 
