@@ -12,9 +12,7 @@
 use std::borrow::Cow;
 use std::time::Instant;
 
-use crate::engine::{
-    CacheType as EngineCacheType, Context, ContextConfig, PartialForward, Span, Token,
-};
+use crate::engine::{Context, ContextConfig, PartialForward, Span, Token};
 use crate::kv::{CacheType, KvSnapshot, KvStream, LayerKv};
 use crate::transplant::anchor::Anchor;
 use crate::transplant::hidden::HiddenMap;
@@ -110,13 +108,6 @@ fn mig(from: &Context, to: &Context, source: MigrationError) -> SessionError {
     }
 }
 
-fn kv_type(t: EngineCacheType) -> CacheType {
-    match t {
-        EngineCacheType::F16 => CacheType::F16,
-        EngineCacheType::F32 => CacheType::F32,
-    }
-}
-
 /// Builds the destination's cache from the source's through `projector`, without touching
 /// either context: the pure middle of a transplant, exposed for tests and the benchmarks.
 ///
@@ -127,7 +118,7 @@ fn kv_type(t: EngineCacheType) -> CacheType {
 pub fn project_blob(
     blob: &[u8],
     projector: &Projector,
-    dst_cache: EngineCacheType,
+    dst_cache: CacheType,
 ) -> Result<(Vec<u8>, f64, usize), MigrationError> {
     project_blob_with(blob, projector, dst_cache, None, None)
 }
@@ -144,7 +135,7 @@ pub fn project_blob(
 pub fn project_blob_with(
     blob: &[u8],
     projector: &Projector,
-    dst_cache: EngineCacheType,
+    dst_cache: CacheType,
     recomputed: Option<&[u8]>,
     native_head: Option<&[u8]>,
 ) -> Result<(Vec<u8>, f64, usize), MigrationError> {
@@ -158,7 +149,7 @@ pub fn project_blob_with(
         .collect();
     let (layers, stats) =
         project(projector, &views, &positions).map_err(|e| MigrationStep::Projection.fail(e))?;
-    let t = kv_type(dst_cache);
+    let t = dst_cache;
     let mut out = KvStream {
         cells: stream.cells,
         v_trans: stream.v_trans,
