@@ -334,6 +334,21 @@ impl Session {
             p.rung.n_past -= n;
             crate::pressure::trim_heap();
         }
+        Ok(self.after_shed(pinned, n, at_token, t0, rss_before, budget))
+    }
+
+    /// The session's side of a shed of `n` tokens after `pinned`, once the cache (live or
+    /// parked) has dropped them: the history, the attention mass read before it, the projected
+    /// cells, and the lever's record.
+    fn after_shed(
+        &mut self,
+        pinned: usize,
+        n: usize,
+        at_token: usize,
+        t0: Instant,
+        rss_before: u64,
+        budget: Budget,
+    ) -> LeverInfo {
         self.history.drain(pinned..pinned + n);
         // The attention mass was read over the positions before the shed.
         self.observed = None;
@@ -341,7 +356,7 @@ impl Session {
         let mut info = self.lever(at_token, "shed", n, t0);
         info.rss_before = rss_before;
         info.budget_bytes = budget.bytes;
-        Ok(info)
+        info
     }
 
     /// Drops `n` tokens after the pinned prefix of the live cache (llama.cpp shifts the later
@@ -362,14 +377,7 @@ impl Session {
             .ctx
             .shed_and_decode(pinned, n, &[tok])
             .map_err(|source| SessionError::Engine { rung: name, source })?;
-        self.history.drain(pinned..pinned + n);
-        // The attention mass was read over the positions before the shed.
-        self.observed = None;
-        self.projected = super::native::shed(&self.projected, pinned, n);
-        let mut info = self.lever(at_token, "shed", n, t0);
-        info.rss_before = rss_before;
-        info.budget_bytes = budget.bytes;
-        Ok(info)
+        Ok(self.after_shed(pinned, n, at_token, t0, rss_before, budget))
     }
 
     /// Resumes on rung `to`: projects the parked cache there if its layout differs (or
