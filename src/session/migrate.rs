@@ -563,3 +563,30 @@ pub fn prefill_flops(n_params: u64, n_layer: u64, n_embd: u64, n_tokens: u64) ->
     );
     2.0 * p * n + 2.0 * l * e * n * (n + 1.0)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transplant::project::identity_projector;
+    use crate::transplant::projector::RungBinding;
+    use crate::transplant::rope::RopeSpec;
+
+    /// A blob that does not parse fails at the source-state step, carrying the KV mirror's own
+    /// typed error rather than a message.
+    #[test]
+    fn project_blob_names_the_step_and_keeps_the_cause() {
+        let b = RungBinding {
+            name: "r".into(),
+            file: "r.gguf".into(),
+            sha256: "00".into(),
+            n_layer: 1,
+            n_kv_heads: 1,
+            head_dim: 4,
+            rope: RopeSpec::neox(4, 1e6),
+        };
+        let e = project_blob(&[1, 2, 3], &identity_projector(&b), CacheType::F16).unwrap_err();
+        assert_eq!(e.step, MigrationStep::SourceState);
+        assert!(matches!(e.source, MigrationCause::Kv(_)), "{e:?}");
+        assert!(e.to_string().starts_with("source state: "), "{e}");
+    }
+}
