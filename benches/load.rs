@@ -22,9 +22,10 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result, bail};
 use molt::engine::ContextConfig;
 use molt::ladder::Ladder;
+use molt::routes;
 use molt::server::client;
 use molt::server::{Server, ServerConfig};
-use molt::session::{SessionOptions, routes};
+use molt::session::SessionOptions;
 use serde::Serialize;
 use serde_json::{Value, json};
 

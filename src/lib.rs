@@ -13,6 +13,8 @@
 //! - [`session`]: the token loop that streams events and migrates between tokens;
 //! - [`server`]: the streaming HTTP service (OpenAI-compatible, every token names its rung);
 //! - [`transplant`]: RoPE sandwich, ridge, maps and projector files;
+//! - [`routes`]: which projector carries a cache between two rungs of a ladder, and its file
+//!   (used by the session, the tenants and the trainer alike);
 //! - [`train`]: fitting a ladder's projectors from its own caches;
 //! - [`pressure`] and [`sched`]: budgets, footprints and the policy that keeps Molt inside them;
 //! - [`tenants`]: the actuator that applies a multi-tenant plan to live tenants;
@@ -25,6 +27,7 @@ pub mod gguf;
 pub mod kv;
 pub mod ladder;
 pub mod pressure;
+pub mod routes;
 pub mod sched;
 pub mod server;
 pub mod session;

@@ -9,8 +9,8 @@ mod common;
 use molt::bench::conditions::{self, ConditionsOptions, PromptSpec, RunLog};
 use molt::bench::{figures, page};
 use molt::engine::{Context, ContextConfig, Model, ModelOptions};
-use molt::session::Variant;
-use molt::session::routes::RouteKind;
+use molt::routes::RouteKind;
+use molt::routes::Variant;
 use molt::train::{TrainOptions, fit_ladder, read_corpus};
 use molt::transplant::projector::TensorDtype;
 use std::path::PathBuf;
@@ -221,7 +221,7 @@ fn conditions_pipeline_on_tiny_ladder() {
     );
     assert!(contexts.iter().all(|c| c.len() >= need));
     let mut routes =
-        molt::session::Routes::new(l, vec![dir.path().join("projectors")], Variant::Auto);
+        molt::routes::Routes::new(l, vec![dir.path().join("projectors")], Variant::Auto);
     let points = molt::bench::cost_sweep::run(
         l,
         common::cfg_conditions(),

@@ -106,7 +106,7 @@ fn real_ladder_a_continued_conversation_remembers_its_first_turn() {
     .unwrap();
     assert_eq!(switches.len(), 1);
     assert_eq!(switches[0].to, "tier2");
-    assert!(switches[0].recomputed > 0, "{:?}", switches[0]);
+    assert!(switches[0].timings.recomputed > 0, "{:?}", switches[0]);
     let mut reused = 0;
     let mut refreshed = 0;
     let g = s

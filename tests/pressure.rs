@@ -10,9 +10,8 @@ mod common;
 use molt::engine::{Context, Model, ModelOptions};
 use molt::kv::{KvSnapshot, ParseOptions};
 use molt::pressure::{FixedBudget, Trace, TraceBudget};
-use molt::session::{
-    Event, GenerateOptions, Prompt, Session, SessionError, SessionOptions, Variant, routes,
-};
+use molt::routes::{self, Variant};
+use molt::session::{Event, GenerateOptions, Prompt, Session, SessionError, SessionOptions};
 use molt::transplant::shift::shed_stream;
 use std::time::Duration;
 

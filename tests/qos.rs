@@ -7,8 +7,8 @@ mod common;
 use molt::bench::qos::{QosOptions, calibrate, run};
 use molt::engine::ContextConfig;
 use molt::pressure::{Trace, TraceBudget};
+use molt::routes::Variant;
 use molt::sched::{Policy, TenantClass};
-use molt::session::Variant;
 
 #[test]
 fn three_tenants_share_a_moving_budget_without_overshoot_or_kills() {

@@ -10,9 +10,8 @@ mod common;
 
 use molt::engine::ContextConfig;
 use molt::pressure::{Trace, TraceBudget};
-use molt::session::{
-    Event, GenerateOptions, Prompt, Routes, Session, SessionOptions, Strategy, Variant, routes,
-};
+use molt::routes::{self, Routes, Variant};
+use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions, Strategy};
 use std::path::Path;
 
 #[test]

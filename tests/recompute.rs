@@ -8,8 +8,8 @@ mod common;
 
 use molt::engine::{Context, ContextConfig, Model, ModelOptions, Span};
 use molt::kv::KvSnapshot;
+use molt::routes::{Routes, Variant};
 use molt::session::migrate::{Exported, Reread, reprefill, transplant_exported};
-use molt::session::routes::{Routes, Variant};
 use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions};
 use molt::transplant::select::TokenRecompute;
 
@@ -235,18 +235,18 @@ fn a_size_switch_with_token_recompute_reports_what_it_reread() {
     let sw = run(on, 2);
     assert_eq!(sw.method, "molt");
     assert!(
-        sw.recomputed > 0 && sw.spans > 0 && sw.spans_ms > 0.0,
+        sw.timings.recomputed > 0 && sw.timings.spans > 0 && sw.timings.spans_ms > 0.0,
         "{sw:?}"
     );
-    let n = sw.cells;
+    let n = sw.timings.cells;
     assert!(
-        sw.recomputed >= n / 5 && sw.recomputed < n,
+        sw.timings.recomputed >= n / 5 && sw.timings.recomputed < n,
         "{} of {n}",
-        sw.recomputed
+        sw.timings.recomputed
     );
     // A precision route keeps its facts without it: nothing re-read there.
     let prec = run(on, 1);
-    assert_eq!(prec.recomputed, 0, "{prec:?}");
+    assert_eq!(prec.timings.recomputed, 0, "{prec:?}");
     // Off: nothing re-read.
-    assert_eq!(run(None, 2).recomputed, 0);
+    assert_eq!(run(None, 2).timings.recomputed, 0);
 }

@@ -4,8 +4,8 @@
 mod common;
 
 use molt::engine::{ContextConfig, Sampler, SamplingParams, Token};
+use molt::routes::{Routes, Variant};
 use molt::sched::{Lever, Plan, PlanMode, RungCost, SchedError, Snapshot, TenantClass, TenantId};
-use molt::session::{Routes, Variant};
 use molt::tenants::{Arrival, Phase, Tenants, TenantsError};
 
 fn config() -> ContextConfig {

@@ -180,8 +180,8 @@ fn partial_forward_matches_real_tier2() {
 /// time is reported inside the switch cost.
 #[test]
 fn spliced_recompute_continues_like_the_native_cache() {
+    use molt::routes::binding;
     use molt::session::migrate::{Recompute, Reread, transplant_with};
-    use molt::session::routes::binding;
     use molt::transplant::project::identity_projector;
     let l = common::tiny_ladder();
     let info = &l.rungs[0];
@@ -283,7 +283,8 @@ fn tiny_topk_dir() -> &'static std::path::PathBuf {
 /// small rung's last 2 blocks, reports the time inside the switch cost, and keeps decoding.
 #[test]
 fn topk_switch_mid_answer_on_tiny_ladder() {
-    use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions, routes};
+    use molt::routes;
+    use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions};
     let l = common::tiny_ladder().clone();
     let dir = tiny_topk_dir().clone();
     let run = |topk: Option<usize>, dirs: Vec<std::path::PathBuf>| {
@@ -319,18 +320,18 @@ fn topk_switch_mid_answer_on_tiny_ladder() {
     };
     let sw = run(Some(2), vec![dir.clone()]);
     assert_eq!(sw.method, "molt");
-    assert_eq!(sw.topk, Some(2), "{sw:?}");
+    assert_eq!(sw.timings.topk, Some(2), "{sw:?}");
     assert!(
-        sw.recompute_ms > 0.0 && sw.recompute_ms <= sw.cost_ms,
+        sw.timings.recompute_ms > 0.0 && sw.timings.recompute_ms <= sw.timings.cost_ms,
         "{sw:?}"
     );
     // Off by default: same switch, every layer projected.
     let plain = run(None, vec![dir.clone()]);
-    assert_eq!(plain.topk, None);
-    assert_eq!(plain.recompute_ms, 0.0);
+    assert_eq!(plain.timings.topk, None);
+    assert_eq!(plain.timings.recompute_ms, 0.0);
     // Asked for a k without maps: the switch still projects, and says why.
     let missing = run(Some(3), routes::search_dirs(Some(&dir)));
-    assert_eq!(missing.topk, None);
+    assert_eq!(missing.timings.topk, None);
     assert!(
         missing.note.as_deref().is_some_and(|n| n.contains("top-k")),
         "{missing:?}"
@@ -379,7 +380,7 @@ fn topk_switch_mid_answer_on_real_ladder() {
     let tier2 = l.rungs.iter().position(|r| r.name() == "tier2").unwrap();
     let run = |topk: Option<usize>| {
         let opts = SessionOptions {
-            projector_dirs: molt::session::routes::search_dirs(Some(&dir)),
+            projector_dirs: molt::routes::search_dirs(Some(&dir)),
             topk_recompute: topk,
             measure_seam: true,
             observe_footprint: false,
@@ -411,10 +412,15 @@ fn topk_switch_mid_answer_on_real_ladder() {
     let (_, plain) = run(None);
     eprintln!(
         "top-2: jsd {:?}, cost {:.1} ms (recompute {:.1} ms); plain: jsd {:?}, cost {:.1} ms\n{}",
-        sw.handoff_jsd, sw.cost_ms, sw.recompute_ms, plain.handoff_jsd, plain.cost_ms, g.text
+        sw.handoff_jsd,
+        sw.timings.cost_ms,
+        sw.timings.recompute_ms,
+        plain.handoff_jsd,
+        plain.timings.cost_ms,
+        g.text
     );
-    assert_eq!(sw.topk, Some(2), "{sw:?}");
-    assert!(sw.recompute_ms > 0.0 && sw.recompute_ms <= sw.cost_ms);
+    assert_eq!(sw.timings.topk, Some(2), "{sw:?}");
+    assert!(sw.timings.recompute_ms > 0.0 && sw.timings.recompute_ms <= sw.timings.cost_ms);
     let jsd = sw.handoff_jsd.unwrap();
     assert!(jsd < 0.5, "handoff divergence {jsd} after a top-2 switch");
     let after = &g.tokens[16.min(g.tokens.len())..];

@@ -7,8 +7,8 @@ mod common;
 
 use molt::engine::{Context, Model, ModelOptions, Sampler, SamplingParams, log_softmax};
 use molt::ladder::Ladder;
+use molt::routes::{Routes, Variant, binding};
 use molt::session::migrate::{Reread, reprefill, transplant, transplant_with};
-use molt::session::routes::{Routes, Variant, binding};
 use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions, Strategy, jsd};
 use molt::transplant::anchor::Anchor;
 use molt::transplant::project::identity_projector;
@@ -140,7 +140,7 @@ fn migration_mid_answer_continues_at_the_right_positions_on_tiny_rungs() {
     assert_eq!(sw.at_token, 10);
     assert!(sw.handoff_jsd.is_some_and(f64::is_finite));
     assert!(
-        sw.flops < sw.flops_reprefill,
+        sw.timings.flops < sw.flops_reprefill,
         "a transplant must be cheaper in FLOPs"
     );
     assert_eq!(g.rungs_used, vec!["big".to_string(), "small".to_string()]);
@@ -196,8 +196,8 @@ fn reprefill_switch_goes_through_the_same_loop() {
         )
         .unwrap();
     assert_eq!(g.switches[0].method, "reprefill");
-    assert_eq!(g.switches[0].cells, g.prompt_tokens + 5);
-    assert!((g.switches[0].flops - g.switches[0].flops_reprefill).abs() < 1.0);
+    assert_eq!(g.switches[0].timings.cells, g.prompt_tokens + 5);
+    assert!((g.switches[0].timings.flops - g.switches[0].flops_reprefill).abs() < 1.0);
 }
 
 #[test]
@@ -498,7 +498,7 @@ fn real_ladder_migration_mid_answer_scores_within_bound() {
     let (s, molt) = run(Strategy::Molt);
     let sw = &molt.switches[0];
     assert_eq!(
-        (sw.head, sw.head_anchored),
+        (sw.timings.head, sw.timings.head_anchored),
         (molt::session::DEFAULT_HEAD_REREAD, 3),
         "the shipped anchor covers ChatML's opening, the user's first token is decoded: {sw:?}"
     );
@@ -748,7 +748,14 @@ fn anchors_are_fitted_on_the_template_opening_and_bound_to_their_rung() {
     assert_eq!(g.tokens.len(), 12);
     let sw = &g.switches[0];
     assert_eq!(sw.method, "molt");
-    assert_eq!(sw.head, molt::session::DEFAULT_HEAD_REREAD);
-    assert_eq!(sw.head_anchored, opening.len().min(sw.head), "{sw:?}");
-    assert!(sw.head_ms > 0.0 && sw.head_ms <= sw.cost_ms, "{sw:?}");
+    assert_eq!(sw.timings.head, molt::session::DEFAULT_HEAD_REREAD);
+    assert_eq!(
+        sw.timings.head_anchored,
+        opening.len().min(sw.timings.head),
+        "{sw:?}"
+    );
+    assert!(
+        sw.timings.head_ms > 0.0 && sw.timings.head_ms <= sw.timings.cost_ms,
+        "{sw:?}"
+    );
 }

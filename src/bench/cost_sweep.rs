@@ -19,8 +19,8 @@ use serde::{Deserialize, Serialize};
 use super::speed::Rate;
 use crate::engine::{ContextConfig, Token};
 use crate::ladder::Ladder;
+use crate::routes::{RouteKind, Routes, binding, route_kind};
 use crate::session::migrate::{Reread, prefill_flops, reprefill, transplant_with};
-use crate::session::routes::{RouteKind, Routes, binding, route_kind};
 use crate::session::{LiveRung, SessionError, jsd};
 
 /// One route at one length.

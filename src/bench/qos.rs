@@ -39,11 +39,11 @@ use crate::pressure::{
     BudgetSource, PressureError, Tick, process_anon_rss_bytes, process_rss_bytes,
     return_freed_buffers_to_os, trim_heap,
 };
+use crate::routes::{Routes, Variant};
 use crate::sched::{
     Lever, PlanMode, Policy, RungCost, SchedError, Snapshot, TenantClass, TenantId, apply, plan,
     usage,
 };
-use crate::session::{Routes, Variant};
 use crate::tenants::{Arrival, Phase, Tenants, TenantsError};
 
 /// Errors of the `QoS` bench.
@@ -355,7 +355,7 @@ pub fn calibrate(
         let f = &info.facts;
         let kv = u64::from(f.n_layer)
             * u64::from(f.kv_dim_k() + f.kv_dim_v())
-            * config.cache_type.bytes() as u64;
+            * config.cache_type.elem_bytes() as u64;
         costs.push(
             RungCost::new(info.name(), f.total_tensor_bytes, kv, a1.saturating_sub(a0))
                 .with_tenant_bytes(a2.saturating_sub(a1)),

@@ -26,8 +26,8 @@ use serde::{Deserialize, Serialize};
 use super::BenchError;
 use crate::engine::{ChatMessage, Context, ContextConfig, Span, Token, argmax};
 use crate::ladder::Ladder;
+use crate::routes::{RouteKind, Routes, Variant, route_kind};
 use crate::session::migrate::{self, Exported, Reread};
-use crate::session::routes::{RouteKind, Routes, Variant, route_kind};
 use crate::session::{DEFAULT_HEAD_REREAD, LiveRung, SessionOptions};
 use crate::transplant::select::{SelectRule, TokenRecompute, Unit, select_spans, sentence_ends};
 

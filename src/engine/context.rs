@@ -3,34 +3,17 @@
 
 use super::tap::{self, AttentionCapture, Tap};
 use super::{EngineError, Model, Token, recent_llama_errors};
+use crate::kv::CacheType;
 use std::sync::Arc;
 
-/// The KV cache element type. Only unquantized caches can be transplanted: quantized caches
-/// are Hadamard-rotated by llama.cpp and are refused by the KV mirror.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum CacheType {
-    /// 16-bit floats (llama.cpp's default; half the bytes of F32).
-    #[default]
-    F16,
-    /// 32-bit floats.
-    F32,
-}
-
-impl CacheType {
-    fn ggml(self) -> llama_cpp_sys_2::ggml_type {
-        match self {
-            Self::F16 => llama_cpp_sys_2::GGML_TYPE_F16,
-            Self::F32 => llama_cpp_sys_2::GGML_TYPE_F32,
-        }
-    }
-
-    /// Bytes per element.
-    pub fn bytes(self) -> usize {
-        match self {
-            Self::F16 => 2,
-            Self::F32 => 4,
-        }
+/// llama.cpp's name for a cache element type. The KV mirror's [`CacheType`] is the one list
+/// of cache types, since only the types it can read can be transplanted (quantized caches are
+/// Hadamard-rotated by llama.cpp and refused by the mirror).
+fn ggml_type(t: CacheType) -> llama_cpp_sys_2::ggml_type {
+    match t {
+        CacheType::F16 => llama_cpp_sys_2::GGML_TYPE_F16,
+        CacheType::F32 => llama_cpp_sys_2::GGML_TYPE_F32,
+        CacheType::BF16 => llama_cpp_sys_2::GGML_TYPE_BF16,
     }
 }
 
@@ -174,8 +157,8 @@ impl Context {
         p.n_threads = threads;
         p.n_threads_batch = threads;
         p.flash_attn_type = llama_cpp_sys_2::LLAMA_FLASH_ATTN_TYPE_DISABLED;
-        p.type_k = config.cache_type.ggml();
-        p.type_v = config.cache_type.ggml();
+        p.type_k = ggml_type(config.cache_type);
+        p.type_v = ggml_type(config.cache_type);
         p.no_perf = true;
         let tap = (config.attention_tap || config.hidden_tap).then(tap::new_tap);
         if let Some(t) = &tap {

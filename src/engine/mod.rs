@@ -24,7 +24,7 @@ pub mod system;
 pub mod tap;
 mod text;
 
-pub use context::{CacheType, Context, ContextConfig, Span};
+pub use context::{Context, ContextConfig, Span};
 pub use logs::recent_llama_errors;
 pub use model::{ChatMessage, Model, ModelOptions};
 pub use partial::PartialForward;

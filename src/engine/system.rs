@@ -7,55 +7,12 @@
 //! feature instead, and the binary calls it before anything else. [`llama_system_info`] is
 //! llama.cpp's own line (`AVX2 = 1 | AVX512 = 1 | …`), so a user can see what was built.
 
-/// The CPU features this binary's Rust code was compiled to require, in the order a reader
-/// expects them (older extensions first). Empty on targets other than x86-64.
-#[must_use]
-pub fn compiled_cpu_features() -> Vec<&'static str> {
-    let mut on = Vec::new();
-    #[cfg(target_arch = "x86_64")]
-    {
-        macro_rules! push_if {
-            ($($f:tt),*) => {$( if cfg!(target_feature = $f) { on.push($f); } )*};
-        }
-        push_if!(
-            "sse3",
-            "ssse3",
-            "sse4.1",
-            "sse4.2",
-            "popcnt",
-            "avx",
-            "avx2",
-            "fma",
-            "f16c",
-            "bmi1",
-            "bmi2",
-            "lzcnt",
-            "avx512f",
-            "avx512cd",
-            "avx512bw",
-            "avx512dq",
-            "avx512vl",
-            "avx512vnni",
-            "avx512bf16"
-        );
-    }
-    on
-}
-
-/// Whether the CPU running this process has `feature` (a `target_feature` name).
-#[must_use]
-pub fn cpu_has(feature: &str) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        macro_rules! detect {
-            ($($f:tt),*) => {
-                match feature {
-                    $( $f => std::arch::is_x86_feature_detected!($f), )*
-                    _ => false,
-                }
-            };
-        }
-        detect!(
+/// Calls the macro `$m` with the x86-64 features Molt checks, one list for what the build
+/// requires and what the CPU has, so the two cannot drift apart.
+#[cfg(target_arch = "x86_64")]
+macro_rules! x86_features {
+    ($m:ident) => {
+        $m!(
             "sse3",
             "ssse3",
             "sse4.1",
@@ -76,6 +33,38 @@ pub fn cpu_has(feature: &str) -> bool {
             "avx512vnni",
             "avx512bf16"
         )
+    };
+}
+
+/// The CPU features this binary's Rust code was compiled to require, in the order a reader
+/// expects them (older extensions first). Empty on targets other than x86-64.
+#[must_use]
+pub fn compiled_cpu_features() -> Vec<&'static str> {
+    let mut on = Vec::new();
+    #[cfg(target_arch = "x86_64")]
+    {
+        macro_rules! push_if {
+            ($($f:tt),*) => {$( if cfg!(target_feature = $f) { on.push($f); } )*};
+        }
+        x86_features!(push_if);
+    }
+    on
+}
+
+/// Whether the CPU running this process has `feature` (a `target_feature` name).
+#[must_use]
+pub fn cpu_has(feature: &str) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        macro_rules! detect {
+            ($($f:tt),*) => {
+                match feature {
+                    $( $f => std::arch::is_x86_feature_detected!($f), )*
+                    _ => false,
+                }
+            };
+        }
+        x86_features!(detect)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

@@ -59,12 +59,16 @@ pub use error::{KvError, Loc, Tensor};
 /// Magic number that opens every per-sequence state blob (`io_magic` in `llama-context.cpp`).
 pub const IO_MAGIC: u32 = 0xaf14_3cd8;
 
-/// Storage type of a K or V cache tensor that the mirror can decode to `f32`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+/// Storage type of a K or V cache tensor that the mirror can decode to `f32`: the one list of
+/// cache types, also what a context is created with ([`crate::engine::ContextConfig`]), since
+/// only a cache the mirror reads can be transplanted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum CacheType {
     /// `GGML_TYPE_F32` (0), 4 bytes per element.
     F32,
     /// `GGML_TYPE_F16` (1), 2 bytes per element; llama.cpp's default cache type.
+    #[default]
     F16,
     /// `GGML_TYPE_BF16` (30), 2 bytes per element.
     BF16,

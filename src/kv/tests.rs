@@ -637,6 +637,21 @@ fn cache_type_ids() {
     );
 }
 
+/// The one cache type is also a context's: its config spells it in lowercase and defaults to
+/// llama.cpp's F16, as the engine's own enum did.
+#[test]
+fn cache_type_config_names() {
+    assert_eq!(CacheType::default(), CacheType::F16);
+    for (t, name) in [
+        (CacheType::F16, "\"f16\""),
+        (CacheType::F32, "\"f32\""),
+        (CacheType::BF16, "\"bf16\""),
+    ] {
+        assert_eq!(serde_json::to_string(&t).unwrap(), name);
+        assert_eq!(serde_json::from_str::<CacheType>(name).unwrap(), t);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // 3. Truncations.
 

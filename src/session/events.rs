@@ -31,46 +31,11 @@ pub struct SwitchInfo {
     /// How the state was carried: `molt` (KV transplant), `reprefill` (condition C),
     /// `reprefill-no-projector` (a transplant's fallback).
     pub method: super::SwitchMethod,
-    /// Decision to the destination's first logits, ms.
-    pub cost_ms: f64,
-    /// Time to load the destination's weights (paid by every strategy; reported apart).
-    pub load_ms: f64,
-    /// Breakdown: export, project, import, first decode (ms).
-    pub export_ms: f64,
-    /// Projection time.
-    pub project_ms: f64,
-    /// Import time.
-    pub import_ms: f64,
-    /// First decode on the destination.
-    pub first_decode_ms: f64,
-    /// Selective top-k recompute (inside `cost_ms`; 0 when every layer was projected).
-    #[serde(default)]
-    pub recompute_ms: f64,
-    /// Destination blocks recomputed natively instead of projected (top-k recompute).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub topk: Option<usize>,
-    /// Head re-read: the history's first positions given the destination's own K/V (0: none).
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub head: usize,
-    /// Of `head`, the positions spliced from the destination's anchor (the rest decoded).
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub head_anchored: usize,
-    /// Time of the head re-read, inside `cost_ms`.
-    #[serde(default, skip_serializing_if = "is_zero_f")]
-    pub head_ms: f64,
-    /// Selective token recompute: positions re-read natively over the imported cache (0: none).
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub recomputed: usize,
-    /// The spans they formed.
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub spans: usize,
-    /// Time of the selective recompute, inside `cost_ms`.
-    #[serde(default, skip_serializing_if = "is_zero_f")]
-    pub spans_ms: f64,
-    /// Cells carried across.
-    pub cells: usize,
-    /// FLOPs the transplant spent.
-    pub flops: f64,
+    /// Where the time went (decision to the destination's first logits, weight loading, the
+    /// breakdown), the cells carried and the FLOPs spent — the projection's plus the
+    /// destination's first decode. Flattened: its fields are this record's keys.
+    #[serde(flatten)]
+    pub timings: super::migrate::SwitchTimings,
     /// FLOPs a re-prefill of the same context would have spent.
     pub flops_reprefill: f64,
     /// Budget pressure at the decision (0 = none, 1 = all memory taken).
@@ -97,7 +62,7 @@ impl SwitchInfo {
         if self.flops_reprefill <= 0.0 {
             0.0
         } else {
-            1.0 - self.flops / self.flops_reprefill
+            1.0 - self.timings.flops / self.flops_reprefill
         }
     }
 }
@@ -298,12 +263,133 @@ impl Generation {
     }
 }
 
-#[allow(clippy::trivially_copy_pass_by_ref)]
-fn is_zero(n: &usize) -> bool {
-    *n == 0
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::session::SwitchMethod;
+    use crate::session::migrate::SwitchTimings;
 
-#[allow(clippy::trivially_copy_pass_by_ref)]
-fn is_zero_f(x: &f64) -> bool {
-    *x == 0.0
+    /// The top-level keys of `info`'s JSON, in the order written.
+    fn keys(info: &SwitchInfo) -> Vec<String> {
+        struct Keys(Vec<String>);
+        impl<'de> Deserialize<'de> for Keys {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                struct V;
+                impl<'de> serde::de::Visitor<'de> for V {
+                    type Value = Keys;
+                    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                        f.write_str("an object")
+                    }
+                    fn visit_map<A: serde::de::MapAccess<'de>>(
+                        self,
+                        mut m: A,
+                    ) -> Result<Keys, A::Error> {
+                        let mut keys = Vec::new();
+                        while let Some(k) = m.next_key::<String>()? {
+                            m.next_value::<serde::de::IgnoredAny>()?;
+                            keys.push(k);
+                        }
+                        Ok(Keys(keys))
+                    }
+                }
+                d.deserialize_map(V)
+            }
+        }
+        let json = serde_json::to_string(info).unwrap();
+        serde_json::from_str::<Keys>(&json).unwrap().0
+    }
+
+    fn info(timings: SwitchTimings) -> SwitchInfo {
+        SwitchInfo {
+            at_token: 3,
+            from: "big".into(),
+            to: "small".into(),
+            method: SwitchMethod::Molt,
+            timings,
+            flops_reprefill: 10.0,
+            pressure: 0.5,
+            budget_bytes: 7,
+            handoff_jsd: None,
+            handoff_floor_jsd: None,
+            note: None,
+        }
+    }
+
+    /// The switch record's keys and their order are what results files and clients read:
+    /// flattening the timings must neither add nor move one (nor write `tail`).
+    #[test]
+    fn switch_record_keys_are_stable() {
+        let plain = info(SwitchTimings {
+            cost_ms: 1.0,
+            tail: 4,
+            cells: 9,
+            flops: 2.0,
+            ..SwitchTimings::default()
+        });
+        assert_eq!(
+            keys(&plain),
+            [
+                "at_token",
+                "from",
+                "to",
+                "method",
+                "cost_ms",
+                "load_ms",
+                "export_ms",
+                "project_ms",
+                "import_ms",
+                "first_decode_ms",
+                "recompute_ms",
+                "cells",
+                "flops",
+                "flops_reprefill",
+                "pressure",
+                "budget_bytes",
+            ]
+        );
+        let full = SwitchInfo {
+            handoff_jsd: Some(0.1),
+            handoff_floor_jsd: Some(0.05),
+            note: Some("n".into()),
+            ..info(SwitchTimings {
+                topk: Some(2),
+                head: 4,
+                head_anchored: 3,
+                head_ms: 0.5,
+                recomputed: 6,
+                spans: 2,
+                spans_ms: 0.25,
+                ..plain.timings
+            })
+        };
+        let json = serde_json::to_string(&full).unwrap();
+        assert_eq!(
+            keys(&full)[10..19],
+            [
+                "recompute_ms",
+                "topk",
+                "head",
+                "head_anchored",
+                "head_ms",
+                "recomputed",
+                "spans",
+                "spans_ms",
+                "cells",
+            ],
+            "{json}"
+        );
+        assert_eq!(keys(&full).len(), 26, "{json}");
+        let back: SwitchInfo = serde_json::from_str(&json).unwrap();
+        // `tail` is not written, so it reads back as 0.
+        assert_eq!(
+            back,
+            SwitchInfo {
+                timings: SwitchTimings {
+                    tail: 0,
+                    ..full.timings
+                },
+                ..full
+            }
+        );
+    }
 }

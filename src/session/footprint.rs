@@ -10,7 +10,9 @@ use super::{LiveRung, Session};
 /// KV bytes per token of a rung: K and V rows of every layer.
 fn kv_per_token(info: &crate::ladder::RungInfo, config: ContextConfig) -> u64 {
     let f = &info.facts;
-    u64::from(f.n_layer) * u64::from(f.kv_dim_k() + f.kv_dim_v()) * config.cache_type.bytes() as u64
+    u64::from(f.n_layer)
+        * u64::from(f.kv_dim_k() + f.kv_dim_v())
+        * config.cache_type.elem_bytes() as u64
 }
 
 /// Before a rung has been loaded, its context cost is estimated as a KV buffer for the whole

@@ -13,11 +13,13 @@
 
 use std::time::Instant;
 
+use super::error::MigrationStep;
 use super::migrate;
 use super::rung::ParkedRung;
-use super::{FootprintSample, LeverInfo, Session, SessionError, Strategy, routes};
+use super::{FootprintSample, LeverInfo, Session, SessionError, Strategy};
 use crate::engine::Token;
 use crate::pressure::{Budget, process_rss_bytes};
+use crate::routes;
 use crate::transplant::shift::shed_blob;
 
 /// A parked rung as the session holds it.
@@ -75,10 +77,8 @@ impl Session {
     /// [`SessionError::Engine`] if the cache cannot be exported (nothing is freed then).
     pub fn park_weights(&mut self) -> Result<LeverInfo, SessionError> {
         if self.is_parked() {
-            return Err(SessionError::Migration {
-                from: self.current_rung().to_string(),
-                to: self.current_rung().to_string(),
-                message: "already parked".into(),
+            return Err(SessionError::AlreadyParked {
+                rung: self.current_rung().to_string(),
             });
         }
         let budget = Budget {
@@ -287,10 +287,10 @@ impl Session {
         } else {
             let projector = self.routes.get(from, to)?;
             migrate::project_blob(&p.rung.blob, &projector, self.config.cache_type)
-                .map_err(|message| SessionError::Migration {
+                .map_err(|source| SessionError::Migration {
                     from: self.ladder.rungs[from].name().to_string(),
                     to: self.ladder.rungs[to].name().to_string(),
-                    message,
+                    source,
                 })?
                 .0
         };
@@ -325,16 +325,30 @@ impl Session {
         {
             let layout = p.layout;
             let rope = routes::binding(&self.ladder.rungs[layout]).rope;
-            let fail = |message: String| SessionError::Migration {
-                from: self.ladder.rungs[layout].name().to_string(),
-                to: self.ladder.rungs[layout].name().to_string(),
-                message,
-            };
-            p.rung.blob = shed_blob(&p.rung.blob, pinned, n, &rope)
-                .map_err(|e| fail(format!("shed: {e}")))?;
+            p.rung.blob =
+                shed_blob(&p.rung.blob, pinned, n, &rope).map_err(|e| SessionError::Migration {
+                    from: self.ladder.rungs[layout].name().to_string(),
+                    to: self.ladder.rungs[layout].name().to_string(),
+                    source: MigrationStep::Shed.fail(e),
+                })?;
             p.rung.n_past -= n;
             crate::pressure::trim_heap();
         }
+        Ok(self.after_shed(pinned, n, at_token, t0, rss_before, budget))
+    }
+
+    /// The session's side of a shed of `n` tokens after `pinned`, once the cache (live or
+    /// parked) has dropped them: the history, the attention mass read before it, the projected
+    /// cells, and the lever's record.
+    fn after_shed(
+        &mut self,
+        pinned: usize,
+        n: usize,
+        at_token: usize,
+        t0: Instant,
+        rss_before: u64,
+        budget: Budget,
+    ) -> LeverInfo {
         self.history.drain(pinned..pinned + n);
         // The attention mass was read over the positions before the shed.
         self.observed = None;
@@ -342,7 +356,7 @@ impl Session {
         let mut info = self.lever(at_token, "shed", n, t0);
         info.rss_before = rss_before;
         info.budget_bytes = budget.bytes;
-        Ok(info)
+        info
     }
 
     /// Drops `n` tokens after the pinned prefix of the live cache (llama.cpp shifts the later
@@ -363,14 +377,7 @@ impl Session {
             .ctx
             .shed_and_decode(pinned, n, &[tok])
             .map_err(|source| SessionError::Engine { rung: name, source })?;
-        self.history.drain(pinned..pinned + n);
-        // The attention mass was read over the positions before the shed.
-        self.observed = None;
-        self.projected = super::native::shed(&self.projected, pinned, n);
-        let mut info = self.lever(at_token, "shed", n, t0);
-        info.rss_before = rss_before;
-        info.budget_bytes = budget.bytes;
-        Ok(info)
+        Ok(self.after_shed(pinned, n, at_token, t0, rss_before, budget))
     }
 
     /// Resumes on rung `to`: projects the parked cache there if its layout differs (or
@@ -406,13 +413,13 @@ impl Session {
                         p.rung.blob = bytes;
                         self.projected = super::native::all(cells);
                     }
-                    Err(message) => {
+                    Err(source) => {
                         let from = self.ladder.rungs[p.layout].name().to_string();
                         self.parked = Some(p);
                         return Err(SessionError::Migration {
                             from,
                             to: self.ladder.rungs[to].name().to_string(),
-                            message,
+                            source,
                         });
                     }
                 }

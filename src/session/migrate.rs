@@ -12,9 +12,7 @@
 use std::borrow::Cow;
 use std::time::Instant;
 
-use crate::engine::{
-    CacheType as EngineCacheType, Context, ContextConfig, PartialForward, Span, Token,
-};
+use crate::engine::{Context, ContextConfig, PartialForward, Span, Token};
 use crate::kv::{CacheType, KvSnapshot, KvStream, LayerKv};
 use crate::transplant::anchor::Anchor;
 use crate::transplant::hidden::HiddenMap;
@@ -22,10 +20,20 @@ use crate::transplant::project::project;
 use crate::transplant::projector::Projector;
 
 use super::SessionError;
+use super::error::{MigrationCause, MigrationError, MigrationStep};
 
 /// Where the time of one switch went, ms. `cost_ms` is the decision-to-first-logits total.
+///
+/// Serialized flattened inside [`super::SwitchInfo`], so the field order and the skipped
+/// zeros here are the switch record's JSON keys: keep them as they are.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SwitchTimings {
+    /// The whole switch, decision to first logits.
+    pub cost_ms: f64,
+    /// Loading the destination's weights, paid by every strategy and reported apart from
+    /// `cost_ms`. The session fills it; the functions here get a loaded destination and leave
+    /// it 0.
+    pub load_ms: f64,
     /// Source state export.
     pub export_ms: f64,
     /// Parse + projection + serialization in the destination's layout.
@@ -41,58 +49,62 @@ pub struct SwitchTimings {
     #[serde(default)]
     pub recompute_ms: f64,
     /// Destination blocks recomputed natively (`None`: all projected).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub topk: Option<usize>,
     /// Tail recompute: the last positions re-read natively on the destination after the
-    /// import, inside `first_decode_ms` (0: every position kept as projected).
-    #[serde(default)]
+    /// import, inside `first_decode_ms` (0: every position kept as projected). Not written to
+    /// the switch record, whose keys predate it (the arm's options name the tail).
+    #[serde(default, skip_serializing)]
     pub tail: usize,
     /// Head re-read: the first positions computed natively on the destination and spliced
     /// over their projected cells (0: none).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub head: usize,
     /// Of `head`, the positions taken from the destination's shipped anchor (its native state
     /// of the template's opening) rather than decoded.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub head_anchored: usize,
     /// Time of the head re-read (anchor import, decode, export), inside `cost_ms`.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_zero_f")]
     pub head_ms: f64,
     /// Selective token recompute: positions re-read natively on the destination over the
     /// imported cache, chosen by the source's attention (0: none).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub recomputed: usize,
     /// The spans those positions formed.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub spans: usize,
     /// Time of the selective recompute, inside `first_decode_ms`'s neighbour: after the import,
     /// before the first decode; inside `cost_ms`.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "is_zero_f")]
     pub spans_ms: f64,
-    /// The whole switch, decision to first logits.
-    pub cost_ms: f64,
     /// Cells carried (transplant) or tokens re-read (re-prefill).
     pub cells: usize,
-    /// FLOPs the projection spent (0 for a re-prefill, whose cost is `flops_reprefill`).
+    /// FLOPs the projection spent (0 for a re-prefill, whose cost is `flops_reprefill`). In a
+    /// [`super::SwitchInfo`], the switch's own FLOPs: the projection plus the destination's
+    /// first decode.
     pub flops: f64,
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's skip_serializing_if passes a reference
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)]
+fn is_zero_f(x: &f64) -> bool {
+    *x == 0.0
 }
 
 fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
 
-fn mig(from: &Context, to: &Context, message: String) -> SessionError {
+fn mig(from: &Context, to: &Context, source: MigrationError) -> SessionError {
     SessionError::Migration {
         from: from.model().name().to_string(),
         to: to.model().name().to_string(),
-        message,
-    }
-}
-
-fn kv_type(t: EngineCacheType) -> CacheType {
-    match t {
-        EngineCacheType::F16 => CacheType::F16,
-        EngineCacheType::F32 => CacheType::F32,
+        source,
     }
 }
 
@@ -100,13 +112,14 @@ fn kv_type(t: EngineCacheType) -> CacheType {
 /// either context: the pure middle of a transplant, exposed for tests and the benchmarks.
 ///
 /// # Errors
-/// [`SessionError::Migration`] if the blob does not parse, the projector does not fit the
-/// cache's shapes, or the result cannot be serialized.
+/// A [`MigrationError`] at [`MigrationStep::SourceState`] if the blob does not parse,
+/// [`MigrationStep::Projection`] if the projector does not fit the cache's shapes, or
+/// [`MigrationStep::DestinationState`] if the result cannot be serialized.
 pub fn project_blob(
     blob: &[u8],
     projector: &Projector,
-    dst_cache: EngineCacheType,
-) -> Result<(Vec<u8>, f64, usize), String> {
+    dst_cache: CacheType,
+) -> Result<(Vec<u8>, f64, usize), MigrationError> {
     project_blob_with(blob, projector, dst_cache, None, None)
 }
 
@@ -122,12 +135,12 @@ pub fn project_blob(
 pub fn project_blob_with(
     blob: &[u8],
     projector: &Projector,
-    dst_cache: EngineCacheType,
+    dst_cache: CacheType,
     recomputed: Option<&[u8]>,
     native_head: Option<&[u8]>,
-) -> Result<(Vec<u8>, f64, usize), String> {
+) -> Result<(Vec<u8>, f64, usize), MigrationError> {
     let (seq_id, stream) =
-        KvSnapshot::parse_single_stream(blob).map_err(|e| format!("source state: {e}"))?;
+        KvSnapshot::parse_single_stream(blob).map_err(|e| MigrationStep::SourceState.fail(e))?;
     let positions = stream.positions();
     let views: Vec<_> = stream
         .layers
@@ -135,8 +148,8 @@ pub fn project_blob_with(
         .map(|l| (l.k.view(), l.v.view()))
         .collect();
     let (layers, stats) =
-        project(projector, &views, &positions).map_err(|e| format!("projection: {e}"))?;
-    let t = kv_type(dst_cache);
+        project(projector, &views, &positions).map_err(|e| MigrationStep::Projection.fail(e))?;
+    let t = dst_cache;
     let mut out = KvStream {
         cells: stream.cells,
         v_trans: stream.v_trans,
@@ -155,37 +168,35 @@ pub fn project_blob_with(
     };
     if let Some(rb) = recomputed {
         // The last-k model's layers replace the destination's last k, every position.
-        let (_, r) =
-            KvSnapshot::parse_single_stream(rb).map_err(|e| format!("recomputed state: {e}"))?;
+        let step = MigrationStep::RecomputedState;
+        let (_, r) = KvSnapshot::parse_single_stream(rb).map_err(|e| step.fail(e))?;
         if r.layers.is_empty() || r.n_cells() != out.n_cells() {
-            return Err(format!(
-                "recomputed state holds {} positions in {} layers, not the {} cached ones",
-                r.n_cells(),
-                r.layers.len(),
-                out.n_cells()
-            ));
+            return Err(step.fail(MigrationCause::RecomputedPositions {
+                positions: r.n_cells(),
+                layers: r.layers.len(),
+                cached: out.n_cells(),
+            }));
         }
         let first = out.layers.len().saturating_sub(r.layers.len());
         out.overwrite_rows_by_position(&r, first)
-            .map_err(|e| format!("recomputed state: {e}"))?;
+            .map_err(|e| step.fail(e))?;
     }
     if let Some(hb) = native_head {
         // Exact values: under causal attention a prefix's K/V depend on the prefix alone.
-        let (_, h) =
-            KvSnapshot::parse_single_stream(hb).map_err(|e| format!("native head state: {e}"))?;
+        let step = MigrationStep::NativeHeadState;
+        let (_, h) = KvSnapshot::parse_single_stream(hb).map_err(|e| step.fail(e))?;
         if h.layers.len() != out.layers.len() {
-            return Err(format!(
-                "native head state has {} layers for a destination of {}",
-                h.layers.len(),
-                out.layers.len()
-            ));
+            return Err(step.fail(MigrationCause::HeadLayers {
+                layers: h.layers.len(),
+                expected: out.layers.len(),
+            }));
         }
         out.overwrite_rows_by_position(&h, 0)
-            .map_err(|e| format!("native head state: {e}"))?;
+            .map_err(|e| step.fail(e))?;
     }
     let bytes = KvSnapshot::from_single_stream(seq_id, out)
         .to_bytes()
-        .map_err(|e| format!("destination state: {e}"))?;
+        .map_err(|e| MigrationStep::DestinationState.fail(e))?;
     #[allow(clippy::cast_precision_loss)] // FLOP counts far below 2^52
     Ok((bytes, stats.flops() as f64, positions.len()))
 }
@@ -228,7 +239,7 @@ fn native_head_state<'a>(
     dst: &mut Context,
     head: &[Token],
     anchor: Option<&'a Anchor>,
-) -> Result<(Cow<'a, [u8]>, usize), String> {
+) -> Result<(Cow<'a, [u8]>, usize), MigrationError> {
     let mut covered = anchor.map_or(0, |a| a.covers(head));
     match anchor {
         Some(a) if covered == a.tokens.len() && covered == head.len() => {
@@ -244,10 +255,10 @@ fn native_head_state<'a>(
         }
     }
     dst.decode_cache_only(&head[covered..])
-        .map_err(|e| format!("head re-read: {e}"))?;
+        .map_err(|e| MigrationStep::HeadReread.fail(e))?;
     let blob = dst
         .export_state()
-        .map_err(|e| format!("head export: {e}"))?;
+        .map_err(|e| MigrationStep::HeadExport.fail(e))?;
     Ok((Cow::Owned(blob), covered))
 }
 
@@ -274,26 +285,32 @@ pub struct Recompute<'a> {
 /// `0 .. n`, returning the state blob of those `k` layers (see [`PartialForward::run`]).
 ///
 /// # Errors
-/// A message naming the step that failed.
-pub fn recompute_top(r: &Recompute<'_>, config: ContextConfig) -> Result<Vec<u8>, String> {
+/// A [`MigrationError`] naming the step that failed: the hidden map, loading the last-k
+/// model, or running it.
+pub fn recompute_top(r: &Recompute<'_>, config: ContextConfig) -> Result<Vec<u8>, MigrationError> {
     let mapped;
     let hidden = match r.map {
         Some(m) => {
-            mapped = m.apply(r.hidden).map_err(|e| format!("hidden map: {e}"))?;
+            mapped = m
+                .apply(r.hidden)
+                .map_err(|e| MigrationStep::HiddenMap.fail(e))?;
             mapped.view()
         }
         None => r.hidden.view(),
     };
-    let n = i32::try_from(hidden.nrows()).map_err(|_| "too many positions".to_string())?;
+    let k = r.k;
+    let n = i32::try_from(hidden.nrows()).map_err(|_| {
+        MigrationStep::LastKForward { k }.fail(MigrationCause::TooManyPositions(hidden.nrows()))
+    })?;
     let positions: Vec<i32> = (0..n).collect();
     let config = ContextConfig {
         n_ctx: config.n_ctx.max(u32::try_from(n).unwrap_or(u32::MAX)),
         ..config
     };
     let mut pf = PartialForward::open(r.dst_path, r.dst_sha256, r.dst_layers, r.k, config)
-        .map_err(|e| format!("last-{} model: {e}", r.k))?;
+        .map_err(|e| MigrationStep::LastKModel { k }.fail(e))?;
     pf.run(hidden, &positions)
-        .map_err(|e| format!("last-{} forward: {e}", r.k))
+        .map_err(|e| MigrationStep::LastKForward { k }.fail(e))
 }
 
 /// Molt's switch: carry `src`'s cache to `dst` through `projector`, then decode `last` (the
@@ -329,7 +346,7 @@ pub fn transplant_with(
     let t0 = Instant::now();
     let blob = src
         .export_state()
-        .map_err(|e| mig(src, dst, format!("export: {e}")))?;
+        .map_err(|e| mig(src, dst, MigrationStep::Export.fail(e)))?;
     let export_ms = ms(t0);
     transplant_exported(
         &Exported {
@@ -384,30 +401,22 @@ pub fn transplant_exported(
         anchor,
         spans,
     } = reread;
-    let fail = |dst: &Context, message: String| SessionError::Migration {
+    let fail = |dst: &Context, source: MigrationError| SessionError::Migration {
         from: src.from.to_string(),
         to: dst.model().name().to_string(),
-        message,
+        source,
     };
-    if tail.len() > src.n_past {
-        return Err(fail(
-            dst,
-            format!(
-                "tail recompute of {} tokens, but the cache holds {}",
-                tail.len(),
-                src.n_past
-            ),
-        ));
-    }
-    if head.len() > src.n_past {
-        return Err(fail(
-            dst,
-            format!(
-                "head re-read of {} tokens, but the cache holds {}",
-                head.len(),
-                src.n_past
-            ),
-        ));
+    for (step, asked) in [
+        (MigrationStep::TailRecompute, tail.len()),
+        (MigrationStep::HeadReread, head.len()),
+    ] {
+        if asked > src.n_past {
+            let cause = MigrationCause::LongerThanCache {
+                asked,
+                cached: src.n_past,
+            };
+            return Err(fail(dst, step.fail(cause)));
+        }
     }
     let t1 = Instant::now();
     let (native_head, head_anchored) = if head.is_empty() {
@@ -442,23 +451,23 @@ pub fn transplant_exported(
     let project_ms = ms(tp);
     let t2 = Instant::now();
     dst.import_state(&bytes)
-        .map_err(|e| fail(dst, format!("import: {e}")))?;
+        .map_err(|e| fail(dst, MigrationStep::Import.fail(e)))?;
     drop(bytes);
     let import_ms = ms(t2);
     if dst.n_past() != src.n_past {
-        let (a, b) = (src.n_past, dst.n_past());
+        let cause = MigrationCause::EndsElsewhere {
+            imported: dst.n_past(),
+            source_end: src.n_past,
+        };
         dst.clear();
-        return Err(fail(
-            dst,
-            format!("imported cache ends at position {b}, the source's at {a}"),
-        ));
+        return Err(fail(dst, MigrationStep::Import.fail(cause)));
     }
     let ts = Instant::now();
     let recomputed = match dst.recompute_spans(spans) {
         Ok(n) => n,
         Err(e) => {
             dst.clear();
-            return Err(fail(dst, format!("selective recompute: {e}")));
+            return Err(fail(dst, MigrationStep::SelectiveRecompute.fail(e)));
         }
     };
     let spans_ms = if spans.is_empty() { 0.0 } else { ms(ts) };
@@ -471,7 +480,7 @@ pub fn transplant_exported(
     }
     if let Err(e) = dst.decode(&next) {
         dst.clear();
-        return Err(fail(dst, format!("first decode: {e}")));
+        return Err(fail(dst, MigrationStep::FirstDecode.fail(e)));
     }
     let first_decode_ms = ms(t3);
     Ok(SwitchTimings {
@@ -489,6 +498,7 @@ pub fn transplant_exported(
         spans: spans.len(),
         spans_ms,
         cost_ms: src.export_ms + ms(t1),
+        load_ms: 0.0,
         cells,
         flops,
     })
@@ -527,7 +537,7 @@ pub fn reprefill_from(
         return Err(SessionError::Migration {
             from: from.to_string(),
             to: dst.model().name().to_string(),
-            message: format!("re-prefill: {e}"),
+            source: MigrationStep::Reprefill.fail(e),
         });
     }
     let total = ms(t0);
@@ -552,4 +562,31 @@ pub fn prefill_flops(n_params: u64, n_layer: u64, n_embd: u64, n_tokens: u64) ->
         n_tokens as f64,
     );
     2.0 * p * n + 2.0 * l * e * n * (n + 1.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transplant::project::identity_projector;
+    use crate::transplant::projector::RungBinding;
+    use crate::transplant::rope::RopeSpec;
+
+    /// A blob that does not parse fails at the source-state step, carrying the KV mirror's own
+    /// typed error rather than a message.
+    #[test]
+    fn project_blob_names_the_step_and_keeps_the_cause() {
+        let b = RungBinding {
+            name: "r".into(),
+            file: "r.gguf".into(),
+            sha256: "00".into(),
+            n_layer: 1,
+            n_kv_heads: 1,
+            head_dim: 4,
+            rope: RopeSpec::neox(4, 1e6),
+        };
+        let e = project_blob(&[1, 2, 3], &identity_projector(&b), CacheType::F16).unwrap_err();
+        assert_eq!(e.step, MigrationStep::SourceState);
+        assert!(matches!(e.source, MigrationCause::Kv(_)), "{e:?}");
+        assert!(e.to_string().starts_with("source state: "), "{e}");
+    }
 }

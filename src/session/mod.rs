@@ -14,22 +14,21 @@ pub mod migrate;
 mod native;
 mod options;
 mod refill;
-pub mod routes;
 mod rung;
 mod switch;
 
 pub use condition::Condition;
-pub use error::SessionError;
+pub use error::{MigrationCause, MigrationError, MigrationStep, SessionError};
 pub use events::{Event, FootprintSample, Generation, LeverInfo, StopReason, Summary, SwitchInfo};
 pub use levers::chat_pinned_prefix;
 pub use options::{DEFAULT_HEAD_REREAD, GenerateOptions, Prompt, SessionOptions, Strategy};
-pub use routes::{RouteError, RouteKind, Routes, Variant};
 pub use rung::{LiveRung, ParkedRung};
 pub use switch::SwitchMethod;
 
 use crate::engine::{ChatMessage, ContextConfig, Sampler, Token, Utf8Stream, softmax};
 use crate::ladder::Ladder;
 use crate::pressure::{Budget, BudgetSource, Tick};
+use crate::routes::Routes;
 use crate::sched::{Decision, TenantClass, TenantView, decide_one};
 use crate::transplant::select::SelectRule;
 use std::ops::Range;
@@ -252,7 +251,7 @@ impl Session {
     ///
     /// # Errors
     /// [`SessionError::UnknownRung`] for an index out of range or above the home rung,
-    /// [`SessionError::Migration`] when the session is not idle, or a load failure.
+    /// [`SessionError::NotIdle`] when the session is not idle, or a load failure.
     pub fn move_idle(&mut self, index: usize) -> Result<(), SessionError> {
         if index >= self.rungs.len() || index < self.home {
             return Err(SessionError::UnknownRung(index.to_string()));
@@ -261,10 +260,9 @@ impl Session {
             return Ok(());
         }
         if !self.history.is_empty() || self.pending.is_some() {
-            return Err(SessionError::Migration {
+            return Err(SessionError::NotIdle {
                 from: self.current_rung().to_string(),
                 to: self.ladder.rungs[index].name().to_string(),
-                message: "the session holds a cache; reset it before moving idle".into(),
             });
         }
         self.ensure_loaded(index)?;
@@ -704,13 +702,7 @@ impl Session {
                 .with_home(self.home)
                 .with_parked(parked)
                 .with_context(self.history.len() as u64 + 1, pinned);
-            let decision = decide_one(&view, b.bytes, &costs, &self.opts.policy).map_err(|e| {
-                SessionError::Migration {
-                    from: self.current_rung().to_string(),
-                    to: "?".into(),
-                    message: e.to_string(),
-                }
-            })?;
+            let decision = decide_one(&view, b.bytes, &costs, &self.opts.policy)?;
             if self.opts.strategy == Strategy::Never {
                 let over = costs[self.current].resident_bytes()
                     + costs[self.current].kv_bytes(self.history.len() as u64 + 1)

@@ -8,7 +8,7 @@ use crate::engine::SamplingParams;
 use crate::sched::Policy;
 use crate::transplant::select::TokenRecompute;
 
-use super::routes::{self, Variant};
+use crate::routes::{self, Variant};
 
 /// What to answer.
 #[derive(Debug, Clone, PartialEq, Eq)]

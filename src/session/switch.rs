@@ -14,8 +14,9 @@ use crate::transplant::anchor::Anchor;
 use crate::transplant::projector::Projector;
 use crate::transplant::select::select_spans;
 
-use super::routes::{self, RouteKind};
+use super::error::MigrationStep;
 use super::{LiveRung, ParkedRung, Session, SessionError, Strategy, SwitchInfo, jsd, migrate};
+use crate::routes::{self, RouteKind};
 
 /// How a switch carried the conversation's state to the destination.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -262,22 +263,11 @@ impl Session {
             from: from_name,
             to: dst.name().to_string(),
             method,
-            cost_ms: timings.cost_ms,
-            load_ms,
-            export_ms: timings.export_ms,
-            project_ms: timings.project_ms,
-            import_ms: timings.import_ms,
-            first_decode_ms: timings.first_decode_ms,
-            recompute_ms: timings.recompute_ms,
-            topk: timings.topk,
-            head: timings.head,
-            head_anchored: timings.head_anchored,
-            head_ms: timings.head_ms,
-            recomputed: timings.recomputed,
-            spans: timings.spans,
-            spans_ms: timings.spans_ms,
-            cells: timings.cells,
-            flops,
+            timings: migrate::SwitchTimings {
+                load_ms,
+                flops,
+                ..timings
+            },
             flops_reprefill,
             pressure: budget.map_or(0.0, |b| b.pressure),
             budget_bytes: budget.map_or(0, |b| b.bytes),
@@ -437,7 +427,7 @@ impl Session {
                 return Err(SessionError::Migration {
                     from: from_name,
                     to: self.ladder.rungs[to].name().to_string(),
-                    message: format!("export: {e}"),
+                    source: MigrationStep::Export.fail(e),
                 });
             }
         };
@@ -530,12 +520,9 @@ impl Session {
                         // holds.
                         self.history.clear();
                         let _ = self.ensure_loaded(from);
-                        Err(SessionError::Migration {
-                            from: from_name,
-                            to: self.ladder.rungs[to].name().to_string(),
-                            message: format!(
-                                "{e}; and the source could not be restored after it: {r}"
-                            ),
+                        Err(SessionError::SourceLost {
+                            switch: Box::new(e),
+                            restore: Box::new(r),
                         })
                     }
                 }

@@ -1,8 +1,9 @@
 //! [`TenantsError`]: why the actuator could not carry out a plan or a step.
 
 use crate::engine::EngineError;
+use crate::routes::RouteError;
 use crate::sched::{SchedError, TenantId};
-use crate::session::RouteError;
+use crate::session::MigrationError;
 
 /// An action or a step failed, or a plan or an arrival does not fit the tenants.
 #[derive(Debug, thiserror::Error)]
@@ -23,12 +24,12 @@ pub enum TenantsError {
     #[error(transparent)]
     Route(#[from] RouteError),
     /// A tenant's cache could not be projected or shed.
-    #[error("tenant {tenant}: {message}")]
+    #[error("tenant {tenant}: {source}")]
     Cache {
         /// The tenant.
         tenant: u64,
-        /// What failed.
-        message: String,
+        /// The step that failed and why.
+        source: MigrationError,
     },
     /// A tenant id was added twice.
     #[error("tenant {tenant} already arrived")]

@@ -58,9 +58,10 @@ use std::time::Instant;
 use crate::engine::{Context, ContextConfig, Model, ModelOptions, Sampler, Token};
 use crate::ladder::Ladder;
 use crate::pressure::{resident_bytes_of_mapping, trim_heap};
+use crate::routes::{self, Routes};
 use crate::sched::{self, Lever, Plan, SchedError, Snapshot, TenantClass, TenantId, TenantView};
 use crate::session::migrate::project_blob;
-use crate::session::{Routes, chat_pinned_prefix, routes};
+use crate::session::{MigrationStep, chat_pinned_prefix};
 use crate::transplant::shift::shed_blob;
 
 pub use error::TenantsError;
@@ -237,9 +238,9 @@ impl Engines<'_> {
         let p = self.routes.get(from, to)?;
         project_blob(blob, &p, self.config.cache_type)
             .map(|(bytes, _, _)| bytes)
-            .map_err(|message| TenantsError::Cache {
+            .map_err(|source| TenantsError::Cache {
                 tenant: tenant.0,
-                message,
+                source,
             })
     }
 }
@@ -581,7 +582,7 @@ fn shed(
             let rope = routes::binding(&engines.ladder.rungs[*layout]).rope;
             *blob = shed_blob(blob, pinned, n, &rope).map_err(|e| TenantsError::Cache {
                 tenant: id.0,
-                message: format!("shed: {e}"),
+                source: MigrationStep::Shed.fail(e),
             })?;
             t.history.drain(pinned..pinned + n);
         }

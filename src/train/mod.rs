@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use crate::engine::{ContextConfig, Token};
 use crate::kv::{KvSnapshot, ParseOptions};
 use crate::ladder::{Ladder, RungInfo};
-use crate::session::routes::{RouteKind, Variant, binding, file_name, route_kind};
+use crate::routes::{RouteKind, Variant, binding, file_name, route_kind};
 use crate::session::{LiveRung, SessionError};
 use crate::transplant::fit::{
     DepthPolicy, FitOptions, FitReport, LayerActivations, RouteSamples, Split, fit_route,

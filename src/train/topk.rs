@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use super::{TrainError, TrainOptions, split_windows_by_rows, windows};
 use crate::engine::{ContextConfig, Token};
 use crate::ladder::{Ladder, RungInfo};
-use crate::session::routes::binding;
+use crate::routes::binding;
 use crate::session::{LiveRung, SessionError};
 use crate::transplant::ProjectorError;
 use crate::transplant::hidden::{

@@ -50,8 +50,9 @@ impl ProjectStats {
     }
 }
 
-/// One layer's projected cache: `(K, V)`, each `[n_cells][dst kv_dim]`.
-pub type LayerKv = (Array2<f32>, Array2<f32>);
+/// One layer's projected cache: `(K, V)`, each `[n_cells][dst kv_dim]` (a bare pair; the
+/// KV mirror's [`crate::kv::LayerKv`] adds the storage types it is written with).
+pub type KvPair = (Array2<f32>, Array2<f32>);
 
 /// Project a source cache onto the destination rung.
 ///
@@ -67,7 +68,7 @@ pub fn project(
     projector: &Projector,
     src_layers: &[(ArrayView2<'_, f32>, ArrayView2<'_, f32>)],
     positions: &[i32],
-) -> Result<(Vec<LayerKv>, ProjectStats), TransplantError> {
+) -> Result<(Vec<KvPair>, ProjectStats), TransplantError> {
     let t0 = Instant::now();
     projector.validate()?;
     let src = &projector.src;

@@ -15,7 +15,7 @@ use ndarray::{Array2, Axis};
 
 use super::error::TransplantError;
 use super::rope::{Direction, RopeSpec, rotate};
-use crate::kv::{KvSnapshot, KvStream};
+use crate::kv::{KvError, KvSnapshot, KvStream};
 
 /// What [`shed_stream`] removed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -26,20 +26,33 @@ pub struct ShedStats {
     pub shifted: usize,
 }
 
+/// Why [`shed_blob`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ShedError {
+    /// The blob does not parse as one stream, or the result cannot be written back.
+    #[error("parked state: {0}")]
+    State(#[from] KvError),
+    /// The shed itself failed, as for [`shed_stream`].
+    #[error(transparent)]
+    Shed(#[from] TransplantError),
+}
+
 /// [`shed_stream`] on the blob of one parked sequence (what `llama_state_seq_get_data_ext`
 /// wrote), returning the blob to import in its place.
 ///
 /// # Errors
-/// A message naming the step that failed: the blob does not parse as one stream, the shed
-/// fails as for [`shed_stream`], or the result cannot be written back.
-pub fn shed_blob(blob: &[u8], pinned: usize, n: usize, rope: &RopeSpec) -> Result<Vec<u8>, String> {
-    let (seq_id, mut stream) =
-        KvSnapshot::parse_single_stream(blob).map_err(|e| format!("parked state: {e}"))?;
+/// [`ShedError::State`] if the blob does not parse as one stream or the result cannot be
+/// written back; [`ShedError::Shed`] if the shed fails as for [`shed_stream`].
+pub fn shed_blob(
+    blob: &[u8],
+    pinned: usize,
+    n: usize,
+    rope: &RopeSpec,
+) -> Result<Vec<u8>, ShedError> {
+    let (seq_id, mut stream) = KvSnapshot::parse_single_stream(blob)?;
     let to_i32 = |v: usize| i32::try_from(v).unwrap_or(i32::MAX);
-    shed_stream(&mut stream, to_i32(pinned), to_i32(n), rope).map_err(|e| e.to_string())?;
-    KvSnapshot::from_single_stream(seq_id, stream)
-        .to_bytes()
-        .map_err(|e| format!("parked state: {e}"))
+    shed_stream(&mut stream, to_i32(pinned), to_i32(n), rope)?;
+    Ok(KvSnapshot::from_single_stream(seq_id, stream).to_bytes()?)
 }
 
 /// Removes the cells at positions `pinned .. pinned + n` and moves every cell at or after

@@ -149,7 +149,7 @@ pub fn tiny_corpus_tokens() -> Vec<Token> {
 /// Fits the tiny ladder's projectors (every ordered route, the automatic variant) into
 /// `out/tiny/`: what [`tiny_projectors`] holds, and what a test of the fit itself fits.
 pub fn fit_tiny_projectors(out: &Path) -> molt::train::TrainReport {
-    use molt::session::Variant;
+    use molt::routes::Variant;
     use molt::train::{TrainOptions, fit_ladder};
     use molt::transplant::projector::TensorDtype;
     fit_ladder(
@@ -173,7 +173,7 @@ pub fn fit_tiny_projectors(out: &Path) -> molt::train::TrainReport {
 /// The tiny ladder's fitted projectors (`<dir>/tiny/*.molt-proj`), fitted once and reused while
 /// every route still loads against the current tiny files (generation is deterministic).
 pub fn tiny_projectors() -> &'static PathBuf {
-    use molt::session::{Routes, Variant};
+    use molt::routes::{Routes, Variant};
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
         let l = tiny_ladder();

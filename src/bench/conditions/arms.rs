@@ -11,8 +11,9 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::bench::BenchError;
-use crate::session::routes::RouteKind;
-use crate::session::{DEFAULT_HEAD_REREAD, Strategy, Variant};
+use crate::routes::RouteKind;
+use crate::routes::Variant;
+use crate::session::{DEFAULT_HEAD_REREAD, Strategy};
 
 /// One prompt of the benchmark.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -16,8 +16,8 @@ use crate::bench::metrics::{JudgeScore, Noise};
 use crate::bench::speed::Rate;
 use crate::engine::Token;
 use crate::pressure::Trace;
+use crate::routes::RouteKind;
 use crate::sched::RungCost;
-use crate::session::routes::RouteKind;
 use crate::session::{Event, StopReason, SwitchInfo};
 
 /// Which pass a run belongs to.

@@ -22,10 +22,11 @@ use crate::bench::metrics::{Judge, NativeAttention, repetition};
 use crate::engine::{AttentionCapture, ChatMessage, ContextConfig, SamplingParams, Token};
 use crate::ladder::Ladder;
 use crate::pressure::{Trace, TraceBudget, process_rss_bytes};
+use crate::routes::Variant;
+use crate::routes::{RouteKind, Routes, binding, route_kind};
 use crate::sched::{Policy, RungCost};
-use crate::session::routes::{RouteKind, Routes, binding, route_kind};
 use crate::session::{
-    Event, GenerateOptions, Generation, Prompt, Session, SessionOptions, Strategy, Variant,
+    Event, GenerateOptions, Generation, Prompt, Session, SessionOptions, Strategy,
 };
 use crate::transplant::anchor::Anchor;
 use crate::transplant::hidden::HiddenMap;
@@ -335,7 +336,7 @@ fn generate_once(setup: &Setup<'_>, spec: &RunSpec<'_>) -> Result<Outcome, Bench
                     let over = to_i64(rss().saturating_sub(baseline)) - to_i64(*bytes);
                     drop_overshoot = Some(drop_overshoot.map_or(over, |d| d.max(over)));
                 }
-                Event::Switch(info) => pending_load += info.load_ms,
+                Event::Switch(info) => pending_load += info.timings.load_ms,
                 Event::Token {
                     index,
                     rung,
@@ -418,8 +419,8 @@ fn timed_run(o: &Outcome, rep: usize) -> TimedRun {
         total_ms: g.total_ms,
         max_stall_ms: max_stall,
         max_stall_excl_load_ms: max_stall_excl,
-        switch_cost_ms: g.switches.iter().map(|s| s.cost_ms).sum(),
-        load_ms: g.switches.iter().map(|s| s.load_ms).sum(),
+        switch_cost_ms: g.switches.iter().map(|s| s.timings.cost_ms).sum(),
+        load_ms: g.switches.iter().map(|s| s.timings.load_ms).sum(),
         switches: g.switches.clone(),
         peak_footprint_bytes: rows.iter().map(|r| r.footprint_bytes).max().unwrap_or(0),
         max_overshoot_bytes: if g.killed { None } else { max_overshoot },

@@ -16,7 +16,7 @@ use super::report::{
 use crate::bench::BenchError;
 use crate::bench::metrics::{JudgeScore, Noise, pooled_perplexity};
 use crate::bench::speed::Rate;
-use crate::session::routes::RouteKind;
+use crate::routes::RouteKind;
 use crate::session::{Event, Strategy, SwitchInfo};
 
 fn mean(v: impl IntoIterator<Item = f64>) -> Option<f64> {

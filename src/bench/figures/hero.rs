@@ -87,7 +87,7 @@ pub fn hero(series: &TokenSeries, path: &Path) -> Result<Figure, BenchError> {
             .map_err(&e)?;
         let label = format!(
             "{}→{} {}: {:.0} ms (+{:.0} ms load)",
-            s.from, s.to, s.method, s.cost_ms, s.load_ms
+            s.from, s.to, s.method, s.timings.cost_ms, s.timings.load_ms
         );
         chart
             .draw_series(std::iter::once(Text::new(

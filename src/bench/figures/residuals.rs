@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{FAMILY, Figure, RUNG_COLORS, fig_err, serde_word};
 use crate::bench::BenchError;
-use crate::session::routes::RouteKind;
+use crate::routes::RouteKind;
 use crate::train::{RouteResult, TrainReport};
 
 /// `results/projector_residuals.json`: the fitting run's [`TrainReport`] with the ladder and

@@ -206,10 +206,10 @@ fn run_cost_sweep(g: &GlobalArgs, a: &Args) -> Result<()> {
             }
         }
     };
-    let mut routes = molt::session::Routes::new(
+    let mut routes = molt::routes::Routes::new(
         &ladder,
-        molt::session::routes::search_dirs(a.projectors.as_deref()),
-        molt::session::Variant::Auto,
+        molt::routes::search_dirs(a.projectors.as_deref()),
+        molt::routes::Variant::Auto,
     );
     for (src, dst) in &a.routes {
         for name in [src, dst] {
@@ -350,7 +350,7 @@ fn run_recall(g: &GlobalArgs, a: &Args) -> Result<()> {
     let (rows, answers) = recall::run(
         &ladder,
         config,
-        molt::session::routes::search_dirs(a.projectors.as_deref()),
+        molt::routes::search_dirs(a.projectors.as_deref()),
         &items,
         &opts,
         &mut |s| eprintln!("{s}"),
@@ -520,7 +520,7 @@ fn run_qos(g: &GlobalArgs, a: &Args) -> Result<()> {
     };
     let opts = molt::bench::qos::QosOptions::standard(
         config,
-        molt::session::routes::search_dirs(a.projectors.as_deref()),
+        molt::routes::search_dirs(a.projectors.as_deref()),
     );
     let mut budget: Box<dyn BudgetSource> = if a.real_hog {
         Box::new(crate::hog::spawn_budget(

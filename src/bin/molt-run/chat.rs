@@ -25,7 +25,8 @@ use molt::pressure::{
     BudgetSource, MIB, SystemBudget, TraceBudget, file_resident_in_page_cache,
     process_anon_rss_bytes, process_rss_bytes, resident_bytes_of_mapping,
 };
-use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions, Strategy, routes};
+use molt::routes;
+use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions, Strategy};
 use render::Renderer;
 use std::collections::VecDeque;
 use std::fmt::Write as _;

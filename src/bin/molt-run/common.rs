@@ -2,7 +2,8 @@
 //! subcommands print for a session's events.
 
 use anyhow::{Context as _, Result, bail};
-use molt::engine::{CacheType, ContextConfig, SamplingParams};
+use molt::engine::{ContextConfig, SamplingParams};
+use molt::kv::CacheType;
 use molt::ladder::{Ladder, search};
 use molt::pressure::{Trace, TraceRefs};
 use molt::sched::RungCost;

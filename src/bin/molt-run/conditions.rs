@@ -38,7 +38,7 @@ pub fn run(g: &GlobalArgs, a: &Args, spec: &str) -> Result<()> {
         quality: !a.no_quality,
         steps,
         trace: a.trace.clone(),
-        projector_dirs: molt::session::routes::search_dirs(a.projectors.as_deref()),
+        projector_dirs: molt::routes::search_dirs(a.projectors.as_deref()),
         chat: true,
     };
     let (report, logs) = conditions::run(&ladder, config, &opts, &mut |s| eprintln!("{s}"))?;

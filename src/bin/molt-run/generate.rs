@@ -6,7 +6,8 @@ use crate::shipped;
 use anyhow::{Context as _, Result, bail};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use molt::pressure::TraceBudget;
-use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions, Strategy, routes};
+use molt::routes;
+use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions, Strategy};
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 
@@ -332,7 +333,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
                 }
                 Event::Switch(s) => format!(
                     "\n⇆ {} → {} ({}, {:.0} ms, pressure {:.2})\n",
-                    s.from, s.to, s.method, s.cost_ms, s.pressure
+                    s.from, s.to, s.method, s.timings.cost_ms, s.pressure
                 ),
                 _ => return,
             };

@@ -4,8 +4,9 @@
 use crate::common::GlobalArgs;
 use crate::generate::StrategyArg;
 use anyhow::{Context as _, Result, bail};
+use molt::routes;
 use molt::server::{BudgetRequest, Server, ServerConfig, default_trace_dirs};
-use molt::session::{SessionOptions, routes};
+use molt::session::SessionOptions;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;

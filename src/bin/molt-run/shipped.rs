@@ -11,8 +11,9 @@
 //! directory" because an installed binary does not know where (or whether) its checkout still
 //! is; the cost is the size of the shipped maps in the binary (a few MiB at f16).
 
-use molt::session::routes::{self, binding, file_name, route_kind};
-use molt::session::{Session, Strategy, Variant};
+use molt::routes::Variant;
+use molt::routes::{self, binding, file_name, route_kind};
+use molt::session::{Session, Strategy};
 use molt::transplant::anchor::{Anchor, file_name as anchor_file_name};
 use molt::transplant::projector::Projector;
 use std::path::Path;

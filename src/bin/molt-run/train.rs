@@ -11,7 +11,8 @@
 use crate::common::GlobalArgs;
 use anyhow::{Context as _, Result, bail};
 use molt::engine::SamplingParams;
-use molt::session::{GenerateOptions, Prompt, Routes, Session, Variant};
+use molt::routes::{Routes, Variant};
+use molt::session::{GenerateOptions, Prompt, Session};
 use molt::train::{
     ChatSample, TrainOptions, corpus_windows, fit_ladder_windows, read_chats, read_corpus,
 };

@@ -147,11 +147,11 @@ impl Renderer {
             self.rung_name(&s.from),
             self.rung_name(&s.to),
             s.method,
-            s.cost_ms,
+            s.timings.cost_ms,
             s.pressure
         );
-        if s.load_ms >= 0.5 {
-            let _ = write!(line, " · mapped {} in {:.0} ms", s.to, s.load_ms);
+        if s.timings.load_ms >= 0.5 {
+            let _ = write!(line, " · mapped {} in {:.0} ms", s.to, s.timings.load_ms);
         }
         let line = if self.color {
             format!("{BOLD}{line}{RESET}\n")

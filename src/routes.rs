@@ -227,6 +227,15 @@ pub struct Routes {
 }
 
 impl Routes {
+    /// The search directories, for a [`RouteError::Missing`] to name.
+    fn searched(&self) -> String {
+        self.dirs
+            .iter()
+            .map(|d| d.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
     /// The first of the search directories holding `file` for this ladder, the shipped
     /// variants' folder before its `ablations/`.
     fn find_file(&self, file: &str) -> Option<PathBuf> {
@@ -278,12 +287,7 @@ impl Routes {
                 dst: d.name.clone(),
                 tag: format!("topk{k} hidden-map"),
                 file,
-                searched: self
-                    .dirs
-                    .iter()
-                    .map(|d| d.display().to_string())
-                    .collect::<Vec<_>>()
-                    .join(", "),
+                searched: self.searched(),
             });
         };
         let m = Arc::new(HiddenMap::load(&path, &s.sha256, &d.sha256)?);
@@ -366,12 +370,7 @@ impl Routes {
                         dst: d.name.clone(),
                         tag: tag.to_string(),
                         file,
-                        searched: self
-                            .dirs
-                            .iter()
-                            .map(|d| d.display().to_string())
-                            .collect::<Vec<_>>()
-                            .join(", "),
+                        searched: self.searched(),
                     });
                 };
                 Projector::load(&path, &s.sha256, &d.sha256)?
