@@ -36,8 +36,7 @@ pub(super) struct Parked {
 pub fn chat_pinned_prefix(model: &crate::engine::Model, tokens: &[Token]) -> usize {
     let render = |text: &str| {
         model
-            .apply_chat_template(&[crate::engine::ChatMessage::new("user", text)], true)
-            .and_then(|t| model.tokenize(&t, true))
+            .tokenize_chat(&[crate::engine::ChatMessage::new("user", text)], true)
             .ok()
     };
     match (render("a"), render("b")) {

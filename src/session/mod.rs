@@ -382,12 +382,11 @@ impl Session {
             Prompt::User(t) => {
                 let mut conv = self.conversation.clone();
                 conv.push(ChatMessage::new("user", t));
-                let text = self
+                let tokens = self
                     .live()
                     .model()
-                    .apply_chat_template(&conv, true)
+                    .tokenize_chat(&conv, true)
                     .map_err(wrap)?;
-                let tokens = self.live().model().tokenize(&text, true).map_err(wrap)?;
                 self.conversation = conv;
                 Ok(tokens)
             }
