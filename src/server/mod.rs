@@ -196,7 +196,7 @@ impl Server {
         ready_rx.await.map_err(|_| ServerError::EngineGone)??;
         shared
             .budget
-            .apply(&config.budget, &config.trace_dirs, &shared.trace_refs())
+            .apply_operator(&config.budget, &config.trace_dirs, &shared.trace_refs())
             .map_err(ServerError::Budget)?;
         shared.recorder.service(
             "",
