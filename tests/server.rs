@@ -997,3 +997,70 @@ async fn a_parked_answer_ends_at_its_deadline_and_the_engine_goes_on() {
     assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
     srv.shutdown().await;
 }
+
+/// Issue 20, hole 5: an answer moved to small by a cut, parked there (the budget below every
+/// rung) and resumed on big when memory returns has changed rung twice, and says so with two
+/// switch events: `rungs_used`, `migrations` and the switch events agree, and the stall names
+/// the rung the cache is parked in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_park_that_resumes_on_another_rung_is_a_switch() {
+    let _serial = serial().await;
+    let srv = start(|_| {}).await;
+    let addr = srv.addr;
+    let cut = small_only_budget(addr).await;
+    let mut s = client::stream(addr, "/v1/chat/completions", &chat(60, true))
+        .await
+        .unwrap()
+        .ok()
+        .unwrap();
+    let mut events: Vec<Value> = Vec::new();
+    let mut step = 0;
+    loop {
+        let Ok(ev) = tokio::time::timeout(Duration::from_secs(60), s.next()).await else {
+            panic!("stream stalls after {events:#?}")
+        };
+        let Some(ev) = ev.unwrap() else { break };
+        let v = ev.json().unwrap_or(Value::String(ev.data));
+        let tokens = events.iter().filter(|e| molt_kind(e) == "token").count();
+        match (step, molt_kind(&v)) {
+            (0, "token") if tokens >= 3 => {
+                set_budget(addr, json!({ "mib": cut })).await;
+                step = 1;
+            }
+            (1, "switch") => {
+                set_budget(addr, json!({"mib": 1})).await;
+                step = 2;
+            }
+            (2, "stall") => {
+                let reason = v["molt"]["reason"].as_str().unwrap();
+                assert!(reason.contains("parked on small"), "{reason}");
+                set_budget(addr, json!({"unlimited": true})).await;
+                step = 3;
+            }
+            _ => {}
+        }
+        events.push(v);
+    }
+    assert_eq!(step, 3, "the answer never parked: {events:?}");
+    let (tokens, switches, summary) = split(&events);
+    assert_eq!(
+        summary["rungs_used"],
+        json!(["big", "small", "big"]),
+        "{summary}"
+    );
+    assert_eq!(switches.len(), 2, "{switches:?}");
+    assert_eq!(summary["migrations"], 2, "{summary}");
+    assert_eq!(
+        (switches[1]["from"].as_str(), switches[1]["to"].as_str()),
+        (Some("small"), Some("big"))
+    );
+    let (a, b) = (
+        switches[0]["at_token"].as_u64().unwrap(),
+        switches[1]["at_token"].as_u64().unwrap(),
+    );
+    for (i, r) in &tokens {
+        let want = if *i < a || *i >= b { "big" } else { "small" };
+        assert_eq!(r, want, "token {i}, switches at {a} and {b}");
+    }
+    srv.shutdown().await;
+}

@@ -546,6 +546,9 @@ impl Session {
                     stop = StopReason::ContextFull;
                     break;
                 }
+                // The rung that produced the last token: a park that resumes elsewhere is a
+                // rung change like a switch, and is reported as one.
+                let before = self.current;
                 match self.between_tokens(i, tok, t0, opts, sink)? {
                     Between::Switched(info) => {
                         sink(&Event::Switch((*info).clone()));
@@ -556,7 +559,13 @@ impl Session {
                         }
                         switches.push(*info);
                     }
-                    Between::Decoded => {}
+                    Between::Decoded => {
+                        if self.current != before {
+                            let info = self.parked_switch(before, i);
+                            sink(&Event::Switch(info.clone()));
+                            switches.push(info);
+                        }
+                    }
                     Between::Cancelled => {
                         stop = StopReason::Cancelled;
                         break;
@@ -820,7 +829,10 @@ impl Session {
                     reason: format!(
                         "budget {} MiB is below every rung's footprint; parked on {}, waiting for memory{}",
                         b.bytes >> 20,
-                        self.current_rung(),
+                        // Where the cache is: the rung the answer would resume on if memory
+                        // returned now.
+                        self.ladder.rungs[self.parked.as_ref().map_or(self.current, |p| p.layout)]
+                            .name(),
                         deadline.map_or(String::new(), |d| format!(
                             " for up to {:.0} s",
                             d.as_secs_f64()
