@@ -132,8 +132,9 @@ const PROMPTS: &[&str] = &[
 ];
 
 async fn one_request(addr: SocketAddr, i: usize, max_tokens: usize) -> Sample {
+    // No "model": the server answers with its ladder's name (and refuses names it does not
+    // serve).
     let body = json!({
-        "model": "molt",
         "messages": [{"role": "user", "content": PROMPTS[i % PROMPTS.len()]}],
         "max_tokens": max_tokens,
         "stream": true,

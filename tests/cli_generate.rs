@@ -222,3 +222,73 @@ fn real_ladder_prompt_file_switches_by_projection() {
         "readable text after the switch: {text:?}"
     );
 }
+
+/// Issue 20, holes 2, 7 and 8: a line that is not UTF-8 and a line asking for 0 tokens are
+/// reported by line number while the other lines run; a prompt that spells out the chat
+/// template's markers is read as text, not as control tokens.
+#[test]
+fn bad_bytes_and_zero_tokens_are_bad_lines_and_markers_in_a_prompt_are_text() {
+    let _ = common::tiny_ladder();
+    let dir = tempfile::tempdir().unwrap();
+    let prompts = dir.path().join("prompts.jsonl");
+    let mut file = Vec::new();
+    file.extend_from_slice(b"{\"id\": \"plain\", \"prompt\": \"x\", \"max_tokens\": 2}\n");
+    file.extend_from_slice(b"caf\xe9 au lait\n");
+    file.extend_from_slice(b"{\"prompt\": \"x\", \"max_tokens\": 0}\n");
+    file.extend_from_slice(
+        b"{\"id\": \"markers\", \"prompt\": \"<|im_end|>\", \"max_tokens\": 2}\n",
+    );
+    std::fs::write(&prompts, file).unwrap();
+    let results = dir.path().join("results.jsonl");
+    let out = molt_run(dir.path())
+        .arg("generate")
+        .arg("--prompt-file")
+        .arg(&prompts)
+        .arg("--out")
+        .arg(&results)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("line 2: not valid UTF-8"), "{stderr}");
+    assert!(stderr.contains("line 3: \"max_tokens\""), "{stderr}");
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(&results)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let row = |id: &str| {
+        rows.iter()
+            .find(|r| r["id"] == id)
+            .unwrap_or_else(|| panic!("{id}: {rows:#?}"))
+    };
+    let errors: Vec<u64> = rows
+        .iter()
+        .filter(|r| r.get("error").is_some())
+        .map(|r| r["line"].as_u64().unwrap())
+        .collect();
+    assert_eq!(errors, [2, 3], "{rows:#?}");
+    // "x" is one token; "<|im_end|>" as text is several ('<', '|', …), as a control token one.
+    let plain = row("plain")["prompt_tokens"].as_u64().unwrap();
+    let markers = row("markers")["prompt_tokens"].as_u64().unwrap();
+    assert!(
+        markers > plain + 1,
+        "the marker was tokenized as a control token: {markers} vs {plain} prompt tokens"
+    );
+}
+
+/// Issue 20, hole 8: `inspect` on a directory says so once, in words.
+#[test]
+fn inspect_on_a_directory_says_it_is_not_a_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = assert_cmd::Command::new(env!("CARGO_BIN_EXE_molt-run"))
+        .arg("inspect")
+        .arg(dir.path())
+        .timeout(Duration::from_secs(60))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("is not a file"), "{stderr}");
+    assert!(!stderr.contains("os error"), "{stderr}");
+}

@@ -256,3 +256,52 @@ fn generate_streams_tokens_named_by_rung_on_every_tiny_rung() {
         assert_eq!(g.rungs_used, vec![name.to_string()]);
     }
 }
+
+/// Issue 20, hole 8: a ladder whose rungs are one file (by name, or by two links to it) is
+/// refused, and opening a ladder whose files are already hashed leaves the lock file alone.
+#[test]
+fn one_file_twice_is_refused_and_an_unchanged_lock_is_not_rewritten() {
+    use std::os::unix::fs::MetadataExt;
+    let big = common::tiny_file("tiny-big.gguf");
+    let small = common::tiny_file("tiny-small.gguf");
+    let dir = tempfile::tempdir().unwrap();
+    std::os::unix::fs::symlink(&big, dir.path().join("a.gguf")).unwrap();
+    std::os::unix::fs::symlink(&big, dir.path().join("b.gguf")).unwrap();
+    std::os::unix::fs::symlink(&small, dir.path().join("s.gguf")).unwrap();
+    let manifest = |name: &str, files: [&str; 2]| {
+        let m = dir.path().join(format!("{name}.toml"));
+        std::fs::write(
+            &m,
+            format!(
+                "name = \"{name}\"\n[[rung]]\nname = \"one\"\nfile = \"{}\"\nsource = {{ local = {{}} }}\n[[rung]]\nname = \"two\"\nfile = \"{}\"\nsource = {{ local = {{}} }}\n",
+                files[0], files[1]
+            ),
+        )
+        .unwrap();
+        m
+    };
+    let e = Ladder::open(&manifest("same", ["a.gguf", "./a.gguf"]), dir.path())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("same file"), "{e}");
+    let e = Ladder::open(&manifest("linked", ["a.gguf", "b.gguf"]), dir.path())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("same file"), "{e}");
+
+    let m = manifest("fine", ["a.gguf", "s.gguf"]);
+    Ladder::open(&m, dir.path()).unwrap();
+    let lock = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.to_string_lossy().ends_with(".lock.json"))
+        .expect("the first open writes a lock");
+    let before = std::fs::metadata(&lock).unwrap();
+    Ladder::open(&m, dir.path()).unwrap();
+    let after = std::fs::metadata(&lock).unwrap();
+    assert_eq!(
+        (before.ino(), before.mtime_nsec()),
+        (after.ino(), after.mtime_nsec()),
+        "the lock was rewritten although nothing changed"
+    );
+}

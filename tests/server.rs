@@ -594,9 +594,10 @@ async fn streamed(addr: SocketAddr, body: &Value) -> (Value, Vec<Value>, Value) 
     (start, switches, summary)
 }
 
-/// An answer that migrates by transplant (forced down to small, then promoted back to big
-/// since nothing limits the budget) leaves projected cells in the cache; the next request with
-/// no budget goes to big without migrating. Returns its start event.
+/// An answer that migrates by transplant (forced down to small, where it stays: a forced
+/// switch holds for the answer) leaves projected cells in small's cache; with a budget that
+/// holds only small, the next request starts there without migrating. Returns its start
+/// event.
 async fn after_a_transplanted_answer(addr: std::net::SocketAddr) -> serde_json::Value {
     let mut body = chat(12, false);
     body["molt"] = json!({"force_switch": {"at": 3, "to": "small"}});
@@ -604,18 +605,14 @@ async fn after_a_transplanted_answer(addr: std::net::SocketAddr) -> serde_json::
         .await
         .unwrap();
     let m = r.json().unwrap()["molt"].clone();
-    assert_eq!(m["rungs_used"][1], "small", "{m}");
-    assert!(
-        m["switches"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .all(|s| s["method"] == "molt")
-    );
+    assert_eq!(m["rungs_used"], json!(["big", "small"]), "{m}");
+    assert_eq!(m["switches"][0]["method"], "molt", "{m}");
+    let cut = small_only_budget(addr).await;
+    set_budget(addr, json!({ "mib": cut })).await;
     let (start, switches, summary) = streamed(addr, &chat(12, true)).await;
-    assert_eq!(start["rung"], "big");
+    assert_eq!(start["rung"], "small");
     assert!(switches.is_empty(), "{switches:?}");
-    assert_eq!(summary["rungs_used"], json!(["big"]));
+    assert_eq!(summary["rungs_used"], json!(["small"]));
     start
 }
 
@@ -643,7 +640,8 @@ async fn answers_start_fresh_on_the_rung_the_budget_holds() {
     let _serial = serial().await;
     let srv = start(|_| {}).await;
     let addr = srv.addr;
-    after_a_transplanted_answer(addr).await;
+    let (start, _, _) = streamed(addr, &chat(12, true)).await;
+    assert_eq!(start["rung"], "big");
     // A budget cut while idle: the next answer starts on small, no migration.
     let cut = small_only_budget(addr).await;
     set_budget(addr, json!({"mib": cut})).await;
@@ -657,5 +655,412 @@ async fn answers_start_fresh_on_the_rung_the_budget_holds() {
     let (start, _, _) = streamed(addr, &chat(12, true)).await;
     assert_eq!(start["rung"], "small");
     assert!(start["reused_tokens"].as_u64().unwrap() > 0, "{start}");
+    srv.shutdown().await;
+}
+
+/// Issue 20, hole 1: a client names a trace, never a path. A file outside the traces
+/// directory is not read — by path, by `..`, or through a symlink inside the directory — and
+/// no answer quotes a trace file's contents or tells an existing file from a missing one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn budget_traces_are_names_inside_the_traces_directory_and_never_quoted() {
+    let _serial = serial().await;
+    let traces = tempfile::tempdir().unwrap();
+    let outside = tempfile::tempdir().unwrap();
+    let secret = outside.path().join("secret.json");
+    std::fs::write(&secret, r#"{"name": "x", "initial": "sk-SECRET-1234"}"#).unwrap();
+    std::fs::write(
+        traces.path().join("bad.json"),
+        r#"{"name": "x", "initial": "sk-SECRET-5678"}"#,
+    )
+    .unwrap();
+    std::os::unix::fs::symlink(&secret, traces.path().join("leak.json")).unwrap();
+    let dirs = vec![traces.path().to_path_buf()];
+    let srv = start(|c| c.trace_dirs = dirs).await;
+    let addr = srv.addr;
+    let refused = |trace: String| async move {
+        let r = client::post_json(addr, "/v1/molt/budget", &json!({ "trace": trace }))
+            .await
+            .unwrap();
+        let body = String::from_utf8_lossy(&r.body).into_owned();
+        assert_eq!(r.status, 400, "{trace}: {body}");
+        assert!(!body.contains("SECRET"), "{trace} quoted the file: {body}");
+        r.json().unwrap()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let existing = refused(secret.display().to_string()).await;
+    let missing = refused(outside.path().join("absent.json").display().to_string()).await;
+    assert_eq!(
+        existing.replace("secret", "absent"),
+        missing,
+        "an existing file and a missing one must read the same"
+    );
+    let rel = format!(
+        "../{}/secret",
+        outside.path().file_name().unwrap().to_str().unwrap()
+    );
+    refused(rel).await;
+    let leak = refused("leak".into()).await;
+    assert!(leak.contains("no trace file"), "{leak}");
+    let bad = refused("bad".into()).await;
+    assert!(bad.contains("line 1"), "{bad}");
+    assert_eq!(status(addr).await["budget"]["mode"], "unlimited");
+    srv.shutdown().await;
+}
+
+/// One HTTP/1.1 request with extra header lines; `(status, body)`.
+async fn raw_request(addr: SocketAddr, head: &str, body: &[u8]) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(body).await.unwrap();
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut out)).await;
+    let text = String::from_utf8_lossy(&out).into_owned();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no status line: {text:?}"));
+    let body = text.split_once("\r\n\r\n").map_or("", |x| x.1).to_string();
+    (status, body)
+}
+
+/// Issue 20, hole 9: with a key every route wants `Authorization: Bearer KEY` and refuses
+/// anything else with a 401 in OpenAI's shape; without a key a non-loopback address is
+/// refused before anything loads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_is_required_as_a_bearer_token_and_open_non_loopback_is_refused() {
+    let _serial = serial().await;
+    let open = Server::start(
+        common::tiny_ladder().clone(),
+        ServerConfig {
+            addr: "0.0.0.0:0".parse().unwrap(),
+            ..ServerConfig::default()
+        },
+    )
+    .await;
+    let Err(e) = open else {
+        panic!("an open non-loopback server must be refused")
+    };
+    assert!(e.to_string().contains("without an API key"), "{e}");
+
+    let key = molt::server::ApiKey::new("sk-molt-test-key").unwrap();
+    let srv = start(|c| c.api_key = Some(key)).await;
+    let addr = srv.addr;
+    let get = |auth: &'static str| async move {
+        raw_request(
+            addr,
+            &format!("GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{auth}\r\n"),
+            b"",
+        )
+        .await
+    };
+    for auth in [
+        "",
+        "Authorization: Bearer sk-molt-test-ke\r\n",
+        "Authorization: Bearer sk-molt-test-key2\r\n",
+        "Authorization: Basic sk-molt-test-key\r\n",
+    ] {
+        let (status, body) = get(auth).await;
+        assert_eq!(status, 401, "{auth:?}: {body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["error"]["code"], "invalid_api_key", "{body}");
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{body}");
+    }
+    let (status, body) = get("Authorization: Bearer sk-molt-test-key\r\n").await;
+    assert_eq!(status, 200, "{body}");
+    // The budget cannot be re-pointed without the key.
+    let b = br#"{"mib": 5}"#;
+    let (status, _) = raw_request(
+        addr,
+        &format!(
+            "POST /v1/molt/budget HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            b.len()
+        ),
+        b,
+    )
+    .await;
+    assert_eq!(status, 401);
+    srv.shutdown().await;
+}
+
+/// Issue 20, holes 2 and 6: a user who types the chat template's markers writes text, not
+/// control tokens; a forced switch that could never happen is refused, and one that happens
+/// holds for the rest of the answer (nothing limits the budget, yet the policy does not move
+/// straight back up).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn markers_in_content_are_text_and_a_forced_switch_is_checked_and_holds() {
+    let _serial = serial().await;
+    let srv = start(|_| {}).await;
+    let addr = srv.addr;
+    let prompt_tokens = |content: &'static str| async move {
+        let body = json!({"messages": [{"role": "user", "content": content}], "max_tokens": 1});
+        let r = client::post_json(addr, "/v1/chat/completions", &body)
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        r.json().unwrap()["usage"]["prompt_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    // As text, one more character never makes fewer tokens; as a control token, the whole
+    // marker is one token where its first nine characters are several.
+    let marker = prompt_tokens("<|im_end|>").await;
+    let cut = prompt_tokens("<|im_end|").await;
+    assert!(
+        marker >= cut,
+        "template markers in content were read as control tokens: {marker} vs {cut} prompt tokens"
+    );
+
+    for (at, max) in [(0, 12), (12, 12), (20, 12)] {
+        let mut body = chat(max, false);
+        body["molt"] = json!({"force_switch": {"at": at, "to": "small"}});
+        let r = client::post_json(addr, "/v1/chat/completions", &body)
+            .await
+            .unwrap();
+        let text = String::from_utf8_lossy(&r.body);
+        assert_eq!(r.status, 400, "at {at}, max_tokens {max}: {text}");
+        assert!(text.contains("force_switch.at"), "{text}");
+    }
+    let mut body = chat(12, false);
+    body["molt"] = json!({"force_switch": {"at": 3, "to": "small"}});
+    let r = client::post_json(addr, "/v1/chat/completions", &body)
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let m = r.json().unwrap()["molt"].clone();
+    assert_eq!(m["rungs_used"], json!(["big", "small"]), "{m}");
+    assert_eq!(m["switches"].as_array().unwrap().len(), 1, "{m}");
+    srv.shutdown().await;
+}
+
+/// Issue 20, holes 8 (bodies and models): an announced body above the limit is refused
+/// before a byte of it is read, a body that stops arriving is refused after the read timeout,
+/// and a model the server does not serve is OpenAI's 404 `model_not_found`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_and_stalled_bodies_and_unknown_models_are_refused() {
+    let _serial = serial().await;
+    let srv = start(|c| c.body_timeout = Duration::from_secs(1)).await;
+    let addr = srv.addr;
+    let head = |len: u64| {
+        format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {len}\r\n\r\n"
+        )
+    };
+    // Nothing of the announced terabyte is sent: the answer must come from the header alone.
+    let (status, body) = raw_request(addr, &head(1_000_000_000_000), b"").await;
+    assert_eq!(status, 413, "{body}");
+    // Ten bytes announced, two sent, the connection left open.
+    let (status, body) = raw_request(addr, &head(10), b"{\"").await;
+    assert_eq!(status, 408, "{body}");
+    assert!(body.contains("request_timeout"), "{body}");
+
+    let mut req = chat(2, false);
+    req["model"] = json!("gpt-4o");
+    let r = client::post_json(addr, "/v1/chat/completions", &req)
+        .await
+        .unwrap();
+    assert_eq!(r.status, 404, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.json().unwrap()["error"]["code"], "model_not_found");
+    for name in ["tiny", "small"] {
+        req["model"] = json!(name);
+        let r = client::post_json(addr, "/v1/chat/completions", &req)
+            .await
+            .unwrap();
+        let text = String::from_utf8_lossy(&r.body);
+        assert_eq!(r.status, 200, "{name}: {text}");
+        // No switch, no cost: printed as 0, not -0.0.
+        assert!(!text.contains("-0.0"), "{text}");
+    }
+    srv.shutdown().await;
+}
+
+/// Issue 20, hole 3: a request no memory could ever hold is a 400 at once; `max_tokens` far
+/// past the context window is counted as the window it can fill (not a 503 after the
+/// admission timeout); and a request deferred for memory does not block a request behind it
+/// that fits now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn impossible_requests_fail_at_once_and_a_deferred_one_blocks_no_one() {
+    let _serial = serial().await;
+    {
+        let srv = start(|c| c.memory_ceiling = Some(1 << 20)).await;
+        let r = client::post_json(srv.addr, "/v1/chat/completions", &chat(4, false))
+            .await
+            .unwrap();
+        assert_eq!(r.status, 400, "{}", String::from_utf8_lossy(&r.body));
+        assert_eq!(
+            r.json().unwrap()["error"]["code"],
+            "request_too_large_for_memory"
+        );
+        srv.shutdown().await;
+    }
+    let srv = start(|_| {}).await;
+    let addr = srv.addr;
+    // A trillion tokens cannot outgrow the 1024-token window: answered, ended by the window.
+    let r = client::post_json(
+        addr,
+        "/v1/chat/completions",
+        &chat(1_000_000_000_000, false),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+
+    // A budget that holds the small rung for a short answer but not for a full window.
+    let s = status(addr).await;
+    let small = s["engine"]["rungs"]
+        .as_array()
+        .unwrap()
+        .last()
+        .unwrap()
+        .clone();
+    let per_token = small["kv_bytes_per_token"].as_u64().unwrap();
+    let resident = (small["resident_mib"].as_f64().unwrap() * 1048576.0) as u64;
+    let budget = resident + (1 << 20) / 5 + 200 * per_token;
+    assert!(
+        resident + 1000 * per_token > budget + (1 << 20) / 5,
+        "the tiny small rung's cache is too small to tell a long answer from a short one: {small}"
+    );
+    set_budget(addr, json!({ "bytes": budget })).await;
+    let mut long = client::stream(addr, "/v1/chat/completions", &chat(1000, true))
+        .await
+        .unwrap()
+        .ok()
+        .unwrap();
+    let first = long.next().await.unwrap().unwrap().json().unwrap();
+    assert_eq!(molt_kind(&first), "deferred", "{first}");
+    // The short request behind it is answered while the long one waits.
+    let r = client::post_json(addr, "/v1/chat/completions", &chat(4, false))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    // Memory comes back: the long one is answered, not failed.
+    set_budget(addr, json!({"unlimited": true})).await;
+    let events = drain(&mut long).await;
+    let (tokens, _, summary) = split(&events);
+    assert!(!tokens.is_empty(), "{events:?}");
+    assert_eq!(summary["killed"], false);
+    srv.shutdown().await;
+}
+
+/// Issue 20, hole 4: an answer parked mid-way (the budget below every rung) waits no longer
+/// than the park deadline, which its stall event reports; then it ends with finish_reason
+/// `park_deadline`, and the engine is free for the next request once memory returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parked_answer_ends_at_its_deadline_and_the_engine_goes_on() {
+    let _serial = serial().await;
+    let srv = start(|c| c.session.park_deadline = Some(Duration::from_secs(1))).await;
+    let addr = srv.addr;
+    let mut s = client::stream(addr, "/v1/chat/completions", &chat(900, true))
+        .await
+        .unwrap()
+        .ok()
+        .unwrap();
+    let mut events = Vec::new();
+    while events.iter().filter(|e| molt_kind(e) == "token").count() < 4 {
+        let ev = s
+            .next()
+            .await
+            .unwrap()
+            .expect("stream ended before 4 tokens");
+        events.push(ev.json().unwrap());
+    }
+    // 1 MiB holds no rung: the answer parks.
+    set_budget(addr, json!({"mib": 1})).await;
+    while let Some(ev) = tokio::time::timeout(Duration::from_secs(60), s.next())
+        .await
+        .expect("the parked answer outlived its deadline")
+        .unwrap()
+    {
+        events.push(ev.json().unwrap_or(Value::String(ev.data)));
+    }
+    let stall = events
+        .iter()
+        .find(|e| molt_kind(e) == "stall")
+        .unwrap_or_else(|| panic!("no stall event: {events:?}"));
+    assert_eq!(stall["molt"]["deadline_ms"], 1000, "{stall}");
+    let finish: Vec<&Value> = events
+        .iter()
+        .filter_map(|e| e["choices"][0]["finish_reason"].as_str().map(|_| e))
+        .collect();
+    assert_eq!(
+        finish.last().unwrap()["choices"][0]["finish_reason"],
+        "park_deadline",
+        "{finish:?}"
+    );
+    set_budget(addr, json!({"unlimited": true})).await;
+    let r = client::post_json(addr, "/v1/chat/completions", &chat(4, false))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    srv.shutdown().await;
+}
+
+/// Issue 20, hole 5: an answer moved to small by a cut, parked there (the budget below every
+/// rung) and resumed on big when memory returns has changed rung twice, and says so with two
+/// switch events: `rungs_used`, `migrations` and the switch events agree, and the stall names
+/// the rung the cache is parked in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_park_that_resumes_on_another_rung_is_a_switch() {
+    let _serial = serial().await;
+    let srv = start(|_| {}).await;
+    let addr = srv.addr;
+    let cut = small_only_budget(addr).await;
+    let mut s = client::stream(addr, "/v1/chat/completions", &chat(60, true))
+        .await
+        .unwrap()
+        .ok()
+        .unwrap();
+    let mut events: Vec<Value> = Vec::new();
+    let mut step = 0;
+    loop {
+        let Ok(ev) = tokio::time::timeout(Duration::from_secs(60), s.next()).await else {
+            panic!("stream stalls after {events:#?}")
+        };
+        let Some(ev) = ev.unwrap() else { break };
+        let v = ev.json().unwrap_or(Value::String(ev.data));
+        let tokens = events.iter().filter(|e| molt_kind(e) == "token").count();
+        match (step, molt_kind(&v)) {
+            (0, "token") if tokens >= 3 => {
+                set_budget(addr, json!({ "mib": cut })).await;
+                step = 1;
+            }
+            (1, "switch") => {
+                set_budget(addr, json!({"mib": 1})).await;
+                step = 2;
+            }
+            (2, "stall") => {
+                let reason = v["molt"]["reason"].as_str().unwrap();
+                assert!(reason.contains("parked on small"), "{reason}");
+                set_budget(addr, json!({"unlimited": true})).await;
+                step = 3;
+            }
+            _ => {}
+        }
+        events.push(v);
+    }
+    assert_eq!(step, 3, "the answer never parked: {events:?}");
+    let (tokens, switches, summary) = split(&events);
+    assert_eq!(
+        summary["rungs_used"],
+        json!(["big", "small", "big"]),
+        "{summary}"
+    );
+    assert_eq!(switches.len(), 2, "{switches:?}");
+    assert_eq!(summary["migrations"], 2, "{summary}");
+    assert_eq!(
+        (switches[1]["from"].as_str(), switches[1]["to"].as_str()),
+        (Some("small"), Some("big"))
+    );
+    let (a, b) = (
+        switches[0]["at_token"].as_u64().unwrap(),
+        switches[1]["at_token"].as_u64().unwrap(),
+    );
+    for (i, r) in &tokens {
+        let want = if *i < a || *i >= b { "big" } else { "small" };
+        assert_eq!(r, want, "token {i}, switches at {a} and {b}");
+    }
     srv.shutdown().await;
 }

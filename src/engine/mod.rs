@@ -14,6 +14,7 @@
 //! streaming, and [`PartialForward`] (a rung's last k blocks run over hidden states: top-k
 //! recompute).
 
+mod chat;
 mod context;
 mod logs;
 mod model;

@@ -235,6 +235,17 @@ impl Model {
     /// # Errors
     /// [`EngineError::Tokenize`] if llama.cpp reports a failure.
     pub fn tokenize(&self, text: &str, special: bool) -> Result<Vec<Token>, EngineError> {
+        self.tokenize_with(text, self.adds_bos(), special)
+    }
+
+    /// Tokenizes text with the BOS choice made by the caller (a piece of a longer prompt must
+    /// not get a BOS of its own).
+    pub(crate) fn tokenize_with(
+        &self,
+        text: &str,
+        add_bos: bool,
+        special: bool,
+    ) -> Result<Vec<Token>, EngineError> {
         let len = i32::try_from(text.len())
             .map_err(|_| EngineError::Tokenize("text longer than 2 GiB".into()))?;
         let mut out: Vec<Token> = vec![0; text.len() + 8];
@@ -248,7 +259,7 @@ impl Model {
                     len,
                     out.as_mut_ptr(),
                     cap,
-                    self.adds_bos(),
+                    add_bos,
                     special,
                 )
             };

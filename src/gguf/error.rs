@@ -64,6 +64,14 @@ pub enum GgufError {
         source: std::io::Error,
     },
 
+    /// The path names a directory or a device, not a file (reported in words: mapping one
+    /// fails with an OS error that does not say what is wrong).
+    #[error("{file} is not a file (a GGUF model is a regular file)")]
+    NotAFile {
+        /// The path.
+        file: PathBuf,
+    },
+
     /// The file does not start with the `GGUF` magic.
     #[error("{file}: not a GGUF file (starts with {first_bytes})")]
     NotGguf {
@@ -306,6 +314,7 @@ impl GgufError {
     pub fn file(&self) -> &std::path::Path {
         match self {
             GgufError::Io { file, .. }
+            | GgufError::NotAFile { file }
             | GgufError::NotGguf { file, .. }
             | GgufError::UnsupportedVersion { file, .. }
             | GgufError::Truncated { file, .. }

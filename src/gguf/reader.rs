@@ -111,7 +111,11 @@ impl GgufFile {
             source,
         };
         let file = File::open(&path).map_err(io)?;
-        let len = file.metadata().map_err(io)?.len();
+        let meta = file.metadata().map_err(io)?;
+        if !meta.is_file() {
+            return Err(GgufError::NotAFile { file: path });
+        }
+        let len = meta.len();
         let backing = if len == 0 {
             Backing::Owned(Vec::new())
         } else {

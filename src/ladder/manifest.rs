@@ -148,6 +148,16 @@ impl Manifest {
             if m.rungs[..i].iter().any(|o| o.name == r.name) {
                 return Err(invalid(format!("rung name {:?} appears twice", r.name)));
             }
+            if let Some(o) = m.rungs[..i].iter().find(|o| {
+                Path::new(&o.file)
+                    .components()
+                    .eq(Path::new(&r.file).components())
+            }) {
+                return Err(invalid(format!(
+                    "rungs {} and {} name the same file {:?}: a ladder's rungs are different models",
+                    o.name, r.name, r.file
+                )));
+            }
             if let Some(h) = &r.sha256
                 && (h.len() != 64
                     || !h

@@ -37,6 +37,16 @@ pub enum LadderError {
         /// Ladder name or manifest path.
         ladder: String,
     },
+    /// Two rungs are one file (through a symlink or another spelling of its path).
+    #[error("rungs {a} and {b} are the same file {path}: a ladder's rungs are different models")]
+    SameFile {
+        /// The earlier rung.
+        a: String,
+        /// The later rung.
+        b: String,
+        /// The file both resolve to.
+        path: PathBuf,
+    },
     /// A rung's file is not a valid GGUF (truncated, foreign, corrupt).
     #[error("rung {rung}: {source}")]
     Gguf {
@@ -140,6 +150,10 @@ impl Ladder {
         let mut lock = Lock::load(&lock_path);
         let mut rungs = Vec::new();
         let mut first: Option<(TokenizerIdentity, String, String)> = None;
+        let mut seen: Vec<(PathBuf, String)> = Vec::new();
+        // Only a fresh hash changes the lock; rewriting it unchanged on every run would touch
+        // the models directory (and its mtime) for nothing.
+        let mut lock_changed = false;
         for (index, spec) in manifest.rungs.iter().enumerate() {
             let path = models_dir.join(&spec.file);
             if !path.exists() {
@@ -148,6 +162,16 @@ impl Ladder {
                     path,
                     ladder: manifest_path.display().to_string(),
                 });
+            }
+            if let Ok(real) = path.canonicalize() {
+                if let Some((_, a)) = seen.iter().find(|(p, _)| *p == real) {
+                    return Err(LadderError::SameFile {
+                        a: a.clone(),
+                        b: spec.name.clone(),
+                        path: real,
+                    });
+                }
+                seen.push((real, spec.name.clone()));
             }
             let gguf = GgufFile::open(&path).map_err(|source| LadderError::Gguf {
                 rung: spec.name.clone(),
@@ -174,12 +198,13 @@ impl Ladder {
                         })?;
                 }
             }
-            let (sha256, _) = lock
-                .sha256_of(&path, |_| {})
-                .map_err(|source| LadderError::Io {
-                    path: path.clone(),
-                    source,
-                })?;
+            let (sha256, fresh) =
+                lock.sha256_of(&path, |_| {})
+                    .map_err(|source| LadderError::Io {
+                        path: path.clone(),
+                        source,
+                    })?;
+            lock_changed |= fresh;
             if let Some(expected) = &spec.sha256
                 && expected != &sha256
             {
@@ -206,7 +231,9 @@ impl Ladder {
             });
         }
         // The lock is only a cache; failing to write it (read-only dir) costs a re-hash later.
-        let _ = lock.save(&lock_path);
+        if lock_changed {
+            let _ = lock.save(&lock_path);
+        }
         Ok(Self {
             manifest,
             manifest_path: manifest_path.to_path_buf(),

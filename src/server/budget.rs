@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::pressure::{
     Budget, BudgetOrigin, BudgetSource, FixedBudget, FixedBudgetHandle, MIB, PressureError,
-    SystemBudget, Tick, Trace, TraceBudget, TraceRefs,
+    SystemBudget, Tick, Trace, TraceBudget, TraceError, TraceRefs,
 };
 
 /// What "no budget" reads as: a value far above any machine, small enough that the
@@ -56,8 +56,9 @@ pub struct BudgetRequest {
     /// A fixed budget in bytes.
     #[serde(default)]
     pub bytes: Option<u64>,
-    /// Replay a trace: a name (looked up as `NAME.json` in the traces directories), a path to
-    /// a `.json` file, or an inline trace object.
+    /// Replay a trace: a name (looked up as `NAME.json` in the traces directories) or an
+    /// inline trace object. Only the operator's own setting (`serve --budget trace:PATH.json`)
+    /// may name a path; a client names traces the operator put in the traces directories.
     #[serde(default)]
     pub trace: Option<serde_json::Value>,
     /// `true`: follow the real system (cgroup limits, `MemAvailable`, PSI).
@@ -118,8 +119,11 @@ impl ServerBudget {
         g.generation += 1;
     }
 
-    /// Applies a request. `trace_dirs` are searched for trace names; `refs` resolve a
-    /// trace's `frac … of "tier1"` events.
+    /// Applies a client's request. `trace_dirs` are searched for trace names; `refs` resolve a
+    /// trace's `frac … of "tier1"` events. A trace is a bare name resolved inside
+    /// `trace_dirs` (never a path, never a symlink leading out of them), and an error about a
+    /// trace file never quotes what the file holds: the endpoint must not become a way to read
+    /// files, or to learn whether they exist, on the serving machine.
     ///
     /// # Errors
     /// A message for a 400: no field or several, a negative budget, an unreadable trace.
@@ -128,6 +132,30 @@ impl ServerBudget {
         req: &BudgetRequest,
         trace_dirs: &[PathBuf],
         refs: &TraceRefs,
+    ) -> Result<(), String> {
+        self.apply_with(req, trace_dirs, refs, TraceAccess::Names)
+    }
+
+    /// Applies the operator's own setting (`serve --budget`): as [`ServerBudget::apply`], and
+    /// a trace may also be a path to a `.json` file, whose errors are quoted in full.
+    ///
+    /// # Errors
+    /// As [`ServerBudget::apply`].
+    pub fn apply_operator(
+        &self,
+        req: &BudgetRequest,
+        trace_dirs: &[PathBuf],
+        refs: &TraceRefs,
+    ) -> Result<(), String> {
+        self.apply_with(req, trace_dirs, refs, TraceAccess::Paths)
+    }
+
+    fn apply_with(
+        &self,
+        req: &BudgetRequest,
+        trace_dirs: &[PathBuf],
+        refs: &TraceRefs,
+        access: TraceAccess,
     ) -> Result<(), String> {
         let set = [
             req.mib.is_some(),
@@ -149,17 +177,22 @@ impl ServerBudget {
             return Err("\"reserve_mib\" goes with \"system\": true".into());
         }
         if let Some(m) = req.mib {
-            if !(m.is_finite() && m >= 1.0) {
-                return Err("\"mib\" must be a number ≥ 1".into());
+            #[allow(clippy::cast_precision_loss)]
+            let in_range = m.is_finite() && m >= 1.0 && m * (MIB as f64) < UNLIMITED_BYTES as f64;
+            if !in_range {
+                return Err(fixed_range_error("mib"));
             }
             #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
             return self.set_fixed((m * MIB as f64) as u64, reference(refs));
         }
         if let Some(b) = req.bytes {
+            if !(MIB..UNLIMITED_BYTES).contains(&b) {
+                return Err(fixed_range_error("bytes"));
+            }
             return self.set_fixed(b, reference(refs));
         }
         if let Some(t) = &req.trace {
-            let trace = load_trace(t, trace_dirs, refs)?;
+            let trace = load_trace(t, trace_dirs, refs, access)?;
             self.set_mode(Mode::Trace(TraceBudget::new(trace)));
             return Ok(());
         }
@@ -269,64 +302,113 @@ impl BudgetSource for ServerBudget {
     }
 }
 
+/// One rule for a fixed budget however it is given: at least 1 MiB (less holds no rung) and
+/// below [`UNLIMITED_BYTES`] (more would silently read as "no budget").
+fn fixed_range_error(field: &str) -> String {
+    format!(
+        "\"{field}\" must be a budget from 1 MiB up to {} MiB; for no budget send \"unlimited\": true",
+        (UNLIMITED_BYTES / MIB) - 1
+    )
+}
+
 /// The pressure reference: the largest footprint among the references (the largest rung with
 /// a full context), 0 when none is known.
 fn reference(refs: &TraceRefs) -> u64 {
     refs.values().copied().max().unwrap_or(0)
 }
 
+/// Who names a trace file, and so what may be named.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TraceAccess {
+    /// A client: bare names inside the traces directories; errors without file contents.
+    Names,
+    /// The operator: names or paths; errors in full.
+    Paths,
+}
+
 fn load_trace(
     spec: &serde_json::Value,
     dirs: &[PathBuf],
     refs: &TraceRefs,
+    access: TraceAccess,
 ) -> Result<Trace, String> {
     match spec {
+        serde_json::Value::String(name) if access == TraceAccess::Paths && is_path(name) => {
+            let path = operator_trace_path(name)?;
+            Trace::load_with(&path, refs).map_err(|e| e.to_string())
+        }
         serde_json::Value::String(name) => {
             let path = resolve_trace(name, dirs)?;
-            Trace::load_with(&path, refs).map_err(|e| e.to_string())
+            Trace::load_with(&path, refs).map_err(|e| match access {
+                TraceAccess::Paths => e.to_string(),
+                TraceAccess::Names => quiet_trace_error(name, &e),
+            })
         }
         serde_json::Value::Object(_) => {
             Trace::parse_with(&spec.to_string(), "<request>", refs).map_err(|e| e.to_string())
         }
-        _ => Err("\"trace\" must be a name, a path to a .json file, or a trace object".into()),
+        _ => Err("\"trace\" must be a trace name or a trace object".into()),
     }
 }
 
-/// A trace name (`spike_mid_answer`) is looked up as `NAME.json` in each directory; a value
-/// with a path separator or a `.json` suffix is a path. Only `.json` files are read.
-fn resolve_trace(name: &str, dirs: &[PathBuf]) -> Result<PathBuf, String> {
-    let is_path = name.contains('/') || name.ends_with(".json");
-    if is_path {
-        let p = Path::new(name);
-        if p.extension().and_then(|e| e.to_str()) != Some("json") {
-            return Err(format!("trace path {name:?} must name a .json file"));
+/// A trace file's error as a client may see it: where, never what. A serde message quotes
+/// the value it choked on, and a file in the traces directory may not be meant for clients'
+/// eyes (or may be a link the operator did not mean to expose).
+fn quiet_trace_error(name: &str, e: &TraceError) -> String {
+    match e {
+        TraceError::Syntax { line, column, .. } | TraceError::Invalid { line, column, .. } => {
+            format!("trace {name:?} is not a valid trace (line {line}, column {column})")
         }
-        if !p.is_file() {
-            return Err(format!("no trace file {name:?}"));
-        }
-        return Ok(p.to_path_buf());
+        _ => format!("trace {name:?} cannot be read"),
     }
-    if name.is_empty()
-        || !name
+}
+
+fn is_path(spec: &str) -> bool {
+    spec.contains('/') || spec.contains('\\') || spec.ends_with(".json")
+}
+
+/// A path the operator gave: only `.json` files are read.
+fn operator_trace_path(spec: &str) -> Result<PathBuf, String> {
+    let p = Path::new(spec);
+    if p.extension().and_then(|e| e.to_str()) != Some("json") {
+        return Err(format!("trace path {spec:?} must name a .json file"));
+    }
+    if !p.is_file() {
+        return Err(format!("no trace file {spec:?}"));
+    }
+    Ok(p.to_path_buf())
+}
+
+/// A trace name (`spike_mid_answer`) is looked up as `NAME.json` in each directory. A name is
+/// letters, digits, `_`, `-` and inner dots — no separator, no leading dot, no `..` — and the
+/// file it names must still lie inside the directory once symlinks are resolved. The error
+/// for a name that is not found is the same whether or not something of that name exists
+/// elsewhere, and names no directory (those are the server's business).
+fn resolve_trace(name: &str, dirs: &[PathBuf]) -> Result<PathBuf, String> {
+    let valid = !name.is_empty()
+        && name.len() <= 128
+        && !name.starts_with('.')
+        && !name.contains("..")
+        && name
             .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c))
-    {
-        return Err(format!("{name:?} is not a trace name"));
+            .all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c));
+    if !valid {
+        return Err(format!(
+            "{:?} is not a trace name (a name is letters, digits, '_', '-' and '.', with no path)",
+            name.chars().take(128).collect::<String>()
+        ));
     }
     for d in dirs {
-        let p = d.join(format!("{name}.json"));
-        if p.is_file() {
-            return Ok(p);
+        let Ok(dir) = d.canonicalize() else { continue };
+        let Ok(file) = dir.join(format!("{name}.json")).canonicalize() else {
+            continue;
+        };
+        if file.starts_with(&dir) && file.is_file() {
+            return Ok(file);
         }
     }
-    let looked: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
     Err(format!(
-        "no trace named {name:?} (looked for {name}.json in {})",
-        if looked.is_empty() {
-            "no directory".to_string()
-        } else {
-            looked.join(", ")
-        }
+        "no trace file {name}.json in the traces directories"
     ))
 }
 
@@ -361,6 +443,10 @@ mod tests {
             r#"{"mib": 5, "bytes": 5}"#,
             r#"{"mib": -1}"#,
             r#"{"reserve_mib": 5, "mib": 9}"#,
+            r#"{"mib": 0}"#,
+            r#"{"mib": 1e30}"#,
+            r#"{"bytes": 1}"#,
+            r#"{"bytes": 1125899906842624}"#,
         ] {
             assert!(b.apply(&req(bad), &[], &TraceRefs::new()).is_err(), "{bad}");
         }

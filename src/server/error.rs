@@ -20,6 +20,14 @@ pub enum ServerError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// A non-loopback address without a key (and without `insecure_no_auth`).
+    #[error(
+        "refusing to listen on {addr} without an API key: anyone who can reach it could use the engine; give --api-key-file (or --api-key), or --insecure-no-auth to serve it open"
+    )]
+    InsecureBind {
+        /// The address.
+        addr: std::net::SocketAddr,
+    },
     /// Serving failed.
     #[error("serving: {0}")]
     Serve(std::io::Error),

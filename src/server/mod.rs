@@ -16,15 +16,18 @@
 //! Concurrency on purpose: one answer decodes at a time per ladder (see the worker's docs for
 //! why); others wait in a bounded queue that answers 503 when full.
 
+mod auth;
 mod budget;
 pub mod client;
 mod error;
+mod limits;
 pub mod openai;
 mod record;
 mod routes;
 mod stream;
 mod worker;
 
+pub use auth::ApiKey;
 pub use budget::{BudgetReport, BudgetRequest, ServerBudget, UNLIMITED_BYTES};
 pub use error::{ApiError, ServerError};
 pub use record::Recorder;
@@ -61,8 +64,10 @@ pub struct ServerConfig {
     pub admission_timeout: Duration,
     /// `max_tokens` for requests that set none.
     pub default_max_tokens: usize,
-    /// Largest request body, bytes.
+    /// Largest request body, bytes (a larger `Content-Length` is refused before reading).
     pub max_body_bytes: usize,
+    /// How long a request body may take to arrive in full before the request fails with 408.
+    pub body_timeout: Duration,
     /// The budget at start (the body `POST /v1/molt/budget` takes).
     pub budget: BudgetRequest,
     /// Where trace names are looked up.
@@ -74,6 +79,15 @@ pub struct ServerConfig {
     /// Load every rung once at start (one at a time) so the policy and admission work from
     /// measured context costs instead of the session's estimate for unloaded rungs.
     pub measure_rungs: bool,
+    /// The key clients must send as `Authorization: Bearer KEY`; `None`: no authentication.
+    pub api_key: Option<ApiKey>,
+    /// The most memory the service could ever have, bytes: a request the smallest rung could
+    /// not answer within it is refused at once (400) instead of waiting for memory. `None`:
+    /// the memory cgroup's limit, or the machine's total memory.
+    pub memory_ceiling: Option<u64>,
+    /// Allow listening on a non-loopback address without a key. Off by default: anyone who
+    /// can reach the port could otherwise use the engine and re-point its budget.
+    pub insecure_no_auth: bool,
 }
 
 impl Default for ServerConfig {
@@ -87,6 +101,7 @@ impl Default for ServerConfig {
             admission_timeout: Duration::from_secs(120),
             default_max_tokens: 256,
             max_body_bytes: 4 << 20,
+            body_timeout: Duration::from_secs(30),
             budget: BudgetRequest {
                 unlimited: Some(true),
                 ..BudgetRequest::default()
@@ -95,6 +110,9 @@ impl Default for ServerConfig {
             record: None,
             keep_alive: Duration::from_secs(2),
             measure_rungs: true,
+            api_key: None,
+            insecure_no_auth: false,
+            memory_ceiling: None,
         }
     }
 }
@@ -110,12 +128,25 @@ pub fn default_trace_dirs() -> Vec<PathBuf> {
     v
 }
 
+/// All the memory this process could ever be given: the tightest memory cgroup limit, or the
+/// machine's total memory.
+fn machine_memory() -> Option<u64> {
+    let r = crate::pressure::SystemBudget::new().read().ok()?;
+    let cgroup = r.cgroup.and_then(|c| c.limit_bytes);
+    match (cgroup, r.mem_total_bytes) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
 /// A bound service with its engine loaded, ready to serve.
 pub struct Server {
     listener: tokio::net::TcpListener,
     addr: SocketAddr,
     state: AppState,
     max_body_bytes: usize,
+    body_timeout: Duration,
+    api_key: Option<ApiKey>,
     engine: std::thread::JoinHandle<()>,
 }
 
@@ -126,9 +157,13 @@ impl Server {
     /// # Errors
     /// [`ServerError::Engine`] when a rung fails to load, [`ServerError::Tokenizer`],
     /// [`ServerError::Budget`] for an invalid initial budget, [`ServerError::Record`] when the
-    /// record file cannot be created, [`ServerError::Bind`].
+    /// record file cannot be created, [`ServerError::Bind`]; [`ServerError::InsecureBind`] for a non-loopback address without a key.
     pub async fn start(ladder: Ladder, config: ServerConfig) -> Result<Self, ServerError> {
         let started = Instant::now();
+        // Refused before anything loads: a flag mistake should cost nothing.
+        if !config.addr.ip().is_loopback() && config.api_key.is_none() && !config.insecure_no_auth {
+            return Err(ServerError::InsecureBind { addr: config.addr });
+        }
         let smallest = ladder.rungs.last().ok_or(ServerError::EngineGone)?;
         let tokenizer = Model::load_vocab_only(&smallest.path, smallest.name())
             .map_err(ServerError::Tokenizer)?;
@@ -161,6 +196,7 @@ impl Server {
             keep_alive: config.keep_alive,
             trace_dirs: config.trace_dirs.clone(),
             started,
+            memory_ceiling: config.memory_ceiling.or_else(machine_memory),
         });
         let start = config
             .start_rung
@@ -196,7 +232,7 @@ impl Server {
         ready_rx.await.map_err(|_| ServerError::EngineGone)??;
         shared
             .budget
-            .apply(&config.budget, &config.trace_dirs, &shared.trace_refs())
+            .apply_operator(&config.budget, &config.trace_dirs, &shared.trace_refs())
             .map_err(ServerError::Budget)?;
         shared.recorder.service(
             "",
@@ -219,6 +255,8 @@ impl Server {
                 settings,
             },
             max_body_bytes: config.max_body_bytes,
+            body_timeout: config.body_timeout,
+            api_key: config.api_key,
             engine,
         })
     }
@@ -252,7 +290,17 @@ impl Server {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), ServerError> {
         let shared = Arc::clone(&self.state.shared);
-        let app = routes::router(self.state, self.max_body_bytes);
+        let mut app = routes::router(self.state, self.max_body_bytes);
+        app = limits::protect(
+            app,
+            self.max_body_bytes,
+            self.body_timeout,
+            Arc::clone(&shared),
+        );
+        // Outermost: a client without the key gets nothing read, not even its body.
+        if let Some(key) = self.api_key {
+            app = auth::protect(app, key);
+        }
         let stop = {
             let shared = Arc::clone(&shared);
             async move {

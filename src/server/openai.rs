@@ -312,6 +312,8 @@ pub fn finish_reason(stop: StopReason) -> &'static str {
         StopReason::Length | StopReason::ContextFull => "length",
         // Never for Molt; a client of condition A sees its answer cut off.
         StopReason::Killed => "killed",
+        // Memory did not come back within the park deadline; the conversation is kept.
+        StopReason::ParkDeadline => "park_deadline",
     }
 }
 
@@ -439,7 +441,8 @@ impl SummaryWire {
             prompt_tokens: s.prompt_tokens,
             rungs_used: s.rungs_used.clone(),
             migrations: switches.len(),
-            migration_cost_ms: switches.iter().map(|w| w.cost_ms).sum(),
+            // An empty f64 sum is -0.0; adding 0.0 makes it the 0 a reader expects.
+            migration_cost_ms: switches.iter().map(|w| w.cost_ms).sum::<f64>() + 0.0,
             switches,
             ttft_ms: s.ttft_ms,
             total_ms: s.total_ms,
@@ -505,6 +508,10 @@ pub enum MoltEvent {
     Stall {
         /// Why.
         reason: String,
+        /// How long the answer may stay parked before it ends with finish_reason
+        /// `park_deadline`, ms.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        deadline_ms: Option<u64>,
     },
     /// A pressure lever other than a switch (park, resume, shed) acted on the answer.
     Lever(crate::session::LeverInfo),

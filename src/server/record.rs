@@ -187,7 +187,13 @@ mod tests {
         };
         assert_eq!(read()["events"].as_array().unwrap().len(), 0);
         r.service("a", "received", serde_json::json!({"stream": true}));
-        r.session("a", &Event::Stall { reason: "x".into() });
+        r.session(
+            "a",
+            &Event::Stall {
+                reason: "x".into(),
+                deadline_ms: None,
+            },
+        );
         let v = read();
         assert_eq!(v["ladder"], "tiny");
         let ev = v["events"].as_array().unwrap();

@@ -56,6 +56,9 @@ pub struct Settings {
     pub trace_dirs: Vec<std::path::PathBuf>,
     /// When the server started.
     pub started: Instant,
+    /// The most memory this service could ever have (the cgroup limit or the machine's
+    /// total), bytes; `None` when unknown.
+    pub memory_ceiling: Option<u64>,
 }
 
 /// State shared by every handler.
@@ -146,6 +149,7 @@ struct Prepared {
 
 async fn prepare(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Prepared, ApiError> {
     let req: ChatRequest = parse_body(body)?;
+    check_model(req.model.as_deref(), &st.settings)?;
     let req = req
         .validate()
         .map_err(|(m, p)| ApiError::invalid(m).param(p))?;
@@ -172,19 +176,20 @@ async fn prepare(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<P
     let tokenizer = Arc::clone(&st.tokenizer);
     let mut conv = req.history.clone();
     conv.push(ChatMessage::new("user", &req.last_user));
-    let prompt_tokens = tokio::task::spawn_blocking(move || {
-        let text = tokenizer.apply_chat_template(&conv, true)?;
-        tokenizer.tokenize(&text, true).map(|t| t.len())
-    })
-    .await
-    .map_err(|e| ApiError::internal(format!("tokenizer task: {e}")))?
-    .map_err(|e| ApiError::invalid(format!("cannot render the prompt: {e}")))?;
+    let prompt_tokens =
+        tokio::task::spawn_blocking(move || tokenizer.tokenize_chat(&conv, true).map(|t| t.len()))
+            .await
+            .map_err(|e| ApiError::internal(format!("tokenizer task: {e}")))?
+            .map_err(|e| ApiError::invalid(format!("cannot render the prompt: {e}")))?;
     let n_ctx = st.settings.n_ctx as usize;
     let room = n_ctx.saturating_sub(prompt_tokens);
     let max_tokens = req
         .max_tokens
         .unwrap_or_else(|| st.settings.default_max_tokens.min(room))
         .max(1);
+    if let Some((at, _)) = force_switch {
+        check_force_at(at, max_tokens)?;
+    }
     // The session's own rule: the prompt plus a small reserve for the answer must fit.
     let reserve = max_tokens.clamp(1, 16);
     if prompt_tokens + reserve > n_ctx {
@@ -194,9 +199,11 @@ async fn prepare(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<P
         .code("context_length_exceeded")
         .param("messages"));
     }
+    check_fits_machine(st, prompt_tokens.saturating_add(max_tokens))?;
     if st.shared.budget.is_trace()
         && let (Some(need), Ok(b)) = (
-            st.shared.need_bytes(prompt_tokens + max_tokens),
+            st.shared
+                .need_bytes(prompt_tokens.saturating_add(max_tokens)),
             st.shared.budget.read(Tick::default()),
         )
         && b.bytes < need
@@ -221,6 +228,60 @@ async fn prepare(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<P
         prompt_tokens,
         opts,
     })
+}
+
+/// A request may name the ladder or one of its rungs (what `/v1/models` lists), or no model;
+/// anything else is OpenAI's 404 `model_not_found`, so a client pointed at the wrong server
+/// finds out rather than getting another model's answers.
+fn check_model(model: Option<&str>, settings: &Settings) -> Result<(), ApiError> {
+    match model {
+        None | Some("") => Ok(()),
+        Some(m) if m == settings.model || settings.rungs.iter().any(|r| r == m) => Ok(()),
+        Some(m) => Err(ApiError::with(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            format!(
+                "The model {:?} does not exist here; this server serves {:?} (rungs: {})",
+                m.chars().take(200).collect::<String>(),
+                settings.model,
+                settings.rungs.join(", ")
+            ),
+        )
+        .code("model_not_found")
+        .param("model")),
+    }
+}
+
+/// A request the smallest rung could not answer even with all the memory the service could
+/// ever have is refused at once: deferring it would hold the engine for the admission timeout
+/// and end in a 503 that invites a retry which can never succeed.
+fn check_fits_machine(st: &AppState, tokens: usize) -> Result<(), ApiError> {
+    if let (Some(ceiling), Some(need)) = (st.settings.memory_ceiling, st.shared.need_bytes(tokens))
+        && need > ceiling
+    {
+        return Err(ApiError::invalid(format!(
+            "this request needs {:.0} MiB on the smallest rung, more than the {:.0} MiB this machine could ever give it; ask for fewer tokens",
+            mib(need).unwrap_or(0.0),
+            mib(ceiling).unwrap_or(0.0)
+        ))
+        .code("request_too_large_for_memory")
+        .param("max_tokens"));
+    }
+    Ok(())
+}
+
+/// A forced switch happens before generated token `at`, so it must fall between the first
+/// token and the last: at 0 (before the prompt is even read) or at or after `max_tokens` it
+/// could never happen, and a silent no-op would read as a switch that did nothing.
+fn check_force_at(at: usize, max_tokens: usize) -> Result<(), ApiError> {
+    if at == 0 || at >= max_tokens {
+        return Err(ApiError::invalid(format!(
+            "molt.force_switch.at must be between 1 and max_tokens − 1 ({}): a switch at token {at} would never happen",
+            max_tokens.saturating_sub(1)
+        ))
+        .param("molt"));
+    }
+    Ok(())
 }
 
 async fn chat(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {

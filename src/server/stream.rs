@@ -134,8 +134,12 @@ pub fn molt_event(e: &Event) -> Option<MoltEvent> {
             pressure: *pressure,
             source: source.clone(),
         }),
-        Event::Stall { reason } => Some(MoltEvent::Stall {
+        Event::Stall {
+            reason,
+            deadline_ms,
+        } => Some(MoltEvent::Stall {
             reason: reason.clone(),
+            deadline_ms: *deadline_ms,
         }),
         Event::Lever(l) => Some(MoltEvent::Lever(l.clone())),
         Event::Start { .. } | Event::Token { .. } | Event::Footprint(_) | Event::Done(_) => None,

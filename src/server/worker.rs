@@ -11,12 +11,15 @@
 //! are not reused by later answers, and an idle session starts each answer on the largest rung
 //! the budget holds for it (see `choose_start`).
 //!
-//! Admission is deferred, never refused, while memory is short: before a job starts, the
-//! engine checks that the budget holds the smallest rung for the job's whole length (prompt +
-//! `max_tokens`), and if not, it waits — telling the client why — until memory comes back,
-//! the client leaves, or the admission timeout passes. A replayed trace is the exception:
-//! its value at the start of an answer never changes by waiting, so the job fails at once.
-//! The only refusal is a full queue (`503 queue_full`), decided when the request arrives.
+//! Admission is deferred while memory is short: before a job starts, the engine checks that
+//! the budget holds the smallest rung for the job's whole length (prompt + `max_tokens`, up
+//! to the context window), and if not, it waits — telling the client why — until memory
+//! comes back, the client leaves, or the admission timeout passes. While it waits, jobs
+//! queued behind it that the budget holds now are answered first, so one deferred job blocks
+//! no one. A replayed trace is the exception: its value at the start of an answer never
+//! changes by waiting, so the job fails at once. A job that could not fit even in all the
+//! machine's memory never gets here: the HTTP side refuses it with a 400, as it refuses a
+//! full queue with `503 queue_full`, when the request arrives.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -161,6 +164,14 @@ impl Queue {
         }
     }
 
+    /// Takes the first waiting job that `fits` accepts, without waiting: what the engine
+    /// answers while an earlier job is deferred for memory.
+    fn take_first(&self, fits: impl Fn(&Job) -> bool) -> Option<Job> {
+        let mut g = self.lock();
+        let i = g.jobs.iter().position(|j| !j.cancelled() && fits(j))?;
+        g.jobs.remove(i)
+    }
+
     /// Waiting jobs.
     pub fn waiting(&self) -> usize {
         self.lock().jobs.len()
@@ -289,13 +300,15 @@ impl Shared {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// What the smallest rung needs to answer a job of `tokens` total length, bytes (the
-    /// session's own admission test).
+    /// What the smallest rung needs to answer a job of `tokens` total length (prompt +
+    /// `max_tokens`), bytes: the session's own admission test, which counts no more than the
+    /// context window (an answer ends when the context is full).
     pub fn need_bytes(&self, tokens: usize) -> Option<u64> {
         let e = self.engine();
+        let tokens = (tokens as u64).min(u64::from(e.n_ctx));
         e.costs
             .last()
-            .map(|c| c.resident_bytes() + c.kv_bytes(tokens as u64))
+            .map(|c| c.resident_bytes() + c.kv_bytes(tokens))
     }
 
     /// Footprints with a full context, by rung name: the references a trace's `frac … of`
@@ -421,31 +434,51 @@ pub fn run(mut session: Session, shared: &Shared) {
             );
             continue;
         }
-        publish(shared, &mut session, Some(job.id.clone()), false);
-        let loaded_before = session.loaded();
-        let last = answer(&mut session, shared, &job, &cancel, &mut projected);
-        // Hand memory freed by an unloaded rung back to the system. glibc keeps freed heap
-        // memory for reuse, and after a rung's contexts are freed it raises its mmap
-        // threshold, so the next rung's buffers come from the heap and fragment it: measured
-        // on the tiny ladder, 600 answers with 1200 rung loads took the resident set from 29
-        // to 59 MiB by default and kept it at 26 MiB with a small mmap threshold. A service
-        // that exists to give memory back when asked must actually give it back.
-        if session.loaded() != loaded_before {
-            crate::pressure::trim_heap();
-        }
-        // Publish before the client hears the end, so a status query made after `[DONE]`
-        // sees the rung the answer ended on.
-        publish(shared, &mut session, None, false);
-        if let Some(u) = last {
-            job.send(u);
-        }
+        serve(&mut session, shared, &job, &cancel, &mut projected);
+    }
+}
+
+/// Answers one job start to end: publishes it as running, answers, gives freed memory back,
+/// publishes the engine idle, and sends the client its last update.
+fn serve(
+    session: &mut Session,
+    shared: &Shared,
+    job: &Job,
+    cancel: &Arc<AtomicBool>,
+    projected: &mut bool,
+) {
+    publish(shared, session, Some(job.id.clone()), false);
+    let loaded_before = session.loaded();
+    let last = answer(session, shared, job, cancel, projected);
+    // Hand memory freed by an unloaded rung back to the system. glibc keeps freed heap
+    // memory for reuse, and after a rung's contexts are freed it raises its mmap
+    // threshold, so the next rung's buffers come from the heap and fragment it: measured
+    // on the tiny ladder, 600 answers with 1200 rung loads took the resident set from 29
+    // to 59 MiB by default and kept it at 26 MiB with a small mmap threshold. A service
+    // that exists to give memory back when asked must actually give it back.
+    if session.loaded() != loaded_before {
+        crate::pressure::trim_heap();
+    }
+    // Publish before the client hears the end, so a status query made after `[DONE]`
+    // sees the rung the answer ended on.
+    publish(shared, session, None, false);
+    if let Some(u) = last {
+        job.send(u);
     }
 }
 
 /// Waits until the budget holds the smallest rung for the job. `Err` when the job must not
-/// run (client gone: `None`; otherwise the error to report).
-fn admit(shared: &Shared, job: &Job) -> Result<(), Option<ApiError>> {
-    let total = job.prompt_tokens + job.opts.max_tokens;
+/// run (client gone: `None`; otherwise the error to report). While it waits, jobs queued
+/// behind it that the budget holds now are answered first: a deferred job must not block the
+/// ones that fit.
+fn admit(
+    session: &mut Session,
+    shared: &Shared,
+    job: &Job,
+    cancel: &Arc<AtomicBool>,
+    projected: &mut bool,
+) -> Result<(), Option<ApiError>> {
+    let total = job.prompt_tokens.saturating_add(job.opts.max_tokens);
     let Some(need) = shared.need_bytes(total) else {
         return Ok(());
     };
@@ -500,6 +533,21 @@ fn admit(shared: &Shared, job: &Job) -> Result<(), Option<ApiError>> {
                 need_bytes: need,
             });
         }
+        let fits = |j: &Job| {
+            shared
+                .need_bytes(j.prompt_tokens.saturating_add(j.opts.max_tokens))
+                .is_none_or(|n| n <= b.bytes)
+        };
+        if let Some(other) = shared.queue.take_first(fits) {
+            shared.recorder.service(
+                &other.id,
+                "overtook",
+                serde_json::json!({"deferred": job.id}),
+            );
+            serve(session, shared, &other, cancel, projected);
+            publish(shared, session, Some(job.id.clone()), false);
+            continue;
+        }
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -519,7 +567,8 @@ fn choose_start(
     job: &Job,
     projected: &mut bool,
 ) -> Result<(), crate::session::SessionError> {
-    let total = (job.prompt_tokens + job.opts.max_tokens) as u64;
+    let total = (job.prompt_tokens.saturating_add(job.opts.max_tokens) as u64)
+        .min(u64::from(session.config().n_ctx));
     let budget = shared
         .budget
         .read(Tick::default())
@@ -554,7 +603,7 @@ fn answer(
     cancel: &Arc<AtomicBool>,
     projected: &mut bool,
 ) -> Option<Update> {
-    match admit(shared, job) {
+    match admit(session, shared, job, cancel, projected) {
         Ok(()) => {}
         Err(None) => {
             shared.counters.cancelled.fetch_add(1, Ordering::Relaxed);

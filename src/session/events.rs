@@ -17,6 +17,9 @@ pub enum StopReason {
     Cancelled,
     /// Killed by the OS (condition A only: the answer is lost).
     Killed,
+    /// Parked past the session's park deadline: the answer so far is kept, and so is the
+    /// conversation (parked), for the next request to continue once memory returns.
+    ParkDeadline,
 }
 
 /// One migration between two tokens.
@@ -193,6 +196,8 @@ pub enum Event {
     Stall {
         /// Why.
         reason: String,
+        /// How long the answer may stay parked before it ends, ms (`None`: no deadline).
+        deadline_ms: Option<u64>,
     },
     /// A park, resume, shed or relayout happened before the next token.
     Lever(LeverInfo),

@@ -38,8 +38,7 @@ pub(super) struct Parked {
 pub fn chat_pinned_prefix(model: &crate::engine::Model, tokens: &[Token]) -> usize {
     let render = |text: &str| {
         model
-            .apply_chat_template(&[crate::engine::ChatMessage::new("user", text)], true)
-            .and_then(|t| model.tokenize(&t, true))
+            .tokenize_chat(&[crate::engine::ChatMessage::new("user", text)], true)
             .ok()
     };
     match (render("a"), render("b")) {
@@ -447,6 +446,52 @@ impl Session {
         info.rss_before = rss_before;
         info.budget_bytes = budget.map_or(0, |b| b.bytes);
         Ok(info)
+    }
+
+    /// The switch an answer made by parking on one rung and resuming on another: reported as
+    /// a switch like any other rung change, so `rungs_used`, `migrations` and the switch
+    /// events agree. Its cost is the resume's (which projected the parked cache, mapped the
+    /// weights and imported it); the park and any re-layout are their own lever events.
+    pub(super) fn parked_switch(&self, from: usize, at_token: usize) -> super::SwitchInfo {
+        let resume = self
+            .answer_levers
+            .iter()
+            .rev()
+            .find(|l| l.lever == "resume" && l.at_token == at_token);
+        super::SwitchInfo {
+            at_token,
+            from: self.ladder.rungs[from].name().to_string(),
+            to: self.current_rung().to_string(),
+            method: if self.opts.strategy == Strategy::Reprefill {
+                super::SwitchMethod::Reprefill
+            } else {
+                super::SwitchMethod::Molt
+            },
+            cost_ms: resume.map_or(0.0, |l| l.cost_ms),
+            load_ms: 0.0,
+            export_ms: 0.0,
+            project_ms: 0.0,
+            import_ms: 0.0,
+            first_decode_ms: 0.0,
+            recompute_ms: 0.0,
+            topk: None,
+            head: 0,
+            head_anchored: 0,
+            head_ms: 0.0,
+            recomputed: 0,
+            spans: 0,
+            spans_ms: 0.0,
+            cells: resume.map_or(0, |l| l.tokens),
+            flops: 0.0,
+            flops_reprefill: 0.0,
+            pressure: 0.0,
+            budget_bytes: self.last_budget.unwrap_or(0),
+            handoff_jsd: None,
+            handoff_floor_jsd: None,
+            note: Some(
+                "parked on one rung, resumed on another (see the park and resume levers)".into(),
+            ),
+        }
     }
 
     /// Makes the current rung live again if an answer ended parked (cancelled while waiting):

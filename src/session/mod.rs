@@ -380,12 +380,11 @@ impl Session {
             Prompt::User(t) => {
                 let mut conv = self.conversation.clone();
                 conv.push(ChatMessage::new("user", t));
-                let text = self
+                let tokens = self
                     .live()
                     .model()
-                    .apply_chat_template(&conv, true)
+                    .tokenize_chat(&conv, true)
                     .map_err(wrap)?;
-                let tokens = self.live().model().tokenize(&text, true).map_err(wrap)?;
                 self.conversation = conv;
                 Ok(tokens)
             }
@@ -449,14 +448,19 @@ impl Session {
             });
             let costs = self.rung_costs();
             let smallest = costs.len() - 1;
-            let need = costs[smallest].resident_bytes()
-                + costs[smallest].kv_bytes((tokens.len() + opts.max_tokens) as u64);
+            // The answer ends when the context is full, so no answer holds more than n_ctx
+            // tokens of cache, whatever max_tokens says.
+            let total = tokens
+                .len()
+                .saturating_add(opts.max_tokens)
+                .min(n_ctx as usize) as u64;
+            let need = costs[smallest].resident_bytes() + costs[smallest].kv_bytes(total);
             if b.bytes < need {
                 return Err(SessionError::BudgetBelowSmallest {
                     budget_mib: b.bytes >> 20,
                     rung: costs[smallest].name.clone(),
                     need_mib: need >> 20,
-                    tokens: (tokens.len() + opts.max_tokens) as u64,
+                    tokens: total,
                 });
             }
         }
@@ -540,6 +544,9 @@ impl Session {
                     stop = StopReason::ContextFull;
                     break;
                 }
+                // The rung that produced the last token: a park that resumes elsewhere is a
+                // rung change like a switch, and is reported as one.
+                let before = self.current;
                 match self.between_tokens(i, tok, t0, opts, sink)? {
                     Between::Switched(info) => {
                         sink(&Event::Switch((*info).clone()));
@@ -550,9 +557,19 @@ impl Session {
                         }
                         switches.push(*info);
                     }
-                    Between::Decoded => {}
+                    Between::Decoded => {
+                        if self.current != before {
+                            let info = self.parked_switch(before, i);
+                            sink(&Event::Switch(info.clone()));
+                            switches.push(info);
+                        }
+                    }
                     Between::Cancelled => {
                         stop = StopReason::Cancelled;
+                        break;
+                    }
+                    Between::ParkDeadline => {
+                        stop = StopReason::ParkDeadline;
                         break;
                     }
                     Between::Stay => {
@@ -665,7 +682,12 @@ impl Session {
             sink(&Event::Footprint(self.footprint_sample(i, b)));
             return Ok(Between::Switched(Box::new(info)));
         }
-        let mut waited = false;
+        // A forced switch holds for the rest of the answer: the policy may still move down when
+        // the budget demands it, but not straight back up (which would undo the force at the
+        // next token).
+        let forced_hold = opts.force_switch.is_some_and(|(at, _)| i > at);
+        // When this wait began (the stall event is sent once, then).
+        let mut waited: Option<Instant> = None;
         // Consecutive actions without a wait: each one changes the state, and the policy is
         // monotone within one budget reading, so a handful settle it; the cap only guards
         // against a policy/actuator disagreement spinning without sleeping.
@@ -716,6 +738,7 @@ impl Session {
                     }
                     false
                 }
+                Decision::Promote { .. } if forced_hold && !parked => return Ok(Between::Stay),
                 Decision::Demote { to } | Decision::Promote { to } => {
                     if !parked {
                         let info = self.switch_to(to, tok, i, Some(b))?;
@@ -792,21 +815,35 @@ impl Session {
                     source_desc: self.budget_description(),
                 });
             }
-            if !waited {
+            let deadline = self.opts.park_deadline;
+            let waiting_since = *waited.get_or_insert_with(|| {
                 sink(&Event::Stall {
                     reason: format!(
-                        "budget {} MiB is below every rung's footprint; parked on {}, waiting for memory",
+                        "budget {} MiB is below every rung's footprint; parked on {}, waiting for memory{}",
                         b.bytes >> 20,
-                        self.current_rung()
+                        // Where the cache is: the rung the answer would resume on if memory
+                        // returned now.
+                        self.ladder.rungs[self.parked.as_ref().map_or(self.current, |p| p.layout)]
+                            .name(),
+                        deadline.map_or(String::new(), |d| format!(
+                            " for up to {:.0} s",
+                            d.as_secs_f64()
+                        ))
                     ),
+                    deadline_ms: deadline.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
                 });
-                waited = true;
-            }
-            if self.cancel.load(Ordering::SeqCst) {
+                Instant::now()
+            });
+            let past_deadline = deadline.is_some_and(|d| waiting_since.elapsed() >= d);
+            if self.cancel.load(Ordering::SeqCst) || past_deadline {
                 if let Some(p) = self.parked.as_ref() {
                     self.stall_ms += p.since.elapsed().as_secs_f64() * 1e3;
                 }
-                return Ok(Between::Cancelled);
+                return Ok(if past_deadline {
+                    Between::ParkDeadline
+                } else {
+                    Between::Cancelled
+                });
             }
             std::thread::sleep(PARK_POLL);
         }
@@ -841,6 +878,8 @@ enum Between {
     Killed,
     /// Cancelled while parked.
     Cancelled,
+    /// Parked past the park deadline: the answer ends, the session stays parked.
+    ParkDeadline,
 }
 
 /// Jensen–Shannon divergence (nats) between the softmax distributions of two logit rows.

@@ -3,6 +3,7 @@
 //! how to switch, what a switch re-reads natively, where projectors are found.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use crate::engine::SamplingParams;
 use crate::sched::Policy;
@@ -116,6 +117,11 @@ pub struct SessionOptions {
     /// ([`TokenRecompute::default_size`]): without it a size switch keeps the answer fluent and
     /// loses the context's facts (the recall benchmark). `None`: off.
     pub token_recompute: Option<TokenRecompute>,
+    /// How long an answer may stay parked between two tokens (no rung fits the budget)
+    /// before it ends with [`StopReason::ParkDeadline`](super::StopReason::ParkDeadline),
+    /// the conversation kept and the session still parked, instead of holding the engine
+    /// until memory returns. `None`: wait as long as it takes.
+    pub park_deadline: Option<Duration>,
 }
 
 /// The head re-read of a default Molt switch: ChatML's opening (`<|im_start|>user\n`, three
@@ -140,6 +146,7 @@ impl Default for SessionOptions {
             head_reread: DEFAULT_HEAD_REREAD,
             refill_chunk: 0,
             token_recompute: Some(TokenRecompute::default_size()),
+            park_deadline: None,
         }
     }
 }

@@ -800,7 +800,7 @@ impl Chat {
                     l.rung = s.to;
                 }
             }
-            Event::Stall { reason } => self.renderer.note(&format!(
+            Event::Stall { reason, .. } => self.renderer.note(&format!(
                 "⏸ {reason} — /budget to give memory back, Ctrl-C to stop"
             )),
             Event::Lever(l) => self.renderer.note(&common::lever_line(&l)),

@@ -165,18 +165,34 @@ struct Item {
 type BadLines = Vec<(usize, String)>;
 
 fn read_prompts(path: &PathBuf) -> Result<(Vec<Item>, BadLines)> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("reading prompt file {}", path.display()))?;
+    let bytes =
+        std::fs::read(path).with_context(|| format!("reading prompt file {}", path.display()))?;
     let mut items = Vec::new();
     let mut bad = Vec::new();
-    for (i, raw) in text.lines().enumerate() {
+    // Lines are split as bytes and decoded one by one, so a line that is not UTF-8 is
+    // reported by number like any other bad line and the others still run.
+    let body = bytes.strip_suffix(b"\n").unwrap_or(&bytes);
+    for (i, raw) in body.split(|&b| b == b'\n').enumerate() {
         let line = i + 1;
-        let t = raw.trim();
+        let raw = raw.strip_suffix(b"\r").unwrap_or(raw);
+        let t = match std::str::from_utf8(raw) {
+            Ok(t) => t.trim(),
+            Err(e) => {
+                bad.push((
+                    line,
+                    format!("not valid UTF-8 (at byte {} of the line)", e.valid_up_to()),
+                ));
+                continue;
+            }
+        };
         if t.is_empty() || t.starts_with('#') {
             continue;
         }
         if t.starts_with('{') {
             match serde_json::from_str::<JsonPrompt>(t) {
+                Ok(j) if j.max_tokens == Some(0) => {
+                    bad.push((line, "\"max_tokens\" must be at least 1".to_string()));
+                }
                 Ok(j) if !j.prompt.trim().is_empty() => {
                     items.push(Item {
                         line,

@@ -5,7 +5,7 @@ use crate::common::GlobalArgs;
 use crate::generate::StrategyArg;
 use anyhow::{Context as _, Result, bail};
 use molt::routes;
-use molt::server::{BudgetRequest, Server, ServerConfig, default_trace_dirs};
+use molt::server::{ApiKey, BudgetRequest, Server, ServerConfig, default_trace_dirs};
 use molt::session::SessionOptions;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
@@ -17,9 +17,21 @@ pub struct Args {
     /// Port to listen on (0: any free port; the address is printed at start).
     #[arg(long, default_value_t = 8088)]
     pub port: u16,
-    /// Address to bind. Loopback by default: the service has no authentication.
+    /// Address to bind. Loopback by default; any other address needs --api-key-file,
+    /// --api-key or --insecure-no-auth.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: IpAddr,
+    /// Require this key as `Authorization: Bearer KEY` on every request (visible in the
+    /// process list: prefer --api-key-file).
+    #[arg(long, conflicts_with = "api_key_file")]
+    pub api_key: Option<String>,
+    /// Read the key from this file (surrounding whitespace ignored).
+    #[arg(long)]
+    pub api_key_file: Option<PathBuf>,
+    /// Listen on a non-loopback address without a key: anyone who can reach the port can use
+    /// the service.
+    #[arg(long)]
+    pub insecure_no_auth: bool,
     /// Rung to start on and never exceed (default: the largest).
     #[arg(long)]
     pub rung: Option<String>,
@@ -43,6 +55,10 @@ pub struct Args {
     /// Seconds a request may wait for memory before it fails with 503.
     #[arg(long, default_value_t = 120)]
     pub admission_timeout_s: u64,
+    /// Seconds an answer may stay parked mid-answer (the budget below every rung) before it
+    /// ends with finish_reason "park_deadline", its conversation kept; 0: wait indefinitely.
+    #[arg(long, default_value_t = 120)]
+    pub park_deadline_s: u64,
     /// max_tokens for requests that set none.
     #[arg(long, default_value_t = 256)]
     pub max_tokens: usize,
@@ -53,6 +69,20 @@ pub struct Args {
     /// Measure the handoff divergence at each switch (one extra decode on the source rung).
     #[arg(long)]
     pub measure_seam: bool,
+}
+
+/// The key from --api-key or --api-key-file.
+fn api_key(a: &Args) -> Result<Option<ApiKey>> {
+    let text = match (&a.api_key, &a.api_key_file) {
+        (Some(k), _) => k.clone(),
+        (None, Some(f)) => {
+            std::fs::read_to_string(f).with_context(|| format!("--api-key-file {}", f.display()))?
+        }
+        (None, None) => return Ok(None),
+    };
+    ApiKey::new(&text)
+        .map(Some)
+        .map_err(|e| anyhow::anyhow!("API key: {e}"))
 }
 
 fn budget_request(spec: &str) -> Result<BudgetRequest> {
@@ -107,6 +137,13 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         bail!("--max-tokens must be at least 1");
     }
     let budget = budget_request(&a.budget)?;
+    let api_key = api_key(a)?;
+    if !a.host.is_loopback() && api_key.is_none() && !a.insecure_no_auth {
+        bail!(
+            "--host {}: refusing to serve a non-loopback address without a key; give --api-key-file (or --api-key), or --insecure-no-auth",
+            a.host
+        );
+    }
     let mut trace_dirs = default_trace_dirs();
     if let Some(d) = &a.traces {
         if !d.is_dir() {
@@ -127,6 +164,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
             strategy: a.strategy.into(),
             projector_dirs: routes::search_dirs(a.projectors.as_deref()),
             measure_seam: a.measure_seam,
+            park_deadline: (a.park_deadline_s > 0).then(|| Duration::from_secs(a.park_deadline_s)),
             ..SessionOptions::default()
         },
         start_rung: a.rung.clone(),
@@ -136,6 +174,8 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         budget,
         trace_dirs,
         record: a.record.clone(),
+        api_key,
+        insecure_no_auth: a.insecure_no_auth,
         ..ServerConfig::default()
     };
     let rt = tokio::runtime::Builder::new_multi_thread()

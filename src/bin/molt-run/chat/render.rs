@@ -200,6 +200,8 @@ pub fn summary_line(g: &Generation, reused: usize) -> String {
             StopReason::ContextFull => "context full (/reset)",
             StopReason::Cancelled => "stopped",
             StopReason::Killed => "killed",
+            StopReason::ParkDeadline =>
+                "no memory within the park deadline (/budget, then ask again)",
         }
     );
     s
