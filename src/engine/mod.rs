@@ -15,6 +15,7 @@
 //! recompute).
 
 mod context;
+mod grammar;
 mod logs;
 mod model;
 pub mod partial;
@@ -25,6 +26,7 @@ pub mod tap;
 mod text;
 
 pub use context::{CacheType, Context, ContextConfig, Span};
+pub use grammar::{Grammar, GrammarError, JSON_GRAMMAR};
 pub use logs::recent_llama_errors;
 pub use model::{ChatMessage, Model, ModelOptions};
 pub use partial::PartialForward;

@@ -18,6 +18,8 @@
 
 mod budget;
 pub mod client;
+pub mod completions;
+mod control;
 mod error;
 pub mod openai;
 mod record;

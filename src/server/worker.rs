@@ -28,6 +28,7 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 
 use super::budget::ServerBudget;
+use super::control::RequestControl;
 use super::error::ApiError;
 use super::openai::mib;
 use super::record::Recorder;
@@ -70,12 +71,14 @@ pub struct Job {
     pub id: String,
     /// Earlier turns.
     pub history: Vec<ChatMessage>,
-    /// The user turn to answer.
-    pub last_user: String,
+    /// What to answer (a user turn, or a completion's standalone prompt).
+    pub prompt: Prompt,
     /// Prompt tokens, as measured when the request arrived.
     pub prompt_tokens: usize,
     /// Generation options (forced switch resolved to a rung index).
     pub opts: GenerateOptions,
+    /// Stop strings, penalties, grammar, log-probabilities (taken by the engine thread).
+    pub control: RequestControl,
     /// Set when the client has gone.
     pub cancel: Arc<AtomicBool>,
     /// Where updates go.
@@ -411,7 +414,7 @@ pub fn run(mut session: Session, shared: &Shared) {
     let _ = shared.session_cancel.set(Arc::clone(&cancel));
     // Whether the cache holds cells projected by a transplant in an earlier answer.
     let mut projected = false;
-    while let Some(job) = shared.queue.pop() {
+    while let Some(mut job) = shared.queue.pop() {
         if job.cancelled() {
             shared.counters.cancelled.fetch_add(1, Ordering::Relaxed);
             shared.recorder.service(
@@ -423,7 +426,15 @@ pub fn run(mut session: Session, shared: &Shared) {
         }
         publish(shared, &mut session, Some(job.id.clone()), false);
         let loaded_before = session.loaded();
-        let last = answer(&mut session, shared, &job, &cancel, &mut projected);
+        let mut control = std::mem::take(&mut job.control);
+        let last = answer(
+            &mut session,
+            shared,
+            &job,
+            &mut control,
+            &cancel,
+            &mut projected,
+        );
         // Hand memory freed by an unloaded rung back to the system. glibc keeps freed heap
         // memory for reuse, and after a rung's contexts are freed it raises its mmap
         // threshold, so the next rung's buffers come from the heap and fragment it: measured
@@ -551,6 +562,7 @@ fn answer(
     session: &mut Session,
     shared: &Shared,
     job: &Job,
+    control: &mut RequestControl,
     cancel: &Arc<AtomicBool>,
     projected: &mut bool,
 ) -> Option<Update> {
@@ -596,7 +608,7 @@ fn answer(
             cancel.store(true, Ordering::SeqCst);
         }
     };
-    let r = session.generate(&Prompt::User(job.last_user.clone()), &job.opts, &mut sink);
+    let r = session.generate_with(&job.prompt, &job.opts, control, &mut sink);
     match r {
         Ok(g) => {
             // Projected cells are kept when the session re-reads, before the next answer, the
