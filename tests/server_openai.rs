@@ -294,8 +294,12 @@ async fn logprobs_come_from_the_rung_that_produced_each_token() {
         .iter()
         .map(|e| e["rung"].as_str().unwrap())
         .collect();
-    assert_eq!(&rungs[4..], ["small"; 4], "{rungs:?}");
-    assert_ne!(rungs[0], "small", "{rungs:?}");
+    // Forced to small before token 4 (and promoted back afterwards: nothing limits the budget).
+    assert_eq!(rungs[4], "small", "{rungs:?}");
+    assert!(
+        rungs[..4].iter().all(|r| *r == rungs[0] && *r != "small"),
+        "{rungs:?}"
+    );
     let text: String = content
         .iter()
         .map(|e| e["token"].as_str().unwrap())
