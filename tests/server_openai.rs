@@ -540,3 +540,53 @@ async fn plain_completions_stream_and_not_with_the_same_fields() {
     }
     srv.shutdown().await;
 }
+
+/// The stock `openai` Python client against this server (`scripts/openai_client_check.py`:
+/// a budget cut mid-stream with logprobs, stop, seed, json_object, `/v1/completions`). Runs
+/// when `$MOLT_PYTHON` (default `python3`) can import `openai`; otherwise says so and passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stock_openai_python_client_passes_its_checks() {
+    let python = std::env::var("MOLT_PYTHON").unwrap_or_else(|_| "python3".into());
+    let has_client = std::process::Command::new(&python)
+        .args(["-c", "import openai"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_client {
+        eprintln!(
+            "skipped: {python} cannot import openai (pip install openai, or set MOLT_PYTHON)"
+        );
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let srv = start().await;
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/scripts/openai_client_check.py"
+    );
+    let url = format!("http://{}/v1", srv.addr);
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(&python)
+            .args([
+                script,
+                "--base-url",
+                &url,
+                "--max-tokens",
+                "24",
+                "--cut-after",
+                "6",
+            ])
+            .output()
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    let log = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("{log}");
+    assert!(out.status.success(), "the client check failed:\n{log}");
+    assert!(log.contains("all checks passed"), "{log}");
+    srv.shutdown().await;
+}
