@@ -590,3 +590,48 @@ async fn the_stock_openai_python_client_passes_its_checks() {
     assert!(log.contains("all checks passed"), "{log}");
     srv.shutdown().await;
 }
+
+/// The official `openai` npm client against this server (`scripts/openai_node_check.mjs`).
+/// Runs when `node` can load `openai` (installed beside the script, or found on `$NODE_PATH`);
+/// otherwise says so and passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_npm_client_passes_its_checks() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/openai_node_check.mjs");
+    let has_client = std::process::Command::new("node")
+        .args(["-e", "require('openai')"])
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts"))
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_client {
+        eprintln!("skipped: node cannot load openai (npm install openai, or set NODE_PATH)");
+        return;
+    }
+    let _serial = SERIAL.lock().await;
+    let srv = start().await;
+    let url = format!("http://{}/v1", srv.addr);
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("node")
+            .args([
+                script,
+                "--base-url",
+                &url,
+                "--max-tokens",
+                "24",
+                "--cut-after",
+                "6",
+            ])
+            .output()
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    let log = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("{log}");
+    assert!(out.status.success(), "the client check failed:\n{log}");
+    assert!(log.contains("all checks passed"), "{log}");
+    srv.shutdown().await;
+}
