@@ -102,7 +102,7 @@ async fn stream(addr: SocketAddr, path: &str, body: &Value) -> Vec<Value> {
         .await
         .unwrap()
         .ok()
-        .expect("a stream");
+        .unwrap();
     let mut out = Vec::new();
     while let Some(ev) = tokio::time::timeout(Duration::from_secs(60), s.next())
         .await
