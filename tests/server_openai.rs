@@ -570,10 +570,12 @@ async fn the_stock_openai_python_client_passes_its_checks() {
                 script,
                 "--base-url",
                 &url,
+                // Tiny rungs decode a token in about 2 ms: a long answer leaves the budget
+                // cut, posted from another thread after token 4, time to land mid-answer.
                 "--max-tokens",
-                "24",
+                "160",
                 "--cut-after",
-                "6",
+                "4",
             ])
             .output()
     })
@@ -615,10 +617,12 @@ async fn the_openai_npm_client_passes_its_checks() {
                 script,
                 "--base-url",
                 &url,
+                // Tiny rungs decode a token in about 2 ms: a long answer leaves the budget
+                // cut, posted from another thread after token 4, time to land mid-answer.
                 "--max-tokens",
-                "24",
+                "160",
                 "--cut-after",
-                "6",
+                "4",
             ])
             .output()
     })
