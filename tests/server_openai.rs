@@ -639,3 +639,24 @@ async fn the_openai_npm_client_passes_its_checks() {
     assert!(log.contains("all checks passed"), "{log}");
     srv.shutdown().await;
 }
+
+/// A grammar llama.cpp cannot compile is an error carrying llama.cpp's own message, and the
+/// shipped JSON grammar compiles over a ladder's vocabulary.
+#[test]
+fn a_bad_grammar_is_refused_with_llama_cpps_message() {
+    use molt::engine::{Grammar, GrammarError, JSON_GRAMMAR, Model};
+    molt::engine::backend();
+    let rung = &common::tiny_ladder().rungs[0];
+    let vocab = Model::load_vocab_only(&rung.path, "vocab").unwrap();
+    Grammar::new(std::sync::Arc::clone(&vocab), JSON_GRAMMAR).expect("the JSON grammar compiles");
+    match Grammar::new(vocab, "root ::= \"unterminated") {
+        Err(GrammarError::Compile { detail }) => {
+            assert!(
+                detail.contains("pars"),
+                "not llama.cpp's parse error: {detail}"
+            );
+        }
+        Err(e) => panic!("wrong error: {e}"),
+        Ok(_) => panic!("a broken grammar compiled"),
+    }
+}
