@@ -382,10 +382,20 @@ async fn seed_penalties_token_limits_and_user_behave_as_openai_says() {
     let (tb, tp) = (tokens(&base), tokens(&pen));
     assert!(repeats(&tb) > 0, "the greedy answer never repeats: {tb:?}");
     assert!(repeats(&tp) < repeats(&tb), "{tb:?} vs {tp:?}");
+    // llama.cpp's repetition penalty, the same way.
+    let rep = ok(
+        addr,
+        "/v1/chat/completions",
+        &chat(&json!({"logprobs": true, "repeat_penalty": 10.0})),
+    )
+    .await;
+    let tr = tokens(&rep);
+    assert!(repeats(&tr) < repeats(&tb), "{tb:?} vs {tr:?}");
     for (bad, name) in [
         (json!({"presence_penalty": -2.5}), "presence_penalty"),
         (json!({"frequency_penalty": 3}), "frequency_penalty"),
         (json!({"n": 2}), "n"),
+        (json!({"repeat_penalty": 0}), "repeat_penalty"),
     ] {
         let (status, e) = post(addr, "/v1/chat/completions", &chat(&bad)).await;
         assert_eq!(

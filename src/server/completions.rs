@@ -64,6 +64,9 @@ pub struct CompletionRequest {
     /// −2..=2.
     #[serde(default)]
     pub frequency_penalty: Option<f32>,
+    /// llama.cpp's repetition penalty (an extension): > 0, 1 = off.
+    #[serde(default)]
+    pub repeat_penalty: Option<f32>,
     /// `{"type": "json_object"}` constrains the continuation to one JSON object (an extension:
     /// OpenAI defines it for chats only).
     #[serde(default)]
@@ -130,6 +133,7 @@ impl CompletionRequest {
             stop: self.stop.clone(),
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
+            repeat_penalty: self.repeat_penalty,
             response_format: self.response_format.clone(),
         }
         .validate()?;

@@ -8,7 +8,7 @@
 //! so a client never receives part of a stop string, streaming or not; the text before a match
 //! is released and the answer ends with `finish_reason: "stop"`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use crate::engine::{Grammar, Token};
 use crate::session::{Accept, TokenControl};
@@ -64,22 +64,35 @@ impl StopFilter {
 
 /// OpenAI's penalties: each generated token's logit is lowered by `frequency × count` and,
 /// once it has appeared, by `presence` (negative values encourage repetition). Counted over
-/// the answer's own tokens, as OpenAI documents.
+/// the answer's own tokens, as OpenAI documents. Then llama.cpp's repetition penalty, over
+/// the answer's last [`REPEAT_LAST_N`] tokens: a positive logit is divided by it, a negative
+/// one multiplied (llama.cpp's `penalties` sampler, which also looks at the prompt; an
+/// answer's own tokens are what a client means by "repeating itself").
 #[derive(Debug, Clone, Default)]
 pub struct Penalties {
     presence: f32,
     frequency: f32,
+    repeat: f32,
     counts: HashMap<Token, u32>,
+    recent: VecDeque<Token>,
 }
 
+/// How many of the answer's latest tokens the repetition penalty looks at (llama.cpp's
+/// default `repeat_last_n`).
+pub const REPEAT_LAST_N: usize = 64;
+
 impl Penalties {
-    /// `None` when both are zero (nothing to do).
+    /// `None` when none would change anything (both 0, repetition 1).
     #[must_use]
-    pub fn new(presence: f32, frequency: f32) -> Option<Self> {
-        (presence != 0.0 || frequency != 0.0).then(|| Self {
+    pub fn new(presence: f32, frequency: f32, repeat: f32) -> Option<Self> {
+        #[allow(clippy::float_cmp)]
+        let off = presence == 0.0 && frequency == 0.0 && repeat == 1.0;
+        (!off).then(|| Self {
             presence,
             frequency,
+            repeat,
             counts: HashMap::new(),
+            recent: VecDeque::new(),
         })
     }
 
@@ -91,10 +104,27 @@ impl Penalties {
                 *l -= self.frequency * count + self.presence;
             }
         }
+        #[allow(clippy::float_cmp)]
+        if self.repeat != 1.0 {
+            let distinct: HashSet<Token> = self.recent.iter().copied().collect();
+            for t in distinct {
+                if let Some(l) = usize::try_from(t).ok().and_then(|i| logits.get_mut(i)) {
+                    *l = if *l > 0.0 {
+                        *l / self.repeat
+                    } else {
+                        *l * self.repeat
+                    };
+                }
+            }
+        }
     }
 
     fn seen(&mut self, t: Token) {
         *self.counts.entry(t).or_insert(0) += 1;
+        self.recent.push_back(t);
+        if self.recent.len() > REPEAT_LAST_N {
+            self.recent.pop_front();
+        }
     }
 }
 
@@ -192,13 +222,34 @@ mod tests {
 
     #[test]
     fn penalties_lower_seen_tokens_by_openai_rule() {
-        let mut p = Penalties::new(0.5, 1.0).unwrap();
+        let mut p = Penalties::new(0.5, 1.0, 1.0).unwrap();
         p.seen(1);
         p.seen(1);
         p.seen(2);
         let mut row = [0.0_f32; 4];
         p.apply(&mut row);
         assert_eq!(row, [0.0, -2.5, -1.5, 0.0]);
-        assert!(Penalties::new(0.0, 0.0).is_none());
+        assert!(Penalties::new(0.0, 0.0, 1.0).is_none());
+    }
+
+    #[test]
+    fn the_repetition_penalty_pushes_recent_tokens_toward_zero_probability_as_llama_cpp_does() {
+        let mut p = Penalties::new(0.0, 0.0, 2.0).unwrap();
+        p.seen(0);
+        p.seen(1);
+        p.seen(1);
+        let mut row = [4.0_f32, -1.0, 3.0];
+        p.apply(&mut row);
+        assert_eq!(row, [2.0, -2.0, 3.0]);
+        for t in 0..REPEAT_LAST_N {
+            p.seen(Token::try_from(t).unwrap() + 10);
+        }
+        let mut row = [4.0_f32, -1.0, 3.0];
+        p.apply(&mut row);
+        assert_eq!(
+            row,
+            [4.0, -1.0, 3.0],
+            "tokens older than the window still penalised"
+        );
     }
 }

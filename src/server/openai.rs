@@ -59,6 +59,9 @@ pub struct ChatRequest {
     /// −2..=2.
     #[serde(default)]
     pub frequency_penalty: Option<f32>,
+    /// llama.cpp's repetition penalty (an extension): > 0, 1 = off.
+    #[serde(default)]
+    pub repeat_penalty: Option<f32>,
     /// `{"type": "text"}` or `{"type": "json_object"}`.
     #[serde(default)]
     pub response_format: Option<serde_json::Value>,
@@ -177,6 +180,8 @@ pub struct SamplingFields {
     pub presence_penalty: Option<f32>,
     /// −2..=2: lowers a token's logit by this much per appearance in the answer.
     pub frequency_penalty: Option<f32>,
+    /// llama.cpp's repetition penalty, > 0 (1 = off).
+    pub repeat_penalty: Option<f32>,
     /// `{"type": "text"}` or `{"type": "json_object"}` (`json_schema` is refused).
     pub response_format: Option<serde_json::Value>,
 }
@@ -196,6 +201,8 @@ pub struct ValidSampling {
     pub presence_penalty: f32,
     /// Frequency penalty.
     pub frequency_penalty: f32,
+    /// Repetition penalty (1 = off).
+    pub repeat_penalty: f32,
     /// Constrain the answer to one JSON object.
     pub json_object: bool,
 }
@@ -246,6 +253,10 @@ impl SamplingFields {
                 return Err((format!("{name} must be in -2..=2"), name));
             }
         }
+        let repeat_penalty = self.repeat_penalty.unwrap_or(1.0);
+        if !(repeat_penalty > 0.0 && repeat_penalty <= 10.0) {
+            return Err(("repeat_penalty must be in (0, 10]".into(), "repeat_penalty"));
+        }
         let json_object = match &self.response_format {
             None | Some(Value::Null) => false,
             Some(f) => match f.get("type").and_then(Value::as_str) {
@@ -269,6 +280,7 @@ impl SamplingFields {
             stop,
             presence_penalty: self.presence_penalty.unwrap_or(0.0),
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            repeat_penalty,
             json_object,
         })
     }
@@ -323,6 +335,7 @@ impl ChatRequest {
             stop: self.stop.clone(),
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
+            repeat_penalty: self.repeat_penalty,
             response_format: self.response_format.clone(),
         }
         .validate()?;

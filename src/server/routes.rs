@@ -184,6 +184,7 @@ fn request_control(st: &AppState, req: &ValidRequest) -> Result<RequestControl, 
         penalties: Penalties::new(
             req.sampling.presence_penalty,
             req.sampling.frequency_penalty,
+            req.sampling.repeat_penalty,
         ),
         grammar,
         logprobs: req.logprobs,
@@ -319,6 +320,7 @@ async fn answer(st: AppState, endpoint: Endpoint, body: Result<Bytes, BytesRejec
         "json_object": p.req.sampling.json_object,
         "presence_penalty": p.req.sampling.presence_penalty,
         "frequency_penalty": p.req.sampling.frequency_penalty,
+        "repeat_penalty": p.req.sampling.repeat_penalty,
     });
     let job = Job {
         id: id.clone(),
