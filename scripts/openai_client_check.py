@@ -11,7 +11,12 @@ OpenAI client would, and checks Molt's promises on the wire:
 4. the stream ends with a summary (tokens, rungs used, migrations and their cost, killed=false)
    and `[DONE]` (the client's iterator simply ends);
 5. a non-streamed completion carries the same summary;
-6. an invalid request raises the client's own BadRequestError with the server's JSON message.
+6. an invalid request raises the client's own BadRequestError with the server's JSON message;
+7. the fields clients send: the streamed answer of (3) asks for `logprobs` and every token's
+   entry names the same rung as its chunk, across the switch; `stop` ends an answer before the
+   stop string, streamed and not, without sending any part of it; the same `seed` samples the
+   same answer; `response_format: json_object` gives JSON; `max_completion_tokens`, penalties
+   and `user` are accepted; `/v1/completions` answers plain prompts, streamed and not.
 
 Usage (after `pip install openai`):
 
@@ -70,6 +75,75 @@ def pick_cut(status: dict, to: str | None) -> tuple[float, str]:
     return (lo + hi) / 2, target
 
 
+def fields_checks(client, model: str, check) -> None:
+    """Stop, logprobs, seed, json_object, token limits, penalties, user, /v1/completions."""
+    ask = [{"role": "user", "content": "List three fruits, one per line, then say why you like each."}]
+    base = client.chat.completions.create(model=model, messages=ask, max_tokens=40, temperature=0)
+    full = base.choices[0].message.content or ""
+    # A stop string from the middle of the greedy answer: two characters that follow the 8th.
+    cut = min(8, max(len(full) - 2, 0))
+    stop = full[cut:cut + 2]
+    if len(stop) == 2:
+        want = full[:full.find(stop)]
+        r = client.chat.completions.create(model=model, messages=ask, max_tokens=40, temperature=0,
+                                           stop=[stop, "never-seen-zzz"], user="openai-client-check")
+        check(r.choices[0].message.content == want and r.choices[0].finish_reason == "stop",
+              f"stop={stop!r}: {r.choices[0].message.content!r} (finish {r.choices[0].finish_reason})")
+        got, fin = [], None
+        for ch in client.chat.completions.create(model=model, messages=ask, max_tokens=40, temperature=0,
+                                                 stop=stop, stream=True):
+            if ch.choices and ch.choices[0].delta and ch.choices[0].delta.content:
+                got.append(ch.choices[0].delta.content)
+            if ch.choices and ch.choices[0].finish_reason:
+                fin = ch.choices[0].finish_reason
+        check("".join(got) == want and fin == "stop", f"streamed stop={stop!r}: {''.join(got)!r} (finish {fin})")
+    else:
+        check(False, f"the greedy answer is too short to pick a stop string from: {full!r}")
+
+    r = client.chat.completions.create(model=model, messages=ask, max_tokens=8, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    lp = r.choices[0].logprobs.content if r.choices[0].logprobs else []
+    check(len(lp) == r.usage.completion_tokens and all(len(e.top_logprobs) == 3 for e in lp)
+          and all((e.model_extra or {}).get("rung") for e in lp),
+          f"logprobs: {[(e.token, round(e.logprob, 3)) for e in lp[:4]]}… rung {(lp[0].model_extra or {}).get('rung') if lp else None}")
+
+    sampled = [client.chat.completions.create(model=model, messages=ask, max_tokens=16, temperature=0.9,
+                                              seed=seed).choices[0].message.content for seed in (7, 7, 8)]
+    check(sampled[0] == sampled[1], f"seed 7 twice gives the same answer: {sampled[0]!r}")
+    print(f"  (seed 8: {sampled[2]!r})")
+
+    r = client.chat.completions.create(
+        model=model, max_tokens=64, temperature=0, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Describe a cat as a JSON object with keys name, age and colour."}])
+    body = r.choices[0].message.content or ""
+    try:
+        parsed = json.loads(body)
+        check(isinstance(parsed, dict), f"json_object: {body!r}")
+    except ValueError:
+        check(r.choices[0].finish_reason == "length" and body.lstrip().startswith("{"),
+              f"json_object (cut by max_tokens): {body!r}")
+    try:
+        client.chat.completions.create(model=model, messages=ask, max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}})
+        check(False, "json_schema is refused")
+    except openai.BadRequestError as e:
+        check(e.status_code == 400, "json_schema -> BadRequestError 400")
+
+    r = client.chat.completions.create(model=model, messages=ask, max_completion_tokens=5, temperature=0,
+                                       presence_penalty=0.5, frequency_penalty=0.5)
+    check(r.usage.completion_tokens <= 5, f"max_completion_tokens=5 with penalties: {r.usage.completion_tokens} tokens")
+
+    c = client.completions.create(model=model, prompt="def fibonacci(n):", max_tokens=24, temperature=0,
+                                  logprobs=2, stop=["\n\n\n"])
+    check(bool(c.choices[0].text) and c.choices[0].logprobs is not None
+          and len(c.choices[0].logprobs.tokens or []) == c.usage.completion_tokens,
+          f"completions: {c.choices[0].text!r}")
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(
+        model=model, prompt="def fibonacci(n):", max_tokens=24, temperature=0, stop=["\n\n\n"], stream=True)
+        if ch.choices)
+    check(streamed == c.choices[0].text, "streamed completion matches the non-streamed one")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base-url", default="http://127.0.0.1:8088/v1")
@@ -109,10 +183,11 @@ def main() -> int:
     first_token_s = None
     stream = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": args.prompt}],
-        max_tokens=args.max_tokens, stream=True,
+        max_tokens=args.max_tokens, stream=True, logprobs=True, top_logprobs=2,
     )
     n_tokens = 0
     finish = None
+    logprob_rungs: list[tuple[str | None, str | None, int]] = []
     for chunk in stream:
         m = molt_of(chunk)
         if m is not None:
@@ -121,6 +196,9 @@ def main() -> int:
             c = chunk.choices[0]
             if c.delta and c.delta.content:
                 text.append(c.delta.content)
+            if c.logprobs and c.logprobs.content and m:
+                entry = c.logprobs.content[0]
+                logprob_rungs.append(((entry.model_extra or {}).get("rung"), m.get("rung"), len(entry.top_logprobs)))
             if c.finish_reason:
                 finish = c.finish_reason
         if m and m.get("event") == "token":
@@ -162,6 +240,9 @@ def main() -> int:
         check(summary["killed"] is False, "killed = false")
         check(summary["tokens"] == len(tokens), "summary token count matches the chunks")
     check(finish in ("stop", "length"), f"finish_reason {finish!r}")
+    check(len(logprob_rungs) == len(tokens) and all(a == b and k == 2 for a, b, k in logprob_rungs),
+          f"{len(logprob_rungs)} logprobs entries with 2 alternatives, each naming its chunk's rung "
+          f"({sorted({a for a, _, _ in logprob_rungs if a})})")
     print(f"  client-side: first token after {first_token_s or 0:.2f} s, stream {total_s:.2f} s")
 
     # --- non-streamed answer ----------------------------------------------------------------
@@ -179,6 +260,8 @@ def main() -> int:
         check(False, "n=2 is refused")
     except openai.BadRequestError as e:
         check(e.status_code == 400, f"n=2 -> BadRequestError 400: {e.body.get('message') if isinstance(e.body, dict) else e.body}")
+
+    fields_checks(client, model, check)
 
     # Restore the budget the server had.
     restore = {"unlimited": True}

@@ -16,6 +16,7 @@
 
 mod chat;
 mod context;
+mod grammar;
 mod logs;
 mod model;
 pub mod partial;
@@ -26,6 +27,7 @@ pub mod tap;
 mod text;
 
 pub use context::{Context, ContextConfig, Span};
+pub use grammar::{Grammar, GrammarError, JSON_GRAMMAR};
 pub use logs::recent_llama_errors;
 pub use model::{ChatMessage, Model, ModelOptions};
 pub use partial::PartialForward;

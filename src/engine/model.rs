@@ -141,7 +141,7 @@ impl Model {
         self.ptr.as_ptr()
     }
 
-    fn vocab(&self) -> *const llama_cpp_sys_2::llama_vocab {
+    pub(crate) fn vocab(&self) -> *const llama_cpp_sys_2::llama_vocab {
         // SAFETY: the model is alive; the vocab pointer lives as long as the model.
         unsafe { llama_cpp_sys_2::llama_model_get_vocab(self.ptr.as_ptr()) }
     }

@@ -19,6 +19,8 @@
 mod auth;
 mod budget;
 pub mod client;
+pub mod completions;
+mod control;
 mod error;
 mod limits;
 pub mod openai;

@@ -1,8 +1,10 @@
 //! The OpenAI chat-completions wire format, as far as Molt speaks it, plus Molt's extension.
 //!
 //! Requests ([`ChatRequest`]) reject unknown fields: a misspelt `max_token` must not silently
-//! mean "the default". Fields OpenAI defines but Molt cannot honour (`n > 1`, `stop`,
-//! `logprobs`, penalties ≠ 0) are refused with a message naming them rather than ignored.
+//! mean "the default". Fields OpenAI defines but Molt cannot honour (`n > 1`, tools,
+//! `response_format: json_schema`) are refused with a message naming them rather than ignored.
+//! The sampling fields a chat and a plain completion share (`stop`, `logprobs`, `seed`,
+//! penalties, `response_format`) are checked once, by [`SamplingFields::validate`].
 //!
 //! Responses: [`ChatCompletion`] (non-streaming) and [`ChatChunk`] (one per SSE event). Every
 //! chunk may carry a `molt` object ([`MoltEvent`]): a token chunk names the rung that produced
@@ -13,7 +15,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::engine::ChatMessage;
-use crate::session::{StopReason, Summary, SwitchInfo};
+use crate::session::{Prompt, StopReason, Summary, SwitchInfo, TokenLogprobs};
 
 /// `POST /v1/chat/completions` body.
 #[derive(Debug, Clone, Deserialize)]
@@ -48,18 +50,27 @@ pub struct ChatRequest {
     /// Number of choices; only 1 is supported.
     #[serde(default)]
     pub n: Option<u32>,
-    /// Stop sequences: not supported (refused unless null or empty).
+    /// A stop string, or up to 4.
     #[serde(default)]
     pub stop: Option<serde_json::Value>,
-    /// Must be 0 or absent.
+    /// −2..=2.
     #[serde(default)]
     pub presence_penalty: Option<f32>,
-    /// Must be 0 or absent.
+    /// −2..=2.
     #[serde(default)]
     pub frequency_penalty: Option<f32>,
-    /// Must be false or absent.
+    /// llama.cpp's repetition penalty (an extension): > 0, 1 = off.
+    #[serde(default)]
+    pub repeat_penalty: Option<f32>,
+    /// `{"type": "text"}` or `{"type": "json_object"}`.
+    #[serde(default)]
+    pub response_format: Option<serde_json::Value>,
+    /// Return each token's log-probability.
     #[serde(default)]
     pub logprobs: Option<bool>,
+    /// Alternatives per token, 0..=20 (needs `logprobs: true`).
+    #[serde(default)]
+    pub top_logprobs: Option<u32>,
     /// An end-user id; recorded, otherwise unused.
     #[serde(default)]
     pub user: Option<String>,
@@ -159,13 +170,136 @@ impl Content {
     }
 }
 
+/// The sampling fields `/v1/chat/completions` and `/v1/completions` share (each request type
+/// spells them out itself: serde's `flatten` would disable `deny_unknown_fields`).
+#[derive(Debug, Clone, Default)]
+pub struct SamplingFields {
+    /// A stop string, or up to 4.
+    pub stop: Option<serde_json::Value>,
+    /// −2..=2: lowers a token's logit once it has appeared in the answer.
+    pub presence_penalty: Option<f32>,
+    /// −2..=2: lowers a token's logit by this much per appearance in the answer.
+    pub frequency_penalty: Option<f32>,
+    /// llama.cpp's repetition penalty, > 0 (1 = off).
+    pub repeat_penalty: Option<f32>,
+    /// `{"type": "text"}` or `{"type": "json_object"}` (`json_schema` is refused).
+    pub response_format: Option<serde_json::Value>,
+}
+
+/// Most stop strings a request may give (OpenAI's limit).
+pub const MAX_STOPS: usize = 4;
+
+/// Most alternatives per token a request may ask for (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+
+/// The shared sampling fields, checked.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ValidSampling {
+    /// Stop strings (none empty).
+    pub stop: Vec<String>,
+    /// Presence penalty.
+    pub presence_penalty: f32,
+    /// Frequency penalty.
+    pub frequency_penalty: f32,
+    /// Repetition penalty (1 = off).
+    pub repeat_penalty: f32,
+    /// Constrain the answer to one JSON object.
+    pub json_object: bool,
+}
+
+impl SamplingFields {
+    /// Checks the fields; the error is a message for a 400 and the offending parameter.
+    ///
+    /// # Errors
+    /// `(message, param)` for the first problem found.
+    pub fn validate(&self) -> Result<ValidSampling, (String, &'static str)> {
+        use serde_json::Value;
+        let stop = match &self.stop {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::String(s)) => vec![s.clone()],
+            Some(Value::Array(a)) => {
+                if a.len() > MAX_STOPS {
+                    return Err((
+                        format!(
+                            "stop holds {} strings; at most {MAX_STOPS} are allowed",
+                            a.len()
+                        ),
+                        "stop",
+                    ));
+                }
+                a.iter()
+                    .map(|v| v.as_str().map(str::to_string))
+                    .collect::<Option<Vec<_>>>()
+                    .ok_or((
+                        "stop must be a string or an array of strings".to_string(),
+                        "stop",
+                    ))?
+            }
+            Some(_) => {
+                return Err((
+                    "stop must be a string or an array of strings".into(),
+                    "stop",
+                ));
+            }
+        };
+        if stop.iter().any(String::is_empty) {
+            return Err(("stop strings must not be empty".into(), "stop"));
+        }
+        for (v, name) in [
+            (self.presence_penalty, "presence_penalty"),
+            (self.frequency_penalty, "frequency_penalty"),
+        ] {
+            if v.is_some_and(|x| !(-2.0..=2.0).contains(&x)) {
+                return Err((format!("{name} must be in -2..=2"), name));
+            }
+        }
+        let repeat_penalty = self.repeat_penalty.unwrap_or(1.0);
+        if !(repeat_penalty > 0.0 && repeat_penalty <= 10.0) {
+            return Err(("repeat_penalty must be in (0, 10]".into(), "repeat_penalty"));
+        }
+        let json_object = match &self.response_format {
+            None | Some(Value::Null) => false,
+            Some(f) => match f.get("type").and_then(Value::as_str) {
+                Some("text") => false,
+                Some("json_object") => true,
+                Some("json_schema") => {
+                    return Err((
+                        "response_format json_schema is not supported by this server; use {\"type\": \"json_object\"}".into(),
+                        "response_format",
+                    ));
+                }
+                _ => {
+                    return Err((
+                        "response_format.type must be \"text\" or \"json_object\"".into(),
+                        "response_format",
+                    ));
+                }
+            },
+        };
+        Ok(ValidSampling {
+            stop,
+            presence_penalty: self.presence_penalty.unwrap_or(0.0),
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            repeat_penalty,
+            json_object,
+        })
+    }
+}
+
+/// A request's seed as the sampler's, or a fresh random one when the client set none (as
+/// OpenAI does: without a seed, two sampled answers differ).
+#[must_use]
+pub fn sampler_seed(seed: Option<i64>) -> u64 {
+    seed.map_or_else(rand::random, |s| u64::from_ne_bytes(s.to_ne_bytes()))
+}
+
 /// A request checked and turned into what the engine needs.
 #[derive(Debug, Clone)]
 pub struct ValidRequest {
-    /// Earlier turns (everything before the last user message).
+    /// Earlier turns (everything before the last user message; empty for a completion).
     pub history: Vec<ChatMessage>,
-    /// The last user message.
-    pub last_user: String,
+    /// What to answer: the last user message, or a completion's prompt.
+    pub prompt: Prompt,
     /// Stream as SSE.
     pub stream: bool,
     /// Send a usage chunk at the end of a stream.
@@ -180,6 +314,12 @@ pub struct ValidRequest {
     pub seed: u64,
     /// Forced switch `(at, rung name)`.
     pub force_switch: Option<(usize, String)>,
+    /// Stop strings, penalties, response format.
+    pub sampling: ValidSampling,
+    /// Alternatives per token for log-probabilities (`None`: not asked for).
+    pub logprobs: Option<usize>,
+    /// The client's end-user id, for the record.
+    pub user: Option<String>,
 }
 
 impl ChatRequest {
@@ -191,30 +331,27 @@ impl ChatRequest {
         if self.n.is_some_and(|n| n != 1) {
             return Err(("only n = 1 is supported".into(), "n"));
         }
-        match &self.stop {
-            None | Some(serde_json::Value::Null) => {}
-            Some(serde_json::Value::Array(a)) if a.is_empty() => {}
-            Some(_) => {
+        let sampling = SamplingFields {
+            stop: self.stop.clone(),
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            repeat_penalty: self.repeat_penalty,
+            response_format: self.response_format.clone(),
+        }
+        .validate()?;
+        let logprobs = match (self.logprobs.unwrap_or(false), self.top_logprobs) {
+            (_, Some(k)) if k > MAX_TOP_LOGPROBS => {
                 return Err((
-                    "stop sequences are not supported by this server".into(),
-                    "stop",
+                    format!("top_logprobs must be in 0..={MAX_TOP_LOGPROBS}"),
+                    "top_logprobs",
                 ));
             }
-        }
-        if self.logprobs == Some(true) {
-            return Err((
-                "logprobs are not supported by this server".into(),
-                "logprobs",
-            ));
-        }
-        for (v, name) in [
-            (self.presence_penalty, "presence_penalty"),
-            (self.frequency_penalty, "frequency_penalty"),
-        ] {
-            if v.is_some_and(|x| x != 0.0) {
-                return Err((format!("{name} is not supported (only 0)"), name));
+            (false, Some(_)) => {
+                return Err(("top_logprobs needs logprobs: true".into(), "top_logprobs"));
             }
-        }
+            (true, k) => Some(k.unwrap_or(0) as usize),
+            (false, None) => None,
+        };
         let temperature = self.temperature.unwrap_or(0.0);
         if !(0.0..=2.0).contains(&temperature) {
             return Err(("temperature must be in 0..=2".into(), "temperature"));
@@ -269,14 +406,17 @@ impl ChatRequest {
         let force_switch = self.molt.and_then(|m| m.force_switch).map(|f| (f.at, f.to));
         Ok(ValidRequest {
             history,
-            last_user: last.content,
+            prompt: Prompt::User(last.content),
             stream: self.stream.unwrap_or(false),
             include_usage: self.stream_options.is_some_and(|o| o.include_usage),
             max_tokens,
             temperature,
             top_p,
-            seed: self.seed.map_or(0, i64::unsigned_abs),
+            seed: sampler_seed(self.seed),
             force_switch,
+            sampling,
+            logprobs,
+            user: self.user,
         })
     }
 }
@@ -540,6 +680,61 @@ pub struct ChatChunk {
     pub molt: Option<MoltEvent>,
 }
 
+/// A choice's log-probabilities, in OpenAI's shape.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ChoiceLogprobs {
+    /// One entry per generated token.
+    pub content: Vec<TokenLogprob>,
+}
+
+/// One token's log-probability.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprob {
+    /// The token's text (lossy UTF-8: a token may hold part of a character).
+    pub token: String,
+    /// Natural log of its probability under the rung that produced it.
+    pub logprob: f64,
+    /// The token's bytes.
+    pub bytes: Vec<u8>,
+    /// The most likely tokens at this step.
+    pub top_logprobs: Vec<TopLogprob>,
+    /// Molt's extension: the rung that produced the token.
+    pub rung: String,
+}
+
+/// An alternative at one step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TopLogprob {
+    /// Its text.
+    pub token: String,
+    /// Natural log of its probability.
+    pub logprob: f64,
+    /// Its bytes.
+    pub bytes: Vec<u8>,
+}
+
+impl TokenLogprob {
+    /// From the session's record of one token.
+    #[must_use]
+    pub fn new(l: &TokenLogprobs, rung: &str) -> Self {
+        Self {
+            token: String::from_utf8_lossy(&l.bytes).into_owned(),
+            logprob: l.logprob,
+            bytes: l.bytes.clone(),
+            top_logprobs: l
+                .top
+                .iter()
+                .map(|(_, b, lp)| TopLogprob {
+                    token: String::from_utf8_lossy(b).into_owned(),
+                    logprob: *lp,
+                    bytes: b.clone(),
+                })
+                .collect(),
+            rung: rung.to_string(),
+        }
+    }
+}
+
 /// A chunk's choice.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ChunkChoice {
@@ -547,8 +742,8 @@ pub struct ChunkChoice {
     pub index: u32,
     /// What this chunk adds.
     pub delta: Delta,
-    /// Always null (logprobs are not supported).
-    pub logprobs: Option<()>,
+    /// The log-probabilities of this chunk's token, when asked for.
+    pub logprobs: Option<ChoiceLogprobs>,
     /// Set on the last content chunk.
     pub finish_reason: Option<String>,
 }
@@ -590,8 +785,8 @@ pub struct Choice {
     pub index: u32,
     /// The answer.
     pub message: MessageOut,
-    /// Always null.
-    pub logprobs: Option<()>,
+    /// Each token's log-probabilities, when asked for.
+    pub logprobs: Option<ChoiceLogprobs>,
     /// `stop` or `length`.
     pub finish_reason: String,
 }
@@ -635,7 +830,7 @@ mod tests {
         .validate()
         .unwrap();
         assert_eq!(r.history, vec![ChatMessage::new("system", "be brief")]);
-        assert_eq!(r.last_user, "hi");
+        assert_eq!(r.prompt, Prompt::User("hi".into()));
         assert_eq!(r.max_tokens, Some(7));
         assert!(r.stream && r.include_usage);
     }
@@ -648,8 +843,24 @@ mod tests {
                 "n",
             ),
             (
-                r#"{"messages": [{"role": "user", "content": "x"}], "stop": ["a"]}"#,
+                r#"{"messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}"#,
                 "stop",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "x"}], "stop": ""}"#,
+                "stop",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "x"}], "presence_penalty": 2.5}"#,
+                "presence_penalty",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21}"#,
+                "top_logprobs",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {}}}"#,
+                "response_format",
             ),
             (
                 r#"{"messages": [{"role": "assistant", "content": "x"}]}"#,

@@ -28,16 +28,18 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 
 use super::budget::{BudgetReport, BudgetRequest};
+use super::completions::{CompletionRequest, text_completion};
+use super::control::{Penalties, RequestControl, StopFilter};
 use super::error::ApiError;
 use super::openai::{
-    ChatCompletion, ChatRequest, Choice, MessageOut, SummaryWire, Usage, ValidRequest,
-    finish_reason, mib,
+    ChatCompletion, ChatRequest, Choice, ChoiceLogprobs, MessageOut, SummaryWire, TokenLogprob,
+    Usage, ValidRequest, finish_reason, mib,
 };
 use super::stream::{CancelGuard, ChunkStream, Chunks};
 use super::worker::{EngineStatus, Job, Shared, Update, rss_bytes};
-use crate::engine::{ChatMessage, Model, SamplingParams};
+use crate::engine::{ChatMessage, Grammar, JSON_GRAMMAR, Model, SamplingParams};
 use crate::pressure::Tick;
-use crate::session::GenerateOptions;
+use crate::session::{Event, GenerateOptions, Prompt};
 
 /// Settings the handlers read.
 pub struct Settings {
@@ -76,6 +78,7 @@ pub struct AppState {
 pub fn router(state: AppState, max_body_bytes: usize) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/v1/molt/budget", get(get_budget).post(set_budget))
         .route("/v1/molt/status", get(status))
@@ -145,14 +148,67 @@ struct Prepared {
     req: ValidRequest,
     prompt_tokens: usize,
     opts: GenerateOptions,
+    control: RequestControl,
 }
 
-async fn prepare(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Prepared, ApiError> {
-    let req: ChatRequest = parse_body(body)?;
-    check_model(req.model.as_deref(), &st.settings)?;
-    let req = req
-        .validate()
-        .map_err(|(m, p)| ApiError::invalid(m).param(p))?;
+/// Which endpoint a request came through: the same engine answers both, in their own shapes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/chat/completions`.
+    Chat,
+    /// `/v1/completions` (plain text).
+    Text,
+}
+
+fn validate(
+    st: &AppState,
+    endpoint: Endpoint,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<ValidRequest, ApiError> {
+    let checked = match endpoint {
+        Endpoint::Chat => {
+            let req = parse_body::<ChatRequest>(body)?;
+            check_model(req.model.as_deref(), &st.settings)?;
+            req.validate()
+        }
+        Endpoint::Text => {
+            let req = parse_body::<CompletionRequest>(body)?;
+            check_model(req.model.as_deref(), &st.settings)?;
+            req.validate()
+        }
+    };
+    checked.map_err(|(m, p)| ApiError::invalid(m).param(p))
+}
+
+/// The request's sampling hooks; a grammar is compiled here, so a bad one is a 400 before the
+/// request is queued.
+fn request_control(st: &AppState, req: &ValidRequest) -> Result<RequestControl, ApiError> {
+    let grammar = if req.sampling.json_object {
+        Some(
+            Grammar::new(Arc::clone(&st.tokenizer), JSON_GRAMMAR)
+                .map_err(|e| ApiError::invalid(e.to_string()).param("response_format"))?,
+        )
+    } else {
+        None
+    };
+    Ok(RequestControl {
+        stop: StopFilter::new(req.sampling.stop.clone()),
+        penalties: Penalties::new(
+            req.sampling.presence_penalty,
+            req.sampling.frequency_penalty,
+            req.sampling.repeat_penalty,
+        ),
+        grammar,
+        logprobs: req.logprobs,
+    })
+}
+
+async fn prepare(
+    st: &AppState,
+    endpoint: Endpoint,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Prepared, ApiError> {
+    let req = validate(st, endpoint, body)?;
     let force_switch = match &req.force_switch {
         None => None,
         Some((at, name)) => {
@@ -175,12 +231,19 @@ async fn prepare(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<P
     // threads (a long prompt takes milliseconds to tokenize).
     let tokenizer = Arc::clone(&st.tokenizer);
     let mut conv = req.history.clone();
-    conv.push(ChatMessage::new("user", &req.last_user));
-    let prompt_tokens =
-        tokio::task::spawn_blocking(move || tokenizer.tokenize_chat(&conv, true).map(|t| t.len()))
-            .await
-            .map_err(|e| ApiError::internal(format!("tokenizer task: {e}")))?
-            .map_err(|e| ApiError::invalid(format!("cannot render the prompt: {e}")))?;
+    let prompt = req.prompt.clone();
+    let prompt_tokens = tokio::task::spawn_blocking(move || match prompt {
+        Prompt::Standalone(text) | Prompt::Text(text) => {
+            tokenizer.tokenize(&text, false).map(|t| t.len())
+        }
+        Prompt::User(last) => {
+            conv.push(ChatMessage::new("user", &last));
+            tokenizer.tokenize_chat(&conv, true).map(|t| t.len())
+        }
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("tokenizer task: {e}")))?
+    .map_err(|e| ApiError::invalid(format!("cannot render the prompt: {e}")))?;
     let n_ctx = st.settings.n_ctx as usize;
     let room = n_ctx.saturating_sub(prompt_tokens);
     let max_tokens = req
@@ -223,10 +286,12 @@ async fn prepare(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<P
         sampling: SamplingParams::nucleus(req.temperature, req.top_p, req.seed),
         force_switch,
     };
+    let control = request_control(st, &req)?;
     Ok(Prepared {
         req,
         prompt_tokens,
         opts,
+        control,
     })
 }
 
@@ -285,11 +350,19 @@ fn check_force_at(at: usize, max_tokens: usize) -> Result<(), ApiError> {
 }
 
 async fn chat(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
+    answer(st, Endpoint::Chat, body).await
+}
+
+async fn completions(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
+    answer(st, Endpoint::Text, body).await
+}
+
+async fn answer(st: AppState, endpoint: Endpoint, body: Result<Bytes, BytesRejection>) -> Response {
     let received = Instant::now();
     let shared = &st.shared;
     shared.counters.received.fetch_add(1, Ordering::Relaxed);
     let id = request_id();
-    let p = match prepare(&st, body).await {
+    let p = match prepare(&st, endpoint, body).await {
         Ok(p) => p,
         Err(e) => {
             shared
@@ -304,26 +377,33 @@ async fn chat(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -
     let cancel = Arc::new(AtomicBool::new(false));
     let stream = p.req.stream;
     let include_usage = p.req.include_usage;
+    let want_logprobs = p.req.logprobs.is_some();
+    let received_record = serde_json::json!({
+        "endpoint": if endpoint == Endpoint::Chat { "chat" } else { "completions" },
+        "stream": stream,
+        "prompt_tokens": p.prompt_tokens,
+        "max_tokens": p.opts.max_tokens,
+        "force_switch": p.opts.force_switch,
+        "user": p.req.user,
+        "stop": p.req.sampling.stop.len(),
+        "logprobs": p.req.logprobs,
+        "json_object": p.req.sampling.json_object,
+        "presence_penalty": p.req.sampling.presence_penalty,
+        "frequency_penalty": p.req.sampling.frequency_penalty,
+        "repeat_penalty": p.req.sampling.repeat_penalty,
+    });
     let job = Job {
         id: id.clone(),
         history: p.req.history,
-        last_user: p.req.last_user,
+        prompt: p.req.prompt,
         prompt_tokens: p.prompt_tokens,
         opts: p.opts,
+        control: p.control,
         cancel: Arc::clone(&cancel),
         tx,
         received,
     };
-    shared.recorder.service(
-        &id,
-        "received",
-        serde_json::json!({
-            "stream": stream,
-            "prompt_tokens": p.prompt_tokens,
-            "max_tokens": p.opts.max_tokens,
-            "force_switch": p.opts.force_switch,
-        }),
-    );
+    shared.recorder.service(&id, "received", received_record);
     let busy = shared.engine().running.is_some();
     let position = match shared.queue.push(job) {
         Ok(n) => n,
@@ -358,6 +438,7 @@ async fn chat(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -
     };
     if stream {
         let mut s = ChunkStream::new(rx, chunks.clone(), include_usage, guard, received);
+        s.text_completion(endpoint == Endpoint::Text);
         if busy || position > 1 {
             s.queued(position);
         }
@@ -365,7 +446,7 @@ async fn chat(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -
             .keep_alive(KeepAlive::new().interval(st.settings.keep_alive))
             .into_response()
     } else {
-        collect(rx, chunks, guard).await
+        collect(rx, chunks, guard, endpoint, want_logprobs).await
     }
 }
 
@@ -375,11 +456,22 @@ async fn collect(
     mut rx: mpsc::UnboundedReceiver<Update>,
     chunks: Chunks,
     mut guard: CancelGuard,
+    endpoint: Endpoint,
+    want_logprobs: bool,
 ) -> Response {
     let mut queue_ms = 0.0;
+    let mut logprobs: Option<ChoiceLogprobs> = None;
     while let Some(u) = rx.recv().await {
         match u {
             Update::Admitted { queue_ms: q } => queue_ms = q,
+            Update::Session(Event::Token {
+                logprobs: Some(l),
+                rung,
+                ..
+            }) => logprobs
+                .get_or_insert_with(ChoiceLogprobs::default)
+                .content
+                .push(TokenLogprob::new(&l, &rung)),
             Update::Finished(g) => {
                 guard.disarm();
                 let body = ChatCompletion {
@@ -393,13 +485,17 @@ async fn collect(
                             role: "assistant".into(),
                             content: g.text.clone(),
                         },
-                        logprobs: None,
+                        // Asked for but no token generated: an empty list, as OpenAI sends.
+                        logprobs: logprobs.or_else(|| want_logprobs.then(ChoiceLogprobs::default)),
                         finish_reason: finish_reason(g.stop).into(),
                     }],
                     usage: Usage::new(g.prompt_tokens, g.tokens.len()),
                     molt: SummaryWire::new(&g.summary(), queue_ms),
                 };
-                return Json(body).into_response();
+                return match endpoint {
+                    Endpoint::Chat => Json(body).into_response(),
+                    Endpoint::Text => Json(text_completion(body)).into_response(),
+                };
             }
             Update::Failed(e) => {
                 guard.disarm();

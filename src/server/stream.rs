@@ -24,8 +24,8 @@ use tokio::sync::mpsc;
 
 use super::error::ApiError;
 use super::openai::{
-    ChatChunk, ChunkChoice, Delta, MoltEvent, StreamTiming, SummaryWire, SwitchWire, Usage,
-    finish_reason, mib,
+    ChatChunk, ChoiceLogprobs, ChunkChoice, Delta, MoltEvent, StreamTiming, SummaryWire,
+    SwitchWire, TokenLogprob, Usage, finish_reason, mib,
 };
 use super::worker::{Shared, Update};
 use crate::session::{Event, Generation};
@@ -161,6 +161,8 @@ pub struct ChunkStream {
     sent_text: String,
     sent_role: bool,
     queue_ms: f64,
+    /// Send chunks in `/v1/completions`' shape (`text_completion`).
+    text: bool,
 }
 
 fn data(chunk: &ChatChunk) -> sse::Event {
@@ -191,7 +193,13 @@ impl ChunkStream {
             sent_text: String::new(),
             sent_role: false,
             queue_ms: 0.0,
+            text: false,
         }
+    }
+
+    /// Sends chunks in `/v1/completions`' shape instead of a chat's.
+    pub fn text_completion(&mut self, on: bool) {
+        self.text = on;
     }
 
     /// Starts the stream by telling the client its place in the queue.
@@ -201,7 +209,12 @@ impl ChunkStream {
     }
 
     fn push(&mut self, chunk: &ChatChunk) {
-        self.out.push_back(data(chunk));
+        let event = if self.text {
+            sse::Event::default().data(super::completions::text_chunk(chunk).to_string())
+        } else {
+            data(chunk)
+        };
+        self.out.push_back(event);
     }
 
     fn role_delta(&mut self, content: String) -> Delta {
@@ -264,20 +277,26 @@ impl ChunkStream {
                 text,
                 rung,
                 latency_ms,
+                logprobs,
                 ..
             }) => {
                 self.token_seen();
                 self.sent_text.push_str(&text);
                 let delta = self.role_delta(text);
-                let c = self.chunks.chunk(
+                let mut c = self.chunks.chunk(
                     Some(delta),
                     None,
                     Some(MoltEvent::Token {
-                        rung,
+                        rung: rung.clone(),
                         index,
                         latency_ms,
                     }),
                 );
+                if let (Some(l), Some(choice)) = (logprobs, c.choices.first_mut()) {
+                    choice.logprobs = Some(ChoiceLogprobs {
+                        content: vec![TokenLogprob::new(&l, &rung)],
+                    });
+                }
                 self.push(&c);
             }
             Update::Session(e) => {

@@ -31,6 +31,7 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 
 use super::budget::ServerBudget;
+use super::control::RequestControl;
 use super::error::ApiError;
 use super::openai::mib;
 use super::record::Recorder;
@@ -73,12 +74,14 @@ pub struct Job {
     pub id: String,
     /// Earlier turns.
     pub history: Vec<ChatMessage>,
-    /// The user turn to answer.
-    pub last_user: String,
+    /// What to answer (a user turn, or a completion's standalone prompt).
+    pub prompt: Prompt,
     /// Prompt tokens, as measured when the request arrived.
     pub prompt_tokens: usize,
     /// Generation options (forced switch resolved to a rung index).
     pub opts: GenerateOptions,
+    /// Stop strings, penalties, grammar, log-probabilities (taken by the engine thread).
+    pub control: RequestControl,
     /// Set when the client has gone.
     pub cancel: Arc<AtomicBool>,
     /// Where updates go.
@@ -424,7 +427,7 @@ pub fn run(mut session: Session, shared: &Shared) {
     let _ = shared.session_cancel.set(Arc::clone(&cancel));
     // Whether the cache holds cells projected by a transplant in an earlier answer.
     let mut projected = false;
-    while let Some(job) = shared.queue.pop() {
+    while let Some(mut job) = shared.queue.pop() {
         if job.cancelled() {
             shared.counters.cancelled.fetch_add(1, Ordering::Relaxed);
             shared.recorder.service(
@@ -434,7 +437,7 @@ pub fn run(mut session: Session, shared: &Shared) {
             );
             continue;
         }
-        serve(&mut session, shared, &job, &cancel, &mut projected);
+        serve(&mut session, shared, &mut job, &cancel, &mut projected);
     }
 }
 
@@ -443,13 +446,14 @@ pub fn run(mut session: Session, shared: &Shared) {
 fn serve(
     session: &mut Session,
     shared: &Shared,
-    job: &Job,
+    job: &mut Job,
     cancel: &Arc<AtomicBool>,
     projected: &mut bool,
 ) {
     publish(shared, session, Some(job.id.clone()), false);
     let loaded_before = session.loaded();
-    let last = answer(session, shared, job, cancel, projected);
+    let mut control = std::mem::take(&mut job.control);
+    let last = answer(session, shared, job, &mut control, cancel, projected);
     // Hand memory freed by an unloaded rung back to the system. glibc keeps freed heap
     // memory for reuse, and after a rung's contexts are freed it raises its mmap
     // threshold, so the next rung's buffers come from the heap and fragment it: measured
@@ -538,13 +542,13 @@ fn admit(
                 .need_bytes(j.prompt_tokens.saturating_add(j.opts.max_tokens))
                 .is_none_or(|n| n <= b.bytes)
         };
-        if let Some(other) = shared.queue.take_first(fits) {
+        if let Some(mut other) = shared.queue.take_first(fits) {
             shared.recorder.service(
                 &other.id,
                 "overtook",
                 serde_json::json!({"deferred": job.id}),
             );
-            serve(session, shared, &other, cancel, projected);
+            serve(session, shared, &mut other, cancel, projected);
             publish(shared, session, Some(job.id.clone()), false);
             continue;
         }
@@ -600,6 +604,7 @@ fn answer(
     session: &mut Session,
     shared: &Shared,
     job: &Job,
+    control: &mut RequestControl,
     cancel: &Arc<AtomicBool>,
     projected: &mut bool,
 ) -> Option<Update> {
@@ -645,7 +650,7 @@ fn answer(
             cancel.store(true, Ordering::SeqCst);
         }
     };
-    let r = session.generate(&Prompt::User(job.last_user.clone()), &job.opts, &mut sink);
+    let r = session.generate_with(&job.prompt, &job.opts, control, &mut sink);
     match r {
         Ok(g) => {
             // Projected cells are kept when the session re-reads, before the next answer, the

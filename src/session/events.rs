@@ -180,6 +180,9 @@ pub enum Event {
         rung: String,
         /// Time since the previous token (or since the prompt was submitted, for the first).
         latency_ms: f64,
+        /// Its log-probabilities, when the answer's control asked for them.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        logprobs: Option<super::control::TokenLogprobs>,
     },
     /// A migration happened before the next token.
     Switch(SwitchInfo),

@@ -467,22 +467,11 @@ impl Session {
             } else {
                 super::SwitchMethod::Molt
             },
-            cost_ms: resume.map_or(0.0, |l| l.cost_ms),
-            load_ms: 0.0,
-            export_ms: 0.0,
-            project_ms: 0.0,
-            import_ms: 0.0,
-            first_decode_ms: 0.0,
-            recompute_ms: 0.0,
-            topk: None,
-            head: 0,
-            head_anchored: 0,
-            head_ms: 0.0,
-            recomputed: 0,
-            spans: 0,
-            spans_ms: 0.0,
-            cells: resume.map_or(0, |l| l.tokens),
-            flops: 0.0,
+            timings: super::migrate::SwitchTimings {
+                cost_ms: resume.map_or(0.0, |l| l.cost_ms),
+                cells: resume.map_or(0, |l| l.tokens),
+                ..super::migrate::SwitchTimings::default()
+            },
             flops_reprefill: 0.0,
             pressure: 0.0,
             budget_bytes: self.last_budget.unwrap_or(0),

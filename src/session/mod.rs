@@ -6,6 +6,7 @@
 //! [`GenerateOptions`], [`Event`] and [`Generation`] (the summary of one answer).
 
 mod condition;
+mod control;
 mod error;
 mod events;
 mod footprint;
@@ -18,6 +19,7 @@ mod rung;
 mod switch;
 
 pub use condition::Condition;
+pub use control::{Accept, NoControl, TokenControl, TokenLogprobs, logprobs_of};
 pub use error::{MigrationCause, MigrationError, MigrationStep, SessionError};
 pub use events::{Event, FootprintSample, Generation, LeverInfo, StopReason, Summary, SwitchInfo};
 pub use levers::chat_pinned_prefix;
@@ -377,6 +379,10 @@ impl Session {
                 v.extend(self.live().model().tokenize(t, false).map_err(wrap)?);
                 Ok(v)
             }
+            Prompt::Standalone(t) => {
+                self.conversation.clear();
+                self.live().model().tokenize(t, false).map_err(wrap)
+            }
             Prompt::User(t) => {
                 let mut conv = self.conversation.clone();
                 conv.push(ChatMessage::new("user", t));
@@ -409,11 +415,27 @@ impl Session {
     /// # Errors
     /// [`SessionError::PromptTooLong`] or [`SessionError::BudgetBelowSmallest`] before anything
     /// is decoded; engine and migration errors otherwise.
-    #[allow(clippy::too_many_lines)]
     pub fn generate(
         &mut self,
         prompt: &Prompt,
         opts: &GenerateOptions,
+        sink: &mut dyn FnMut(&Event),
+    ) -> Result<Generation, SessionError> {
+        self.generate_with(prompt, opts, &mut NoControl, sink)
+    }
+
+    /// [`generate`](Self::generate) with per-answer hooks around sampling ([`TokenControl`]):
+    /// reshaped logits, log-probabilities with each token, and text released (or a stop
+    /// decided) by the control. [`Generation::text`] is the text the control released.
+    ///
+    /// # Errors
+    /// As [`generate`](Self::generate).
+    #[allow(clippy::too_many_lines)]
+    pub fn generate_with(
+        &mut self,
+        prompt: &Prompt,
+        opts: &GenerateOptions,
+        control: &mut dyn TokenControl,
         sink: &mut dyn FnMut(&Event),
     ) -> Result<Generation, SessionError> {
         let t0 = Instant::now();
@@ -533,6 +555,7 @@ impl Session {
             self.record_lever(info, 0, b, sink);
         }
         let mut stop = StopReason::Length;
+        let mut stopped_by_control = false;
         for i in 0..opts.max_tokens {
             if self.cancel.load(Ordering::SeqCst) {
                 stop = StopReason::Cancelled;
@@ -588,9 +611,18 @@ impl Session {
                 self.history.push(tok);
                 self.refill_step(i, sink);
             }
-            let tok = {
+            let want_logprobs = control.logprobs();
+            let (tok, logprobs) = {
                 let live = self.live();
-                sampler.sample(live.ctx.logits())
+                let raw = live.ctx.logits();
+                let mut row = raw.to_vec();
+                control.shape(&mut row);
+                let tok = sampler.sample(&row);
+                let model = live.model();
+                let lp = want_logprobs
+                    .filter(|_| !model.is_eog(tok))
+                    .map(|k| logprobs_of(raw, tok, k, |t| model.token_bytes(t)));
+                (tok, lp)
             };
             let now = Instant::now();
             let latency_ms = now.duration_since(last).as_secs_f64() * 1e3;
@@ -604,7 +636,8 @@ impl Session {
             }
             out_tokens.push(tok);
             let piece = stream.push(&self.live().model().token_bytes(tok));
-            text.push_str(&piece);
+            let accept = control.accept(tok, piece);
+            text.push_str(&accept.emit);
             let rung = self.current_rung().to_string();
             if rungs_used.last() != Some(&rung) {
                 rungs_used.push(rung.clone());
@@ -612,17 +645,23 @@ impl Session {
             sink(&Event::Token {
                 index: i,
                 token: tok,
-                text: piece,
+                text: accept.emit,
                 rung,
                 latency_ms,
+                logprobs,
             });
+            if accept.stop {
+                stopped_by_control = true;
+                stop = StopReason::Eos;
+                break;
+            }
         }
         // A refill still behind when the answer ends is dropped with its context: the next
         // answer starts from the cache as it stands.
         self.drop_refill();
         let tail = stream.finish();
-        if !tail.is_empty() {
-            text.push_str(&tail);
+        if !stopped_by_control {
+            text.push_str(&control.finish(tail));
         }
         let lost_tokens = if killed { out_tokens.len() } else { 0 };
         if killed {

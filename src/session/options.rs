@@ -19,6 +19,10 @@ pub enum Prompt {
     /// A user turn appended to the session's conversation and rendered with the model's chat
     /// template.
     User(String),
+    /// A whole prompt of its own (a plain-text completion): tokenized with the model's BOS rule
+    /// and without parsing control tokens, independent of earlier answers (the cached prefix
+    /// it shares with them is still reused).
+    Standalone(String),
 }
 
 /// Per-answer options.
