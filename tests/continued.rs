@@ -6,6 +6,7 @@
 mod common;
 
 use molt::session::{Event, GenerateOptions, LeverInfo, Prompt, Session, SessionOptions};
+use molt::transplant::select::TokenRecompute;
 
 /// A window for a two-turn conversation of a few hundred tokens.
 fn cfg() -> molt::engine::ContextConfig {
@@ -40,9 +41,13 @@ fn the_next_prompt_rereads_the_projected_cells_it_looks_at() {
             observe_footprint: false,
             ..SessionOptions::default()
         };
-        if !recompute {
-            opts.token_recompute = None;
-        }
+        // The position unit at a twentieth: on this ~100-token conversation the default's
+        // floor (64 positions, whole sentences) would re-read every projected cell at the
+        // switch itself and leave nothing for the next prompt to refresh.
+        opts.token_recompute = recompute.then(|| TokenRecompute {
+            follow: 8,
+            ..TokenRecompute::attention(0.05)
+        });
         let mut s = Session::with_options(l.clone(), cfg(), "big", opts).unwrap();
         let first = "The staging host is ash vault and the pager code is quill spool. Write a long note about release planning, budgets, hiring and the design review of the cache.";
         let none = levers(&mut s, first, Some((6, 2)));
