@@ -524,6 +524,65 @@ async fn admission_waits_for_memory_and_a_full_queue_answers_503() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_request_whose_client_leaves_is_counted_and_frees_its_place() {
+    let _serial = serial().await;
+    let srv = start(|c| {
+        c.queue_capacity = 1;
+        c.budget = BudgetRequest {
+            mib: Some(1.0),
+            ..BudgetRequest::default()
+        };
+    })
+    .await;
+    let addr = srv.addr;
+    // A holds the engine, deferred (1 MiB holds no rung); B waits in the queue, then leaves.
+    let mut a = client::stream(addr, "/v1/chat/completions", &chat(8, true))
+        .await
+        .unwrap()
+        .ok()
+        .unwrap();
+    let first = a.next().await.unwrap().unwrap().json().unwrap();
+    assert_eq!(molt_kind(&first), "deferred", "{first}");
+    let mut b = client::stream(addr, "/v1/chat/completions", &chat(8, true))
+        .await
+        .unwrap()
+        .ok()
+        .unwrap();
+    let bq = b.next().await.unwrap().unwrap().json().unwrap();
+    assert_eq!(molt_kind(&bq), "queued");
+    drop(b);
+    // C takes B's place once the server has seen B's connection close (the queue is full
+    // until then: a few tries).
+    let mut c = None;
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if let Ok(s) = client::stream(addr, "/v1/chat/completions", &chat(8, true))
+            .await
+            .unwrap()
+        {
+            c = Some(s);
+            break;
+        }
+    }
+    let mut c = c.expect("C is queued in the place B left");
+    let cq = c.next().await.unwrap().unwrap().json().unwrap();
+    assert_eq!(molt_kind(&cq), "queued");
+    assert_eq!(cq["molt"]["position"], 1, "B no longer holds a place");
+    let st = status(addr).await;
+    assert_eq!(st["counters"]["cancelled"], 1, "B is counted: {st}");
+    set_budget(addr, json!({"unlimited": true})).await;
+    for s in [&mut a, &mut c] {
+        let (tokens, _, summary) = split(&drain(s).await);
+        assert!(!tokens.is_empty());
+        assert_eq!(summary["killed"], false);
+    }
+    let st = status(addr).await;
+    assert_eq!(st["counters"]["completed"], 2);
+    assert_eq!(st["counters"]["cancelled"], 1);
+    srv.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_requests_do_not_grow_the_resident_set() {
     let _serial = serial().await;
     let srv = start(|_| {}).await;

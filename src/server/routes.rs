@@ -405,7 +405,14 @@ async fn answer(st: AppState, endpoint: Endpoint, body: Result<Bytes, BytesRejec
     };
     shared.recorder.service(&id, "received", received_record);
     let busy = shared.engine().running.is_some();
-    let position = match shared.queue.push(job) {
+    let position = match shared.queue.push(job, |left| {
+        shared.counters.cancelled.fetch_add(1, Ordering::Relaxed);
+        shared.recorder.service(
+            &left.id,
+            "skipped",
+            serde_json::json!({"reason": "client gone while queued"}),
+        );
+    }) {
         Ok(n) => n,
         Err(_) => {
             shared

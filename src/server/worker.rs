@@ -133,13 +133,21 @@ impl Queue {
     }
 
     /// Appends a job; its 1-based position, or the job back when the queue is full or closed.
+    /// Waiting jobs whose clients have left are dropped first, each handed to `gone` (to be
+    /// counted and recorded: a request nobody answered must still show somewhere).
     ///
     /// # Errors
     /// The job, when it was not queued.
-    pub fn push(&self, job: Job) -> Result<usize, Box<Job>> {
+    pub fn push(&self, job: Job, mut gone: impl FnMut(&Job)) -> Result<usize, Box<Job>> {
         let mut g = self.lock();
         // Jobs whose clients left are dropped here, so they do not hold places.
-        g.jobs.retain(|j| !j.cancelled());
+        g.jobs.retain(|j| {
+            let left = j.cancelled();
+            if left {
+                gone(j);
+            }
+            !left
+        });
         if g.closed || g.jobs.len() >= self.capacity {
             return Err(Box::new(job));
         }
