@@ -6,85 +6,16 @@
 //! grow the resident set.
 
 mod common;
+#[path = "common/server.rs"]
+mod harness;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use harness::{serial, start};
 use molt::server::client::{self, EventStream};
 use molt::server::{BudgetRequest, Server, ServerConfig};
-use molt::session::SessionOptions;
 use serde_json::{Value, json};
-
-/// The tests run one at a time: the resident-set test measures the whole process, and a
-/// rung's context cost is measured at load as the change in the process's anonymous memory,
-/// which another test's server loading at the same moment would distort.
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().await
-}
-
-struct Running {
-    addr: SocketAddr,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    task: Option<tokio::task::JoinHandle<()>>,
-}
-
-impl Running {
-    async fn shutdown(mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        if let Some(t) = self.task.take() {
-            tokio::time::timeout(Duration::from_secs(30), t)
-                .await
-                .expect("server stops")
-                .unwrap();
-        }
-    }
-}
-
-async fn start(edit: impl FnOnce(&mut ServerConfig)) -> Running {
-    let mut config = ServerConfig {
-        addr: "127.0.0.1:0".parse().unwrap(),
-        context: common::cfg_server(),
-        session: SessionOptions {
-            projector_dirs: vec![common::tiny_projectors().clone()],
-            // This process is the client as well as the server: its anonymous memory grows with
-            // the streamed events the test keeps, so observing it would charge the client's
-            // buffers to the rung. The tiny rungs sit ~0.5 MiB apart; the policy must work from
-            // the costs measured at load, which the status reports and the tests cut between.
-            observe_footprint: false,
-            ..SessionOptions::default()
-        },
-        trace_dirs: vec![],
-        ..ServerConfig::default()
-    };
-    edit(&mut config);
-    let server = Server::start(common::tiny_ladder().clone(), config)
-        .await
-        .unwrap();
-    assert!(
-        server.engine_status().routes.iter().all(|r| r.ready),
-        "every tiny route has a projector: {:?}",
-        server.engine_status().routes
-    );
-    let addr = server.local_addr();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        server
-            .serve(async {
-                let _ = rx.await;
-            })
-            .await
-            .unwrap();
-    });
-    Running {
-        addr,
-        stop: Some(tx),
-        task: Some(task),
-    }
-}
 
 fn chat(max_tokens: usize, stream: bool) -> Value {
     json!({
@@ -469,6 +400,29 @@ async fn a_client_that_hangs_up_frees_the_engine() {
     assert_eq!(done, 2);
 }
 
+/// On a server whose budget (1 MiB) holds no rung and whose queue holds one: A, taken by the
+/// engine and deferred for memory, and B, waiting in the queue and told its place (1); both
+/// streamed, asking for `max_tokens`.
+async fn deferred_then_queued(addr: SocketAddr, max_tokens: usize) -> (EventStream, EventStream) {
+    let mut a = client::stream(addr, "/v1/chat/completions", &chat(max_tokens, true))
+        .await
+        .unwrap()
+        .ok()
+        .unwrap();
+    let first = a.next().await.unwrap().unwrap().json().unwrap();
+    assert_eq!(molt_kind(&first), "deferred", "{first}");
+    assert!(first["molt"]["need_mib"].as_f64().unwrap() > 1.0);
+    let mut b = client::stream(addr, "/v1/chat/completions", &chat(max_tokens, true))
+        .await
+        .unwrap()
+        .ok()
+        .unwrap();
+    let bq = b.next().await.unwrap().unwrap().json().unwrap();
+    assert_eq!(molt_kind(&bq), "queued");
+    assert_eq!(bq["molt"]["position"], 1);
+    (a, b)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admission_waits_for_memory_and_a_full_queue_answers_503() {
     let _serial = serial().await;
@@ -481,24 +435,8 @@ async fn admission_waits_for_memory_and_a_full_queue_answers_503() {
     })
     .await;
     let addr = srv.addr;
-    // A: taken by the engine, deferred (1 MiB holds no rung).
-    let mut a = client::stream(addr, "/v1/chat/completions", &chat(12, true))
-        .await
-        .unwrap()
-        .ok()
-        .unwrap();
-    let first = a.next().await.unwrap().unwrap().json().unwrap();
-    assert_eq!(molt_kind(&first), "deferred", "{first}");
-    assert!(first["molt"]["need_mib"].as_f64().unwrap() > 1.0);
-    // B waits in the queue (told its place); C finds the queue full.
-    let mut b = client::stream(addr, "/v1/chat/completions", &chat(12, true))
-        .await
-        .unwrap()
-        .ok()
-        .unwrap();
-    let bq = b.next().await.unwrap().unwrap().json().unwrap();
-    assert_eq!(molt_kind(&bq), "queued");
-    assert_eq!(bq["molt"]["position"], 1);
+    let (mut a, mut b) = deferred_then_queued(addr, 12).await;
+    // C finds the queue full.
     let c = client::stream(addr, "/v1/chat/completions", &chat(12, true))
         .await
         .unwrap()
@@ -535,21 +473,8 @@ async fn a_queued_request_whose_client_leaves_is_counted_and_frees_its_place() {
     })
     .await;
     let addr = srv.addr;
-    // A holds the engine, deferred (1 MiB holds no rung); B waits in the queue, then leaves.
-    let mut a = client::stream(addr, "/v1/chat/completions", &chat(8, true))
-        .await
-        .unwrap()
-        .ok()
-        .unwrap();
-    let first = a.next().await.unwrap().unwrap().json().unwrap();
-    assert_eq!(molt_kind(&first), "deferred", "{first}");
-    let mut b = client::stream(addr, "/v1/chat/completions", &chat(8, true))
-        .await
-        .unwrap()
-        .ok()
-        .unwrap();
-    let bq = b.next().await.unwrap().unwrap().json().unwrap();
-    assert_eq!(molt_kind(&bq), "queued");
+    // B waits in the queue behind the deferred A, then leaves.
+    let (mut a, b) = deferred_then_queued(addr, 8).await;
     drop(b);
     // C takes B's place once the server has seen B's connection close (the queue is full
     // until then: a few tries).

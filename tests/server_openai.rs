@@ -5,70 +5,14 @@
 //! `/v1/completions` endpoint — with usage counts that agree between the two modes.
 
 mod common;
+#[path = "common/server.rs"]
+mod harness;
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use molt::server::client::{self, EventStream};
-use molt::server::{Server, ServerConfig};
-use molt::session::SessionOptions;
 use serde_json::{Value, json};
-
-/// One server per test binary would share a session's cache between tests; each test starts
-/// its own, one at a time (a rung's context cost is measured from the process's memory).
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-struct Running {
-    addr: SocketAddr,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    task: Option<tokio::task::JoinHandle<()>>,
-}
-
-impl Running {
-    async fn shutdown(mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        if let Some(t) = self.task.take() {
-            tokio::time::timeout(Duration::from_secs(30), t)
-                .await
-                .expect("server stops")
-                .unwrap();
-        }
-    }
-}
-
-async fn start() -> Running {
-    let config = ServerConfig {
-        addr: "127.0.0.1:0".parse().unwrap(),
-        context: common::cfg_server(),
-        session: SessionOptions {
-            projector_dirs: vec![common::tiny_projectors().clone()],
-            observe_footprint: false,
-            ..SessionOptions::default()
-        },
-        trace_dirs: vec![],
-        ..ServerConfig::default()
-    };
-    let server = Server::start(common::tiny_ladder().clone(), config)
-        .await
-        .unwrap();
-    let addr = server.local_addr();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        server
-            .serve(async {
-                let _ = rx.await;
-            })
-            .await
-            .unwrap();
-    });
-    Running {
-        addr,
-        stop: Some(tx),
-        task: Some(task),
-    }
-}
 
 const PROMPT: &str = "the scheduler parks the weights of a background job";
 
@@ -173,8 +117,8 @@ fn straddling_stop(pieces: &[String]) -> (String, usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stop_strings_end_the_answer_and_are_never_sent_even_across_tokens() {
-    let _serial = SERIAL.lock().await;
-    let srv = start().await;
+    let _serial = harness::serial().await;
+    let srv = harness::start(|_| {}).await;
     let addr = srv.addr;
     let plain = stream(
         addr,
@@ -273,8 +217,8 @@ fn check_entry(e: &Value, k: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logprobs_come_from_the_rung_that_produced_each_token() {
-    let _serial = SERIAL.lock().await;
-    let srv = start().await;
+    let _serial = harness::serial().await;
+    let srv = harness::start(|_| {}).await;
     let addr = srv.addr;
     let body = chat(&json!({
         "logprobs": true, "top_logprobs": 3, "max_tokens": 8,
@@ -341,8 +285,8 @@ async fn logprobs_come_from_the_rung_that_produced_each_token() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn seed_penalties_token_limits_and_user_behave_as_openai_says() {
-    let _serial = SERIAL.lock().await;
-    let srv = start().await;
+    let _serial = harness::serial().await;
+    let srv = harness::start(|_| {}).await;
     let addr = srv.addr;
     let sampled = |seed: i64| chat(&json!({"temperature": 1.0, "seed": seed, "user": "u-7"}));
     let text = |v: &Value| {
@@ -429,8 +373,8 @@ fn json_prefix(s: &str) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn json_object_is_held_to_llama_cpps_json_grammar() {
-    let _serial = SERIAL.lock().await;
-    let srv = start().await;
+    let _serial = harness::serial().await;
+    let srv = harness::start(|_| {}).await;
     let addr = srv.addr;
     let text = |v: &Value| {
         v["choices"][0]["message"]["content"]
@@ -476,8 +420,8 @@ async fn json_object_is_held_to_llama_cpps_json_grammar() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn plain_completions_stream_and_not_with_the_same_fields() {
-    let _serial = SERIAL.lock().await;
-    let srv = start().await;
+    let _serial = harness::serial().await;
+    let srv = harness::start(|_| {}).await;
     let addr = srv.addr;
     let body = json!({"model": "tiny", "prompt": PROMPT, "max_tokens": 10, "logprobs": 2});
     let v = ok(addr, "/v1/completions", &body).await;
@@ -567,8 +511,8 @@ async fn the_stock_openai_python_client_passes_its_checks() {
         );
         return;
     }
-    let _serial = SERIAL.lock().await;
-    let srv = start().await;
+    let _serial = harness::serial().await;
+    let srv = harness::start(|_| {}).await;
     let script = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/scripts/openai_client_check.py"
@@ -618,8 +562,8 @@ async fn the_openai_npm_client_passes_its_checks() {
         eprintln!("skipped: node cannot load openai (npm install openai, or set NODE_PATH)");
         return;
     }
-    let _serial = SERIAL.lock().await;
-    let srv = start().await;
+    let _serial = harness::serial().await;
+    let srv = harness::start(|_| {}).await;
     let url = format!("http://{}/v1", srv.addr);
     let out = tokio::task::spawn_blocking(move || {
         std::process::Command::new("node")
