@@ -511,15 +511,22 @@ async fn the_stock_openai_python_client_passes_its_checks() {
         );
         return;
     }
-    let _serial = harness::serial().await;
-    let srv = harness::start(|_| {}).await;
     let script = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/scripts/openai_client_check.py"
     );
+    run_client_check(&python, script).await;
+}
+
+/// Runs a client check script (`program script --base-url … --max-tokens 160 --cut-after 4`)
+/// against a fresh server and asserts it passed every check.
+async fn run_client_check(program: &str, script: &'static str) {
+    let _serial = harness::serial().await;
+    let srv = harness::start(|_| {}).await;
     let url = format!("http://{}/v1", srv.addr);
+    let program = program.to_string();
     let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(&python)
+        std::process::Command::new(&program)
             .args([
                 script,
                 "--base-url",
@@ -562,36 +569,7 @@ async fn the_openai_npm_client_passes_its_checks() {
         eprintln!("skipped: node cannot load openai (npm install openai, or set NODE_PATH)");
         return;
     }
-    let _serial = harness::serial().await;
-    let srv = harness::start(|_| {}).await;
-    let url = format!("http://{}/v1", srv.addr);
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new("node")
-            .args([
-                script,
-                "--base-url",
-                &url,
-                // Tiny rungs decode a token in about 2 ms: a long answer leaves the budget
-                // cut, posted from another thread after token 4, time to land mid-answer.
-                "--max-tokens",
-                "160",
-                "--cut-after",
-                "4",
-            ])
-            .output()
-    })
-    .await
-    .unwrap()
-    .unwrap();
-    let log = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    eprintln!("{log}");
-    assert!(out.status.success(), "the client check failed:\n{log}");
-    assert!(log.contains("all checks passed"), "{log}");
-    srv.shutdown().await;
+    run_client_check("node", script).await;
 }
 
 /// A grammar llama.cpp cannot compile is an error carrying llama.cpp's own message, and the
