@@ -400,8 +400,19 @@ async fn a_client_that_hangs_up_frees_the_engine() {
     assert_eq!(done, 2);
 }
 
-/// On a server whose budget (1 MiB) holds no rung and whose queue holds one: A, taken by the
-/// engine and deferred for memory, and B, waiting in the queue and told its place (1); both
+/// A server whose budget (1 MiB) holds no rung and whose queue holds one job.
+async fn starved() -> harness::Running {
+    start(|c| {
+        c.queue_capacity = 1;
+        c.budget = BudgetRequest {
+            mib: Some(1.0),
+            ..BudgetRequest::default()
+        };
+    })
+    .await
+}
+
+/// On a [`starved`] server: A, taken by the engine and deferred for memory, and B, waiting in the queue and told its place (1); both
 /// streamed, asking for `max_tokens`.
 async fn deferred_then_queued(addr: SocketAddr, max_tokens: usize) -> (EventStream, EventStream) {
     let mut a = client::stream(addr, "/v1/chat/completions", &chat(max_tokens, true))
@@ -426,14 +437,7 @@ async fn deferred_then_queued(addr: SocketAddr, max_tokens: usize) -> (EventStre
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admission_waits_for_memory_and_a_full_queue_answers_503() {
     let _serial = serial().await;
-    let srv = start(|c| {
-        c.queue_capacity = 1;
-        c.budget = BudgetRequest {
-            mib: Some(1.0),
-            ..BudgetRequest::default()
-        };
-    })
-    .await;
+    let srv = starved().await;
     let addr = srv.addr;
     let (mut a, mut b) = deferred_then_queued(addr, 12).await;
     // C finds the queue full.
@@ -464,14 +468,7 @@ async fn admission_waits_for_memory_and_a_full_queue_answers_503() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_queued_request_whose_client_leaves_is_counted_and_frees_its_place() {
     let _serial = serial().await;
-    let srv = start(|c| {
-        c.queue_capacity = 1;
-        c.budget = BudgetRequest {
-            mib: Some(1.0),
-            ..BudgetRequest::default()
-        };
-    })
-    .await;
+    let srv = starved().await;
     let addr = srv.addr;
     // B waits in the queue behind the deferred A, then leaves.
     let (mut a, b) = deferred_then_queued(addr, 8).await;
