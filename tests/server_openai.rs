@@ -522,7 +522,10 @@ async fn the_stock_openai_python_client_passes_its_checks() {
 /// against a fresh server and asserts it passed every check.
 async fn run_client_check(program: &str, script: &'static str) {
     let _serial = harness::serial().await;
-    let srv = harness::start(|_| {}).await;
+    // Tiny rungs decode a token in about a millisecond and may end an answer early: at 20 ms
+    // a token, the budget cut the script posts from another thread after token 4 finds the
+    // answer still running however slowly that thread gets to it.
+    let srv = harness::start(|c| c.token_pace = Some(Duration::from_millis(20))).await;
     let url = format!("http://{}/v1", srv.addr);
     let program = program.to_string();
     let out = tokio::task::spawn_blocking(move || {
@@ -531,8 +534,6 @@ async fn run_client_check(program: &str, script: &'static str) {
                 script,
                 "--base-url",
                 &url,
-                // Tiny rungs decode a token in about 2 ms: a long answer leaves the budget
-                // cut, posted from another thread after token 4, time to land mid-answer.
                 "--max-tokens",
                 "160",
                 "--cut-after",

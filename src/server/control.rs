@@ -9,6 +9,7 @@
 //! is released and the answer ends with `finish_reason: "stop"`.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::{Duration, Instant};
 
 use crate::engine::{Grammar, Token};
 use crate::session::{Accept, TokenControl};
@@ -139,6 +140,36 @@ pub struct RequestControl {
     pub grammar: Option<Grammar>,
     /// Alternatives per token for log-probabilities (`None`: not asked for).
     pub logprobs: Option<usize>,
+    /// The shortest time between two tokens (`serve --pace-ms`).
+    pub pace: Option<Pace>,
+}
+
+/// Holds each token until at least `interval` has passed since the previous one. It runs on
+/// the engine thread, between two tokens, where the budget is read: a budget change posted
+/// while a token is held applies to the next one.
+#[derive(Debug, Clone)]
+pub struct Pace {
+    interval: Duration,
+    last: Option<Instant>,
+}
+
+impl Pace {
+    /// A pace of one token per `interval` at most.
+    #[must_use]
+    pub fn new(interval: Duration) -> Self {
+        Self {
+            interval,
+            last: None,
+        }
+    }
+
+    /// Waits out what is left of the interval since the previous token.
+    fn hold(&mut self) {
+        if let Some(last) = self.last {
+            std::thread::sleep(self.interval.saturating_sub(last.elapsed()));
+        }
+        self.last = Some(Instant::now());
+    }
 }
 
 impl TokenControl for RequestControl {
@@ -156,6 +187,9 @@ impl TokenControl for RequestControl {
     }
 
     fn accept(&mut self, token: Token, piece: String) -> Accept {
+        if let Some(p) = &mut self.pace {
+            p.hold();
+        }
         if let Some(p) = &mut self.penalties {
             p.seen(token);
         }

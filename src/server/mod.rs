@@ -90,6 +90,10 @@ pub struct ServerConfig {
     /// Allow listening on a non-loopback address without a key. Off by default: anyone who
     /// can reach the port could otherwise use the engine and re-point its budget.
     pub insecure_no_auth: bool,
+    /// The shortest time between two tokens of an answer (`None`: as fast as the rung
+    /// decodes). For demos on fast hardware and for clients that act mid-answer (a budget cut
+    /// posted after a few tokens must find the answer still running).
+    pub token_pace: Option<Duration>,
 }
 
 impl Default for ServerConfig {
@@ -115,6 +119,7 @@ impl Default for ServerConfig {
             api_key: None,
             insecure_no_auth: false,
             memory_ceiling: None,
+            token_pace: None,
         }
     }
 }
@@ -199,6 +204,7 @@ impl Server {
             trace_dirs: config.trace_dirs.clone(),
             started,
             memory_ceiling: config.memory_ceiling.or_else(machine_memory),
+            token_pace: config.token_pace,
         });
         let start = config
             .start_rung

@@ -29,7 +29,7 @@ use tokio::sync::mpsc;
 
 use super::budget::{BudgetReport, BudgetRequest};
 use super::completions::{CompletionRequest, text_completion};
-use super::control::{Penalties, RequestControl, StopFilter};
+use super::control::{Pace, Penalties, RequestControl, StopFilter};
 use super::error::ApiError;
 use super::openai::{
     ChatCompletion, ChatRequest, Choice, ChoiceLogprobs, MessageOut, SummaryWire, TokenLogprob,
@@ -61,6 +61,8 @@ pub struct Settings {
     /// The most memory this service could ever have (the cgroup limit or the machine's
     /// total), bytes; `None` when unknown.
     pub memory_ceiling: Option<u64>,
+    /// The shortest time between two tokens of an answer.
+    pub token_pace: Option<Duration>,
 }
 
 /// State shared by every handler.
@@ -200,6 +202,7 @@ fn request_control(st: &AppState, req: &ValidRequest) -> Result<RequestControl, 
         ),
         grammar,
         logprobs: req.logprobs,
+        pace: st.settings.token_pace.map(Pace::new),
     })
 }
 

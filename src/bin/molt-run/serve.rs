@@ -69,6 +69,10 @@ pub struct Args {
     /// Measure the handoff divergence at each switch (one extra decode on the source rung).
     #[arg(long)]
     pub measure_seam: bool,
+    /// Hold each token of an answer at least this many milliseconds after the previous one
+    /// (0: as fast as the rung decodes). Makes a mid-answer switch visible on fast hardware.
+    #[arg(long, default_value_t = 0)]
+    pub pace_ms: u64,
 }
 
 /// The key from --api-key or --api-key-file.
@@ -176,6 +180,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         record: a.record.clone(),
         api_key,
         insecure_no_auth: a.insecure_no_auth,
+        token_pace: (a.pace_ms > 0).then(|| Duration::from_millis(a.pace_ms)),
         ..ServerConfig::default()
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
