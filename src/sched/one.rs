@@ -2,7 +2,8 @@
 //!
 //! One tenant, one budget: demote to the largest rung that fits; if none fits, park (on the
 //! largest rung whose KV alone fits); if still nothing fits, shed the oldest context; promote
-//! or resume once the budget clears the larger configuration's need by the hysteresis margin.
+//! once the budget clears the larger configuration's need by the hysteresis margin; resume
+//! as soon as running fits the budget at all.
 //!
 //! Written independently of [`plan`](super::plan()) — by enumerating every (rung, parked)
 //! pair with its minimal shed — so that the two can check each other: for a snapshot with a
@@ -160,13 +161,14 @@ fn decision_for(view: &TenantView, shed: u64, parked: bool, rung: usize) -> Deci
 
 /// Decides for one tenant alone under `budget` bytes.
 ///
-/// - Waiting: [`Decision::Admit`] on the largest rung that fits `budget − hysteresis`,
-///   else [`Decision::Stay`] (deferred).
+/// - Waiting: [`Decision::Admit`] on the largest rung that fits `budget − hysteresis`, else
+///   on the largest that fits `budget`, else [`Decision::Stay`] (deferred).
 /// - Over budget: the least harmful state that fits — the largest running rung; else parked
 ///   on the largest rung whose KV fits; else the fewest shed tokens. If nothing fits, the
 ///   cheapest state (parked on the smallest-KV rung, shed to the pinned prompt) — check the
 ///   result with [`need_after`] against the budget to see the overshoot.
-/// - Within budget: a less harmful state is taken only if it fits `budget − hysteresis`.
+/// - Within budget: a less harmful state is taken only if it fits `budget − hysteresis`;
+///   a parked tenant resumes as soon as running fits `budget` itself.
 ///
 /// # Errors
 ///
@@ -185,8 +187,13 @@ pub fn decide_one(
     let margin_budget = budget.saturating_sub(u128::from(policy.hysteresis_bytes));
 
     if !view.admitted {
-        let fits = (view.home_rung..rungs.len())
-            .find(|&r| need(&rungs[r], false, view.context_tokens) <= margin_budget);
+        // The largest rung within the margin, else within the budget itself: a request must
+        // not wait forever under a budget that holds it.
+        let fits_within = |limit: u128| {
+            (view.home_rung..rungs.len())
+                .find(|&r| need(&rungs[r], false, view.context_tokens) <= limit)
+        };
+        let fits = fits_within(margin_budget).or_else(|| fits_within(budget));
         return Ok(fits.map_or(Decision::Stay, |rung| Decision::Admit { rung }));
     }
 
@@ -202,6 +209,16 @@ pub fn decide_one(
         return Ok(decision_for(view, view.sheddable_tokens(), true, rung));
     }
     let current = (0, view.parked, view.rung - view.home_rung);
+    // The margin keeps a tenant from flapping between rungs; it must not keep a parked one
+    // waiting under a budget that holds it running: with a budget that stays where it is,
+    // the margin would never be met and the answer would wait forever.
+    if view.parked
+        && let Some((key, rung)) = best(view, rungs, budget, policy)
+        && !key.1
+        && key < current
+    {
+        return Ok(decision_for(view, key.0, key.1, rung));
+    }
     Ok(match best(view, rungs, margin_budget, policy) {
         Some((key, rung)) if key < current => decision_for(view, key.0, key.1, rung),
         _ => Decision::Stay,
@@ -292,16 +309,32 @@ mod tests {
         // a larger rung is less harm (resuming there needs no further transplant), so the
         // parked KV moves up.
         assert_eq!(decide(&parked, 600), Decision::Promote { to: 0 });
-        assert_eq!(decide(&parked, 605 + 128), Decision::Resume { rung: 2 });
         assert_eq!(decide(&parked, 5000), Decision::Resume { rung: 0 });
     }
 
     #[test]
-    fn admission_needs_the_margin_and_takes_the_largest_fitting_rung() {
+    fn a_parked_tenant_resumes_as_soon_as_running_fits() {
+        let parked = tenant().with_rung(2).with_parked(true);
+        // tier2 running needs 605 MiB: one MiB short waits, the exact need resumes — no
+        // margin, or a budget that stays at 605 would keep the answer parked forever.
+        assert_eq!(decide(&parked, 604), Decision::Promote { to: 0 });
+        assert_eq!(decide(&parked, 605), Decision::Resume { rung: 2 });
+        // Resumed, the same budget changes nothing.
+        let resumed = Decision::Resume { rung: 2 }.apply_to(&parked);
+        assert_eq!(decide(&resumed, 605), Decision::Stay);
+        // It resumes on the largest rung that runs within the budget (tier1 needs 1010 MiB).
+        assert_eq!(decide(&parked, 1010), Decision::Resume { rung: 1 });
+    }
+
+    #[test]
+    fn admission_prefers_the_margin_and_takes_the_largest_fitting_rung() {
         let waiting = tenant().waiting();
         assert_eq!(decide(&waiting, 5000), Decision::Admit { rung: 0 });
         assert_eq!(decide(&waiting, 1310), Decision::Admit { rung: 1 });
-        assert_eq!(decide(&waiting, 700), Decision::Stay);
+        // tier2 needs 605 MiB: within the budget but not the margin, it is still admitted
+        // (a request must not wait forever under a budget that holds it).
+        assert_eq!(decide(&waiting, 700), Decision::Admit { rung: 2 });
+        assert_eq!(decide(&waiting, 604), Decision::Stay);
     }
 
     #[test]

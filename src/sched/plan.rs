@@ -12,8 +12,13 @@
 //!   (promotions, resumptions; possibly a swap that favours a more protected tenant).
 //! - **Hold** — otherwise: no change to running tenants.
 //!
+//! A parked tenant is not held to the margin: a configuration that resumes someone is taken
+//! as soon as it fits the budget and is less harmful (a budget that stays put would never
+//! clear the margin, and the parked answer would wait forever).
+//!
 //! Then waiting tenants are considered in protection order: each is admitted on the largest
-//! rung (from its home down) that keeps usage within `budget − hysteresis`, or deferred.
+//! rung (from its home down) that keeps usage within `budget − hysteresis` — else within the
+//! budget itself — or deferred.
 //!
 //! The least harmful configuration is found exactly by fixing the harm vector's components
 //! from most to least significant, each to the smallest value that still has a feasible
@@ -502,9 +507,17 @@ pub fn plan(snapshot: &Snapshot, policy: &Policy) -> Result<Plan, SchedError> {
             None => (PlanMode::Relieve, Costs::cheapest(&tens), true),
         }
     } else {
-        match costs.least_harm(&tens, margin_budget, policy) {
-            Some(t) if harm(&tens, &t) < harm(&tens, &current) => (PlanMode::Recover, t, false),
-            _ => (PlanMode::Hold, current.clone(), false),
+        let better = |t: &Vec<Choice>| harm(&tens, t) < harm(&tens, &current);
+        // The margin keeps tenants from flapping between rungs; it must not keep a parked
+        // tenant waiting under a budget that holds it running (a budget that stays put would
+        // never clear the margin): a configuration that resumes someone needs only to fit.
+        let resumes = |t: &Vec<Choice>| t.iter().zip(&current).any(|(a, b)| b.parked && !a.parked);
+        match costs.least_harm(&tens, budget, policy) {
+            Some(t) if resumes(&t) && better(&t) => (PlanMode::Recover, t, false),
+            _ => match costs.least_harm(&tens, margin_budget, policy) {
+                Some(t) if better(&t) => (PlanMode::Recover, t, false),
+                _ => (PlanMode::Hold, current.clone(), false),
+            },
         }
     };
 
@@ -518,7 +531,7 @@ pub fn plan(snapshot: &Snapshot, policy: &Policy) -> Result<Plan, SchedError> {
             &order,
             tens,
             target,
-            margin_budget,
+            (margin_budget, budget),
             &mut helpful,
         )
     };
@@ -596,14 +609,15 @@ fn transitions(
 }
 
 /// Admits waiting tenants, most protected first, each on the largest rung that keeps usage
-/// within `margin_budget`; returns the configuration including them.
+/// within `margin_budget` — or, when none does, within `budget` itself (a request must not
+/// wait forever under a budget that holds it); returns the configuration including them.
 fn admit(
     snapshot: &Snapshot,
     costs: &Costs,
     order: &[usize],
     mut tens: Vec<Ten>,
     mut choices: Vec<Choice>,
-    margin_budget: u128,
+    (margin_budget, budget): (u128, u128),
     helpful: &mut Vec<Ranked>,
 ) -> (Vec<Ten>, Vec<Choice>) {
     for (rank, &i) in order.iter().enumerate() {
@@ -618,16 +632,19 @@ fn admit(
             pinned: t.pinned_tokens,
             min_kv_rung: costs.min_kv_rung(t.home_rung),
         });
-        let fits = (t.home_rung..costs.rungs()).find(|&rung| {
-            choices.push(Choice {
-                rung,
-                parked: false,
-                shed: 0,
-            });
-            let fits = costs.usage_of(&tens, &choices) <= margin_budget;
-            choices.pop();
-            fits
-        });
+        let mut fits_within = |limit: u128| {
+            (t.home_rung..costs.rungs()).find(|&rung| {
+                choices.push(Choice {
+                    rung,
+                    parked: false,
+                    shed: 0,
+                });
+                let fits = costs.usage_of(&tens, &choices) <= limit;
+                choices.pop();
+                fits
+            })
+        };
+        let fits = fits_within(margin_budget).or_else(|| fits_within(budget));
         match fits {
             Some(rung) => {
                 choices.push(Choice {
