@@ -57,8 +57,8 @@ pub struct Args {
     /// the real system; its clock restarts with each answer.
     #[arg(long, value_name = "FILE")]
     pub trace: Option<PathBuf>,
-    /// Start with the budget capped, as if `/budget SIZE` had been typed.
-    #[arg(long, value_name = "SIZE")]
+    /// Start with the budget capped, as if `/budget SIZE|RUNG` had been typed.
+    #[arg(long, value_name = "SIZE|RUNG")]
     pub budget: Option<String>,
     /// MiB the system budget leaves to everything else (allocator slack, other apps' growth).
     #[arg(long, value_name = "MiB", default_value_t = 256)]
@@ -228,14 +228,19 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         bail!("--max-tokens must be at least 1");
     }
     let sampling = common::sampling(a.temperature, a.top_p, a.seed)?;
-    let cap = a
-        .budget
-        .as_deref()
-        .map(parse_size)
-        .transpose()
-        .map_err(|e| anyhow::anyhow!("--budget: {e}"))?;
     let ladder = g.open_ladder()?;
     let names = ladder.names();
+    // The same forms as `/budget`: a size, a rung, or off; checked before any model loads.
+    let budget_arg = match a.budget.as_deref() {
+        None => None,
+        Some(b) => match parse_typed(&format!("/budget {b}"), &names) {
+            Ok(Typed::Command(Command::Budget(c @ (BudgetCmd::Bytes(_) | BudgetCmd::Rung(_))))) => {
+                Some(c)
+            }
+            Ok(_) => None,
+            Err(e) => bail!("--budget: {e}"),
+        },
+    };
     if let Some(t) = &a.trace {
         common::check_trace(t, &names)?;
     }
@@ -276,7 +281,16 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         None => Box::new(SystemBudget::new().with_reserve(a.reserve.saturating_mul(MIB))),
     };
     let control = BudgetControl::new(base);
-    control.set_cap(cap);
+    control.set_cap(budget_arg.and_then(|c| {
+        match c {
+            BudgetCmd::Bytes(b) => Some(b),
+            BudgetCmd::Rung(name) => names
+                .iter()
+                .position(|n| *n == name)
+                .map(|i| rung_cap(&snapshot, i, config.n_ctx)),
+            BudgetCmd::Show | BudgetCmd::Off => None,
+        }
+    }));
     let first = control
         .read_now()
         .context("reading the memory budget (use --trace FILE where /proc is unavailable)")?;
@@ -335,6 +349,18 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     drop(jobs);
     let _ = handle.join();
     result
+}
+
+/// Bytes rung `i` needs holding `tokens` of context.
+fn need(snapshot: &Snapshot, i: usize, tokens: u64) -> u64 {
+    let c = &snapshot.costs[i];
+    c.resident_bytes() + c.kv_bytes(tokens)
+}
+
+/// The cap `/budget RUNG` sets: 5 % above what rung `i` needs for a full window.
+fn rung_cap(snapshot: &Snapshot, i: usize, n_ctx: u32) -> u64 {
+    let need = need(snapshot, i, u64::from(n_ctx));
+    need + need / 20
 }
 
 /// Routes (below the home rung, where the chat can go) that have no projector.
@@ -436,8 +462,7 @@ impl Chat {
 
     /// Bytes rung `i` needs with `tokens` of context (the policy's model).
     fn need(&self, i: usize, tokens: u64) -> u64 {
-        let c = &self.snapshot.costs[i];
-        c.resident_bytes() + c.kv_bytes(tokens)
+        need(&self.snapshot, i, tokens)
     }
 
     fn fits(&self, bytes: u64) -> String {
@@ -552,8 +577,7 @@ impl Chat {
             }
             BudgetCmd::Rung(name) => {
                 let i = self.names.iter().position(|n| *n == name).unwrap_or(0);
-                let need = self.need(i, u64::from(self.n_ctx));
-                let bytes = need + need / 20;
+                let bytes = rung_cap(&self.snapshot, i, self.n_ctx);
                 self.control.set_cap(Some(bytes));
                 let fits = self.fits(bytes);
                 self.renderer.note(&format!(
