@@ -10,6 +10,7 @@
 //! vocabulary, merges, token types and special ids, not just the vocabulary size.
 
 pub mod fetch;
+pub mod init;
 mod lock;
 pub mod manifest;
 pub mod search;

@@ -13,6 +13,7 @@ mod figures;
 mod generate;
 mod hog;
 mod inspect;
+mod ladder;
 mod serve;
 mod shipped;
 mod train;
@@ -47,6 +48,8 @@ enum Command {
     Bench(Box<bench::Args>),
     /// Fit the KV projectors of the ladder on the project's corpus.
     TrainProjectors(train::Args),
+    /// Make a ladder of your own GGUF files (`ladder init`), or list the ladders found.
+    Ladder(ladder::Args),
     /// The memory hog child of `--real-hog` runs (allocates and touches memory on command).
     #[command(hide = true)]
     Hog(hog::Args),
@@ -70,6 +73,7 @@ fn main() {
         Command::Chat(a) => chat::run(&cli.global, &a),
         Command::Bench(a) => bench::run(&cli.global, &a),
         Command::TrainProjectors(a) => train::run(&cli.global, &a),
+        Command::Ladder(a) => ladder::run(&cli.global, &a),
         Command::Hog(a) => hog::run(&a),
         Command::Serve(a) => serve::run(&cli.global, &a),
         Command::Figures(a) => figures::run(&a),

@@ -156,7 +156,9 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         skip_head: a.skip_head,
         restore_spread: a.restore_spread,
     };
-    let mut report = fit_ladder_windows(&ladder, config, &wins, &opts, &mut |s| eprintln!("{s}"))?;
+    let started = std::time::Instant::now();
+    let mut eta = Eta::new(&ladder, opts.variants.len());
+    let mut report = fit_ladder_windows(&ladder, config, &wins, &opts, &mut |s| eta.line(s))?;
     anchors(&ladder, config, a)?;
     if !a.topk.is_empty() {
         report.topk = molt::train::topk::fit_topk_maps_windows(
@@ -190,6 +192,11 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     std::fs::write(&a.report, serde_json::to_string_pretty(&doc)?)
         .with_context(|| format!("writing {}", a.report.display()))?;
     eprintln!("wrote {}", a.report.display());
+    eprintln!(
+        "fitted {} route(s) in {}",
+        report.routes.len(),
+        fmt_secs(started.elapsed().as_secs_f64())
+    );
     Ok(())
 }
 
@@ -274,4 +281,66 @@ fn generate_chats(
     std::fs::write(&tmp, &lines)?;
     std::fs::rename(&tmp, &out)?;
     Ok(())
+}
+
+/// Progress of a fit with a bar, the time so far and an estimate of what is left. The fit's
+/// steps are the K/V collection on each rung (weighed by the rung's file size, which its
+/// decode time follows) and one fit per route and variant (weighed as an eighth of the
+/// smallest rung's collection); the estimate scales the weights still to come by the time the
+/// finished ones took.
+struct Eta {
+    weights: Vec<f64>,
+    step: usize,
+    start: std::time::Instant,
+}
+
+impl Eta {
+    fn new(ladder: &molt::ladder::Ladder, variants: usize) -> Self {
+        let bytes: Vec<f64> = ladder.rungs.iter().map(|r| r.file_bytes as f64).collect();
+        let fit = bytes.iter().copied().fold(f64::INFINITY, f64::min) / 8.0;
+        let n = bytes.len();
+        let mut weights = bytes;
+        weights.extend(std::iter::repeat_n(fit, n * n.saturating_sub(1) * variants));
+        Self {
+            weights,
+            step: 0,
+            start: std::time::Instant::now(),
+        }
+    }
+
+    /// Prints `line`; a line opening a step (`collecting …`, `fitting …`) advances the bar.
+    fn line(&mut self, line: &str) {
+        if !(line.starts_with("collecting ") || line.starts_with("fitting ")) {
+            eprintln!("{line}");
+            return;
+        }
+        let total: f64 = self.weights.iter().sum();
+        let done: f64 = self.weights.iter().take(self.step).sum();
+        let elapsed = self.start.elapsed().as_secs_f64();
+        let left = if done > 0.0 {
+            format!("~{} left", fmt_secs(elapsed / done * (total - done)))
+        } else {
+            "estimating".into()
+        };
+        let filled = ((done / total.max(1.0)) * 20.0).round() as usize;
+        eprintln!(
+            "[{:>2}/{} {}{} {} elapsed, {left}] {line}",
+            self.step + 1,
+            self.weights.len(),
+            "█".repeat(filled.min(20)),
+            "░".repeat(20 - filled.min(20)),
+            fmt_secs(elapsed),
+        );
+        self.step += 1;
+    }
+}
+
+/// `75 s`, `4m05s`.
+fn fmt_secs(s: f64) -> String {
+    if s < 90.0 {
+        format!("{s:.0} s")
+    } else {
+        let m = (s / 60.0).floor();
+        format!("{m:.0}m{:02.0}s", s - m * 60.0)
+    }
 }
