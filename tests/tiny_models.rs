@@ -13,7 +13,7 @@ use molt::gguf::{
     GgmlType, GgufFile, MismatchReason, ModelFacts, RopeKind, RopeScaling, TokenizerIdentity,
 };
 use molt::tiny::{
-    self, DType, FINGERPRINT_KEY, IM_END, IM_START, TinyError, TinySpec, TinyTokenizer,
+    self, DType, FINGERPRINT_KEY, IM_END, IM_START, TinyArch, TinyError, TinySpec, TinyTokenizer,
 };
 
 /// One ladder per test process (written once, shared by the tests).
@@ -253,6 +253,7 @@ fn generation_is_deterministic_and_current_files_are_kept() {
 fn write_model_accepts_custom_specs_and_rejects_bad_ones() {
     let dir = tempfile::tempdir().expect("tempdir");
     let spec = TinySpec {
+        arch: TinyArch::Qwen2,
         name: "tiny-f32".to_owned(),
         n_layer: 1,
         n_embd: 64,
@@ -350,4 +351,42 @@ fn write_model_accepts_custom_specs_and_rejects_bad_ones() {
         assert!(e.to_string().contains(what), "{e}");
     }
     assert!(!dir.path().join("bad.gguf").exists());
+}
+
+#[test]
+fn the_llama_family_is_written_with_its_own_keys_rope_and_no_biases() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let paths = tiny::llama_ladder(dir.path()).expect("llama models");
+    let facts: Vec<ModelFacts> = paths
+        .iter()
+        .map(|p| ModelFacts::from_gguf(&GgufFile::open(p).expect("open")).expect("facts"))
+        .collect();
+    for (f, p) in facts.iter().zip(&paths) {
+        assert_eq!(f.architecture, "llama", "{}", p.display());
+        assert_eq!(f.rope.kind, RopeKind::Norm, "{}", p.display());
+        let g = GgufFile::open(p).expect("open");
+        assert!(g.require_tensor("blk.0.attn_k.bias").is_err());
+        assert!(g.require_tensor("blk.0.attn_k.weight").is_ok());
+    }
+    assert_eq!(
+        (facts[0].n_head, facts[0].n_head_kv, facts[0].head_dim),
+        (6, 2, 32)
+    );
+    assert_eq!(
+        (facts[1].n_layer, facts[1].n_head_kv, facts[1].head_dim),
+        (2, 2, 16)
+    );
+    // Both share the standard tokenizer, so they make a ladder with the qwen2 rungs' words.
+    let a = TokenizerIdentity::from_gguf(&GgufFile::open(&paths[0]).unwrap()).unwrap();
+    let b = TokenizerIdentity::from_gguf(&GgufFile::open(&paths[1]).unwrap()).unwrap();
+    a.compare(&b).expect("one tokenizer");
+    // The qwen2 specs keep their fingerprints: adding architectures regenerated nothing.
+    let qwen = &tiny::standard_specs()[0];
+    assert_eq!(qwen.arch, TinyArch::Qwen2);
+    let as_llama = TinySpec {
+        arch: TinyArch::Llama,
+        ..qwen.clone()
+    };
+    let tok = TinyTokenizer::standard();
+    assert_ne!(qwen.fingerprint(&tok), as_llama.fingerprint(&tok));
 }

@@ -6,12 +6,14 @@
 mod common;
 
 use molt::engine::{Context, Model, ModelOptions, Sampler, SamplingParams, log_softmax};
+use molt::kv::KvSnapshot;
 use molt::ladder::Ladder;
 use molt::routes::{Routes, Variant, binding};
 use molt::session::migrate::{Reread, reprefill, transplant, transplant_with};
 use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions, Strategy, jsd};
 use molt::transplant::anchor::Anchor;
 use molt::transplant::project::identity_projector;
+use molt::transplant::rope::{Direction, RopeKind, RopeSpec, rotate};
 
 const TEXT: &str = "The scheduler parks the weights of a background job while keeping its cache, then maps them back when memory returns. fn main() { let v: Vec<u32> = (0..10).map(|x| x * x).collect(); }";
 
@@ -69,6 +71,110 @@ fn identity_sandwich_is_lossless_on_tiny_rungs() {
     for r in 0..l.rungs.len() {
         identity_is_lossless(l, r, 0.05);
     }
+}
+
+#[test]
+fn identity_sandwich_is_lossless_on_llama_rungs() {
+    let l = common::llama_ladder();
+    for r in 0..l.rungs.len() {
+        identity_is_lossless(l, r, 0.05);
+    }
+}
+
+/// At layer 0 a key depends on its token alone until RoPE rotates it to its position, so one
+/// token cached at two positions un-rotates to one vector under the rung's RoPE as read from
+/// its file — and not under the other family's pairing. This is what tells NEOX (qwen2) from
+/// normal (llama) RoPE apart; the identity sandwich cannot (it undoes what it does).
+fn rope_convention_is_read_from_the_file(ladder: &Ladder, want: RopeKind) {
+    for info in &ladder.rungs {
+        let model = Model::load(&info.path, info.name(), ModelOptions::default()).unwrap();
+        let mut ctx = Context::new(model.clone(), common::cfg_long()).unwrap();
+        let toks = model.tokenize(TEXT, false).unwrap();
+        let (t, others) = (toks[3], &toks[4..20]);
+        let mut seq = vec![t];
+        seq.extend_from_slice(others);
+        seq.push(t);
+        ctx.decode(&seq).unwrap();
+        let (_, stream) = KvSnapshot::parse_single_stream(&ctx.export_state().unwrap()).unwrap();
+        let rows = |p: i32| {
+            stream
+                .cells
+                .iter()
+                .position(|c| c.pos == p)
+                .expect("cell at position")
+        };
+        let (a, b) = (rows(0), rows(i32::try_from(seq.len()).unwrap() - 1));
+        let spec = binding(info).rope;
+        assert_eq!(spec.kind, want, "{}", info.name());
+        let spread = |spec: &RopeSpec| {
+            let k0 = &stream.layers[0].k;
+            let mut k = ndarray::stack![ndarray::Axis(0), k0.row(a), k0.row(b)];
+            rotate(
+                k.view_mut(),
+                &[0, i32::try_from(seq.len()).unwrap() - 1],
+                spec,
+                Direction::Unrotate,
+            )
+            .unwrap();
+            max_abs(k.row(0).as_slice().unwrap(), k.row(1).as_slice().unwrap())
+        };
+        let right = spread(&spec);
+        let other = RopeSpec {
+            kind: if want == RopeKind::Neox {
+                RopeKind::Norm
+            } else {
+                RopeKind::Neox
+            },
+            ..spec
+        };
+        let wrong = spread(&other);
+        assert!(
+            right < 0.02 && wrong > 20.0 * right.max(1e-3),
+            "{}: same token, two positions, un-rotated: {right} apart under {want:?}, {wrong} under {:?}",
+            info.name(),
+            other.kind
+        );
+    }
+}
+
+#[test]
+fn rope_pairing_is_the_files_own_on_both_families() {
+    rope_convention_is_read_from_the_file(common::llama_ladder(), RopeKind::Norm);
+    rope_convention_is_read_from_the_file(common::tiny_ladder(), RopeKind::Neox);
+}
+
+/// The whole switch on the llama family: its size route (other layer count, heads and head
+/// size) fitted by the same code, a migration mid-answer that continues at the right
+/// positions on the small rung with the projected cache.
+#[test]
+fn llama_ladder_migrates_mid_answer_on_its_fitted_size_route() {
+    let dir = common::llama_projectors();
+    let l = common::llama_ladder().clone();
+    let opts = SessionOptions {
+        projector_dirs: vec![dir.clone()],
+        ..SessionOptions::default()
+    };
+    let mut s = Session::with_options(l, common::cfg_long(), "big", opts).unwrap();
+    let g = s
+        .generate(
+            &Prompt::Text(TEXT.into()),
+            &GenerateOptions {
+                max_tokens: 16,
+                force_switch: Some((6, 1)),
+                ..GenerateOptions::default()
+            },
+            &mut |_| {},
+        )
+        .unwrap();
+    let sw = &g.switches[0];
+    assert_eq!(
+        (sw.from.as_str(), sw.to.as_str(), sw.method.as_str()),
+        ("big", "small", "molt")
+    );
+    let n = g.prompt_tokens + g.tokens.len() - 1;
+    let live = s.rung_mut(1).unwrap();
+    assert_eq!(live.ctx.n_past(), n);
+    assert_eq!(live.ctx.seq_pos_max(), i32::try_from(n).unwrap() - 1);
 }
 
 /// The fit the tiny routes below are read from, made afresh: every ordered pair of the three

@@ -67,9 +67,36 @@ impl DType {
     }
 }
 
-/// The shape of a tiny qwen2 model.
+/// The architecture a tiny model is written as: the one of the shipped ladder, or the llama
+/// family's, whose RoPE rotates other pairs of dimensions — so the transplant's RoPE
+/// sandwich is tested on both conventions.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TinyArch {
+    /// `qwen2`: biased Q/K/V projections, NEOX RoPE (dimension `i` pairs with `i + d/2`).
+    #[default]
+    Qwen2,
+    /// `llama`: no projection biases, normal RoPE (dimension `2i` pairs with `2i + 1`).
+    Llama,
+}
+
+impl TinyArch {
+    /// `general.architecture`, also the prefix of the model's metadata keys.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Qwen2 => "qwen2",
+            Self::Llama => "llama",
+        }
+    }
+}
+
+/// The shape of a tiny model.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TinySpec {
+    /// The architecture.
+    #[serde(default)]
+    pub arch: TinyArch,
     /// `general.name`, also the file stem in [`standard_ladder`].
     pub name: String,
     /// Transformer blocks.
@@ -177,6 +204,11 @@ impl TinySpec {
         h.update(self.rope_base.to_bits().to_le_bytes());
         h.update(self.seed.to_le_bytes());
         h.update(self.dtype.file_type().to_le_bytes());
+        // Only another architecture than the first one changes the fingerprint, so the qwen2
+        // models written before architectures existed stay current.
+        if self.arch != TinyArch::Qwen2 {
+            h.update(self.arch.name().as_bytes());
+        }
         h.update(tokenizer.identity().digest().sha256.as_bytes());
         hex::encode(h.finalize())
     }
@@ -253,17 +285,22 @@ pub fn write_model(
 ) -> Result<u64, TinyError> {
     spec.validate()?;
     let mut w = GgufWriter::new();
-    w.add("general.architecture", "qwen2")?;
+    let arch = spec.arch.name();
+    let key = |k: &str| format!("{arch}.{k}");
+    w.add("general.architecture", arch)?;
     w.add("general.type", "model")?;
     w.add("general.name", spec.name.as_str())?;
-    w.add("qwen2.block_count", spec.n_layer)?;
-    w.add("qwen2.context_length", spec.n_ctx)?;
-    w.add("qwen2.embedding_length", spec.n_embd)?;
-    w.add("qwen2.feed_forward_length", spec.n_ff)?;
-    w.add("qwen2.attention.head_count", spec.n_head)?;
-    w.add("qwen2.attention.head_count_kv", spec.n_head_kv)?;
-    w.add("qwen2.rope.freq_base", spec.rope_base)?;
-    w.add("qwen2.attention.layer_norm_rms_epsilon", RMS_EPS)?;
+    w.add(key("block_count"), spec.n_layer)?;
+    w.add(key("context_length"), spec.n_ctx)?;
+    w.add(key("embedding_length"), spec.n_embd)?;
+    w.add(key("feed_forward_length"), spec.n_ff)?;
+    w.add(key("attention.head_count"), spec.n_head)?;
+    w.add(key("attention.head_count_kv"), spec.n_head_kv)?;
+    w.add(key("rope.freq_base"), spec.rope_base)?;
+    w.add(key("attention.layer_norm_rms_epsilon"), RMS_EPS)?;
+    if spec.arch == TinyArch::Llama {
+        w.add(key("rope.dimension_count"), spec.head_dim())?;
+    }
     w.add("general.file_type", spec.dtype.file_type())?;
     tokenizer.add_to(&mut w)?;
     w.add(FINGERPRINT_KEY, spec.fingerprint(tokenizer))?;
@@ -288,15 +325,28 @@ pub fn write_model(
     add(&mut w, "token_embd.weight", &[e, vocab], Some(1.0), wt)?;
     add(&mut w, "output_norm.weight", &[e], None, GgmlType::F32)?;
     add(&mut w, "output.weight", &[e, vocab], Some(2.5 * fan(e)), wt)?;
+    let biased = spec.arch == TinyArch::Qwen2;
     for i in 0..spec.n_layer {
         let t = |s: &str| format!("blk.{i}.{s}");
         add(&mut w, &t("attn_norm.weight"), &[e], None, GgmlType::F32)?;
-        add(&mut w, &t("attn_q.weight"), &[e, e], Some(fan(e)), wt)?;
-        add(&mut w, &t("attn_q.bias"), &[e], Some(0.1), GgmlType::F32)?;
-        add(&mut w, &t("attn_k.weight"), &[e, kv], Some(fan(e)), wt)?;
-        add(&mut w, &t("attn_k.bias"), &[kv], Some(0.1), GgmlType::F32)?;
-        add(&mut w, &t("attn_v.weight"), &[e, kv], Some(fan(e)), wt)?;
-        add(&mut w, &t("attn_v.bias"), &[kv], Some(0.1), GgmlType::F32)?;
+        for (m, width) in [("q", e), ("k", kv), ("v", kv)] {
+            add(
+                &mut w,
+                &t(&format!("attn_{m}.weight")),
+                &[e, width],
+                Some(fan(e)),
+                wt,
+            )?;
+            if biased {
+                add(
+                    &mut w,
+                    &t(&format!("attn_{m}.bias")),
+                    &[width],
+                    Some(0.1),
+                    GgmlType::F32,
+                )?;
+            }
+        }
         add(
             &mut w,
             &t("attn_output.weight"),
@@ -333,6 +383,7 @@ pub const TINY_ALT: &str = "tiny-alt";
 #[must_use]
 pub fn standard_specs() -> [TinySpec; 3] {
     let base = TinySpec {
+        arch: TinyArch::Qwen2,
         name: TINY_BIG.to_owned(),
         n_layer: 4,
         n_embd: 256,
@@ -379,23 +430,81 @@ fn is_current(path: &Path, fingerprint: &str) -> bool {
 /// [`TinyError::Io`] if `dir` cannot be created; [`TinyError::Write`] if a file cannot be
 /// written.
 pub fn standard_ladder(dir: impl AsRef<Path>) -> Result<Vec<PathBuf>, TinyError> {
-    let dir = dir.as_ref();
-    std::fs::create_dir_all(dir).map_err(|source| TinyError::Io {
-        dir: dir.to_path_buf(),
-        source,
-    })?;
     let standard = TinyTokenizer::standard();
     let alt = TinyTokenizer::alt();
-    let mut paths = Vec::new();
-    for spec in standard_specs() {
+    let specs = standard_specs().map(|spec| {
         let tok = if spec.name == TINY_ALT {
             &alt
         } else {
             &standard
         };
+        (spec, tok)
+    });
+    write_current(dir.as_ref(), &specs)
+}
+
+/// File stem of the larger llama-architecture rung.
+pub const TINY_LLAMA_BIG: &str = "tiny-llama-big";
+/// File stem of the smaller llama-architecture rung.
+pub const TINY_LLAMA_SMALL: &str = "tiny-llama-small";
+
+/// The specs of [`llama_ladder`], other head counts than the standard ones:
+/// `tiny-llama-big` (4 layers, `n_embd` 192, 6/2 heads, `head_dim` 32, `n_ff` 384) and
+/// `tiny-llama-small` (2 layers, `n_embd` 64, 4/2 heads, `head_dim` 16, `n_ff` 128). F16
+/// weights, RoPE base 5e5, context 2048, [`TinyTokenizer::standard`].
+#[must_use]
+pub fn llama_specs() -> [TinySpec; 2] {
+    let big = TinySpec {
+        arch: TinyArch::Llama,
+        name: TINY_LLAMA_BIG.to_owned(),
+        n_layer: 4,
+        n_embd: 192,
+        n_head: 6,
+        n_head_kv: 2,
+        n_ff: 384,
+        n_ctx: 2048,
+        rope_base: 5e5,
+        seed: 0x6c6c_616d_6100_0000,
+        dtype: DType::F16,
+    };
+    let small = TinySpec {
+        name: TINY_LLAMA_SMALL.to_owned(),
+        n_layer: 2,
+        n_embd: 64,
+        n_head: 4,
+        n_head_kv: 2,
+        n_ff: 128,
+        seed: big.seed + 1,
+        ..big.clone()
+    };
+    [big, small]
+}
+
+/// Writes the llama-architecture tiny ladder into `dir` like [`standard_ladder`] and returns
+/// the paths: `tiny-llama-big`, `tiny-llama-small`.
+///
+/// # Errors
+/// As [`standard_ladder`].
+pub fn llama_ladder(dir: impl AsRef<Path>) -> Result<Vec<PathBuf>, TinyError> {
+    let tok = TinyTokenizer::standard();
+    let specs = llama_specs().map(|spec| (spec, &tok));
+    write_current(dir.as_ref(), &specs)
+}
+
+/// Writes each spec to `dir/<name>.gguf` unless a current file is there; returns the paths.
+fn write_current(
+    dir: &Path,
+    specs: &[(TinySpec, &TinyTokenizer)],
+) -> Result<Vec<PathBuf>, TinyError> {
+    std::fs::create_dir_all(dir).map_err(|source| TinyError::Io {
+        dir: dir.to_path_buf(),
+        source,
+    })?;
+    let mut paths = Vec::new();
+    for (spec, tok) in specs {
         let path = dir.join(format!("{}.gguf", spec.name));
         if !is_current(&path, &spec.fingerprint(tok)) {
-            write_model(&spec, tok, &path)?;
+            write_model(spec, tok, &path)?;
         }
         paths.push(path);
     }

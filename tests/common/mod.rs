@@ -56,6 +56,33 @@ pub fn tiny_ladder() -> &'static Ladder {
     })
 }
 
+/// The llama-architecture tiny ladder (normal RoPE, no projection biases, other head counts):
+/// `big` and `small`, generated once per process.
+pub fn llama_ladder() -> &'static Ladder {
+    static L: OnceLock<Ladder> = OnceLock::new();
+    L.get_or_init(|| {
+        let dir = fixture_dir();
+        molt::tiny::llama_ladder(&dir).expect("tiny llama models");
+        let manifest_path = dir.join("tiny-llama.toml");
+        std::fs::write(&manifest_path, LLAMA_MANIFEST).expect("manifest");
+        Ladder::open(&manifest_path, &dir).expect("tiny llama ladder opens")
+    })
+}
+
+/// The llama ladder's manifest.
+pub const LLAMA_MANIFEST: &str = r#"
+name = "tiny-llama"
+description = "random-weight llama models for hermetic tests"
+[[rung]]
+name = "big"
+file = "tiny-llama-big.gguf"
+source = { local = {} }
+[[rung]]
+name = "small"
+file = "tiny-llama-small.gguf"
+source = { local = {} }
+"#;
+
 /// Path of a tiny model file.
 pub fn tiny_file(name: &str) -> PathBuf {
     let _ = tiny_ladder();
@@ -135,9 +162,13 @@ pub fn one_thread(c: ContextConfig) -> ContextConfig {
 /// What the tiny projectors and hidden maps are fitted on: the first 1600 tokens of the
 /// project's corpus (`projectors/corpus`), as the tiny big rung tokenizes it.
 pub fn tiny_corpus_tokens() -> Vec<Token> {
+    corpus_tokens(tiny_ladder())
+}
+
+/// The first 1600 tokens of the project's corpus as `l`'s largest rung tokenizes it.
+pub fn corpus_tokens(l: &Ladder) -> Vec<Token> {
     use molt::engine::{Model, ModelOptions};
     use molt::train::read_corpus;
-    let l = tiny_ladder();
     let corpus = read_corpus(&Path::new(env!("CARGO_MANIFEST_DIR")).join("projectors/corpus"))
         .expect("corpus");
     let model = Model::load(&l.rungs[0].path, "big", ModelOptions::default()).expect("big");
@@ -149,13 +180,19 @@ pub fn tiny_corpus_tokens() -> Vec<Token> {
 /// Fits the tiny ladder's projectors (every ordered route, the automatic variant) into
 /// `out/tiny/`: what [`tiny_projectors`] holds, and what a test of the fit itself fits.
 pub fn fit_tiny_projectors(out: &Path) -> molt::train::TrainReport {
+    fit_projectors(tiny_ladder(), out)
+}
+
+/// Fits `l`'s projectors as [`fit_tiny_projectors`] fits the tiny ladder's, into
+/// `out/<ladder>/`.
+pub fn fit_projectors(l: &Ladder, out: &Path) -> molt::train::TrainReport {
     use molt::routes::Variant;
     use molt::train::{TrainOptions, fit_ladder};
     use molt::transplant::projector::TensorDtype;
     fit_ladder(
-        tiny_ladder(),
+        l,
         cfg_long(),
-        &tiny_corpus_tokens(),
+        &corpus_tokens(l),
         &TrainOptions {
             window: 128,
             held_out_every: 4,
@@ -173,20 +210,29 @@ pub fn fit_tiny_projectors(out: &Path) -> molt::train::TrainReport {
 /// The tiny ladder's fitted projectors (`<dir>/tiny/*.molt-proj`), fitted once and reused while
 /// every route still loads against the current tiny files (generation is deterministic).
 pub fn tiny_projectors() -> &'static PathBuf {
-    use molt::routes::{Routes, Variant};
     static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let l = tiny_ladder();
-        let out = fixture_dir().join("projectors");
-        let n = l.rungs.len();
-        let mut routes = Routes::new(l, vec![out.clone()], Variant::Auto);
-        let current = (0..n)
-            .flat_map(|i| (0..n).map(move |j| (i, j)))
-            .filter(|(i, j)| i != j)
-            .all(|(i, j)| routes.get(i, j).is_ok());
-        if !current {
-            fit_tiny_projectors(&out);
-        }
-        out
-    })
+    DIR.get_or_init(|| projectors_of(tiny_ladder()))
+}
+
+/// The llama ladder's fitted projectors, as [`tiny_projectors`].
+pub fn llama_projectors() -> &'static PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| projectors_of(llama_ladder()))
+}
+
+/// `l`'s projectors under the fixture directory, fitted unless every route already loads
+/// against the current files.
+fn projectors_of(l: &Ladder) -> PathBuf {
+    use molt::routes::{Routes, Variant};
+    let out = fixture_dir().join("projectors");
+    let n = l.rungs.len();
+    let mut routes = Routes::new(l, vec![out.clone()], Variant::Auto);
+    let current = (0..n)
+        .flat_map(|i| (0..n).map(move |j| (i, j)))
+        .filter(|(i, j)| i != j)
+        .all(|(i, j)| routes.get(i, j).is_ok());
+    if !current {
+        fit_projectors(l, &out);
+    }
+    out
 }
