@@ -11,8 +11,9 @@ const SVG_NS = "http://www.w3.org/2000/svg";
 const POLL_MS = 1000;
 /** The longest wait between two attempts to reach a server that does not answer, ms. */
 const POLL_MAX_BACKOFF_MS = 10000;
-/** How much history the chart shows, ms. */
+/** How much history the chart shows at most, and at least, ms. */
 const WINDOW_MS = 120000;
+const MIN_WINDOW_MS = 20000;
 /** How a 401 starts, so that a good key clears it. */
 const KEY_NEEDED = "The server needs an API key";
 
@@ -51,7 +52,7 @@ async function describeFailure(resp) {
     case 401:
       return KEY_NEEDED + " (401)" + said + " Enter it under “API key”.";
     case 503:
-      return "The server is busy (503)" + said;
+      return "The server cannot take the request now (503)" + said;
     case 400:
       return "The server refused the request (400)" + said;
     default:
@@ -185,14 +186,21 @@ function svg(tag, attrs, text) {
   return el;
 }
 
-/** Budget (a step line: it holds until the next change), resident set and the rungs'
- * measured footprint over the last two minutes, with each rung's full-context need dotted. */
+/** Budget (a step line: it holds until the next change), resident set and the loaded rungs'
+ * measured footprint over the last two minutes at most, with each rung's full-context need
+ * dotted. The engine publishes the footprint when an answer starts and ends, so during an
+ * answer the resident set is the live line. */
 function drawChart() {
   const chart = $("chart");
   const desc = chart.querySelector("desc");
   chart.replaceChildren(desc);
   const W = 480, H = 220, L = 44, R = 8, T = 8, B = 22;
-  const now = Date.now(), t0 = now - WINDOW_MS;
+  // The window grows with the page's age up to two minutes, so a first answer fills it.
+  const now = Date.now();
+  const first = Math.min(now, ...Object.values(state.series).filter((s) => s.length)
+    .map((s) => s[0][0]));
+  const span = Math.min(WINDOW_MS, Math.max(MIN_WINDOW_MS, now - first));
+  const t0 = now - span;
   // The scale follows what the engine occupies and could occupy; a budget far above that
   // (a trace's "plenty" before its cut) is drawn along the top edge instead of flattening
   // everything else.
@@ -202,14 +210,15 @@ function drawChart() {
   const base = Math.max(1, ...held);
   const budgets = state.series.budget.map(([, v]) => v).filter((v) => v != null && v <= 3 * base);
   const top = Math.max(base, ...budgets) * 1.1;
-  const x = (t) => L + ((Math.max(t, t0) - t0) / WINDOW_MS) * (W - L - R);
+  const x = (t) => L + ((Math.max(t, t0) - t0) / span) * (W - L - R);
   const y = (v) => T + (1 - Math.min(v, top) / top) * (H - T - B);
   for (let i = 0; i <= 4; i++) {
     const v = (top / 4) * i;
     chart.append(svg("line", { class: "grid", x1: L, x2: W - R, y1: y(v), y2: y(v) }));
     chart.append(svg("text", { x: L - 4, y: y(v) + 3, "text-anchor": "end" }, fmt(v)));
   }
-  for (const s of [0, 30, 60, 90, 120]) {
+  const step = [5, 10, 15, 30].find((s) => span / 1000 / s <= 5) || 30;
+  for (let s = 0; s * 1000 <= span; s += step) {
     chart.append(svg("text", { x: x(now - s * 1000), y: H - 6, "text-anchor": "middle" },
       s === 0 ? "now" : "−" + s + " s"));
   }
@@ -296,7 +305,7 @@ class Answer {
     span.textContent = content;
     this.body.append(span);
     this.text += content;
-    this.meta.textContent = "on " + this.rung + " · " + (m ? m.index + 1 : "") + " tokens";
+    if (m) this.meta.textContent = "on " + this.rung + " · " + (m.index + 1) + " tokens";
   }
 
   /** A chunk's `molt` event other than a token. */
@@ -383,7 +392,7 @@ async function* sseData(body) {
   for (;;) {
     const { value, done } = await reader.read();
     if (done) break;
-    buf += decoder.decode(value, { stream: true }).replace(/\r\n?/g, "\n");
+    buf = (buf + decoder.decode(value, { stream: true })).replace(/\r\n/g, "\n");
     let end;
     while ((end = buf.indexOf("\n\n")) >= 0) {
       const block = buf.slice(0, end);
@@ -489,7 +498,7 @@ function init() {
     send(text);
   });
   $("prompt").addEventListener("keydown", (ev) => {
-    if (ev.key === "Enter" && !ev.shiftKey) {
+    if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) {
       ev.preventDefault();
       $("ask").requestSubmit();
     }
