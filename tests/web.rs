@@ -3,7 +3,8 @@
 //! that cuts below the big rungs mid-answer, and asks a question through the page's own form —
 //! then the DOM must hold tokens of two rungs, coloured apart, and a switch marker with its cost
 //! between them. A second test stops an answer that waits for memory (the server counts the
-//! hang-up) and checks that a refused request's message reaches the user.
+//! hang-up), checks that a refused request's message reaches the user, and that the page says
+//! so when the server goes away.
 //!
 //! Runs when Chromium is installed (`chromium`, `chromium-browser`, `google-chrome`, or
 //! `$MOLT_CHROMIUM`); otherwise says "skipped" and passes, like the OpenAI client tests.
@@ -449,9 +450,10 @@ async fn a_conversation_through_a_budget_cut_shows_two_rungs_and_a_switch() {
 }
 
 /// Stop hangs up on an answer that is waiting for memory (the server counts it as cancelled and
-/// the page shows it stopped), and a request the server refuses shows the server's message.
+/// the page shows it stopped), a request the server refuses shows the server's message, and a
+/// server that goes away is reported while the page keeps trying to reach it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stop_hangs_up_and_refusals_show_the_servers_message() {
+async fn stop_refusals_and_a_vanished_server_reach_the_user() {
     let Some(binary) = chromium() else {
         eprintln!("skipped: no chromium (apt-get install chromium, or set MOLT_CHROMIUM)");
         return;
@@ -541,8 +543,13 @@ async fn stop_hangs_up_and_refusals_show_the_servers_message() {
         "the next answer",
     )
     .await;
-    drop(b);
+    // The server goes away: the status poll says so and keeps trying.
     srv.shutdown().await;
+    b.wait_for(
+        "document.getElementById('conn').classList.contains('down') && document.getElementById('conn').textContent.includes('trying again')",
+        "the page to notice the server has gone",
+    )
+    .await;
 }
 
 /// The README's screenshot, from a real ladder: start `molt-run serve --threads 1` (see the
