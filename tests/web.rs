@@ -136,6 +136,13 @@ impl Browser {
 
     /// One DevTools command (on the page once attached); its result.
     async fn call(&mut self, method: &str, params: Value) -> Value {
+        self.try_call(method, params)
+            .await
+            .unwrap_or_else(|e| panic!("{method}: {e}"))
+    }
+
+    /// One DevTools command; its result, or the protocol's error.
+    async fn try_call(&mut self, method: &str, params: Value) -> Result<Value, Value> {
         self.next_id += 1;
         let id = self.next_id;
         let mut msg = json!({"id": id, "method": method, "params": params});
@@ -152,33 +159,42 @@ impl Browser {
             let Message::Text(text) = m else { continue };
             let v: Value = serde_json::from_str(text.as_str()).unwrap();
             if v["id"] == id {
-                assert!(v.get("error").is_none(), "{method}: {v}");
-                return v["result"].clone();
+                return match v.get("error") {
+                    Some(e) => Err(e.clone()),
+                    None => Ok(v["result"].clone()),
+                };
             }
         }
     }
 
     /// Evaluates a JavaScript expression in the page (awaiting a promise); its value as JSON.
     async fn eval(&mut self, expression: &str) -> Value {
+        self.try_eval(expression)
+            .await
+            .unwrap_or_else(|e| panic!("{expression}: {e}"))
+    }
+
+    /// As [`Browser::eval`], with a thrown exception or a protocol error (an evaluation that
+    /// meets a navigation) returned rather than fatal.
+    async fn try_eval(&mut self, expression: &str) -> Result<Value, Value> {
         let r = self
-            .call(
+            .try_call(
                 "Runtime.evaluate",
                 json!({"expression": expression, "returnByValue": true, "awaitPromise": true}),
             )
-            .await;
-        assert!(
-            r.get("exceptionDetails").is_none(),
-            "{expression}: {}",
-            r["exceptionDetails"]
-        );
-        r["result"]["value"].clone()
+            .await?;
+        match r.get("exceptionDetails") {
+            Some(e) => Err(e.clone()),
+            None => Ok(r["result"]["value"].clone()),
+        }
     }
 
-    /// Waits until `expression` is truthy in the page; its value.
+    /// Waits until `expression` is truthy in the page; its value. An evaluation that fails
+    /// (the page is still being replaced) counts as not yet.
     async fn wait_for(&mut self, expression: &str, what: &str) -> Value {
         let deadline = Instant::now() + PATIENCE;
         loop {
-            let v = self.eval(expression).await;
+            let v = self.try_eval(expression).await.unwrap_or(Value::Null);
             let truthy =
                 !matches!(&v, Value::Null | Value::Bool(false)) && v != json!("") && v != json!(0);
             if truthy {
@@ -186,9 +202,9 @@ impl Browser {
             }
             if Instant::now() > deadline {
                 let page = self
-                    .eval("document.querySelector('main').innerText + '\\n' + document.getElementById('error').innerText")
+                    .try_eval("document.querySelector('main').innerText + '\\n' + document.getElementById('error').innerText")
                     .await;
-                panic!("waited in vain for {what} ({expression}); the page shows:\n{page}");
+                panic!("waited in vain for {what} ({expression}); the page shows:\n{page:?}");
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
