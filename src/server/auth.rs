@@ -1,9 +1,10 @@
 //! Bearer-key authentication, as OpenAI clients send it: `Authorization: Bearer KEY`.
 //!
-//! One key per service ([`ApiKey`]), checked on every route before the handler runs. The
-//! check compares SHA-256 digests of the two keys byte by byte without stopping at the first
-//! difference, so neither the time it takes nor its outcome tells a client how much of a
-//! guess was right, or how long the key is. A refusal is a 401 in OpenAI's error shape with
+//! One key per service ([`ApiKey`]), checked on every API route before the handler runs (the
+//! web page's own files are served without it, so a user can load the page and type the key
+//! its calls then send). The check compares SHA-256 digests of the two keys byte by byte
+//! without stopping at the first difference, so neither the time it takes nor its outcome
+//! tells a client how much of a guess was right, or how long the key is. A refusal is a 401 in OpenAI's error shape with
 //! `WWW-Authenticate: Bearer`, so OpenAI client libraries report it as an authentication
 //! error.
 

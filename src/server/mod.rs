@@ -7,6 +7,9 @@
 //! answers stream; the wire types in [`openai`]; [`client`], a minimal HTTP/SSE client for
 //! tests and the load benchmark.
 //!
+//! The page at `/` ([`web`](self)) is a chat over these same endpoints that shows the rungs,
+//! the switches and the budget as they happen.
+//!
 //! Inside: [`routes`](self) validates and measures each request and queues it; one engine
 //! thread ([`worker`](self)) owns the [`Session`] and answers the queue in order, deferring
 //! admission while memory is short; each streamed answer is a [`DoneState`] machine that
@@ -27,6 +30,7 @@ pub mod openai;
 mod record;
 mod routes;
 mod stream;
+mod web;
 mod worker;
 
 pub use auth::ApiKey;
@@ -309,6 +313,8 @@ impl Server {
         if let Some(key) = self.api_key {
             app = auth::protect(app, key);
         }
+        // Outside the key check: the page must load for the user to type the key it sends.
+        app = app.merge(web::router());
         let stop = {
             let shared = Arc::clone(&shared);
             async move {

@@ -4,7 +4,8 @@
 //! - `GET /v1/models` — the served ladder, for clients that list models first;
 //! - `GET`/`POST /v1/molt/budget` — the memory budget: a fixed value, a replayed trace, the
 //!   real system, or none;
-//! - `GET /v1/molt/status` — queue, counters, current rung, routes, resident set.
+//! - `GET /v1/molt/status` — queue, counters, current rung, routes, resident set;
+//! - `GET /` — the web page (its routes live in `web`, outside the key check).
 //!
 //! Everything a request can get wrong is refused before it reaches the queue, with a 4xx and
 //! a JSON error: a body that is not JSON, unknown fields, unsupported parameters, a prompt
