@@ -49,6 +49,8 @@ fn files_given_in_any_order_become_a_ladder_largest_first() {
     // whose rungs are the files given, hashes checked.
     let dir = tempfile::tempdir().unwrap();
     let manifest = init::write(&p, dir.path(), false).expect("written");
+    let lock = molt::ladder::Lock::load(&molt::ladder::Lock::path(dir.path(), "mine"));
+    assert_eq!(lock.files.len(), 3, "the lock records every rung's hash");
     let ladder = Ladder::open(&manifest, dir.path()).expect("opens");
     assert_eq!(ladder.names(), vec!["tier0", "tier1", "tier2"]);
     assert_eq!(

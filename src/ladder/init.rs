@@ -7,7 +7,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::lock::sha256_file;
+use super::lock::{Lock, sha256_file};
 use super::manifest::{Manifest, RungSpec, Source};
 use crate::gguf::{GgufError, GgufFile, ModelFacts, TokenizerIdentity};
 
@@ -222,8 +222,9 @@ fn describe(r: &PlannedRung) -> String {
 }
 
 /// Writes the plan into `dir`: each file that is not there already is linked under its name,
-/// then the manifest `<dir>/<name>.toml` (through a temporary file, so a manifest is whole or
-/// absent). Returns the manifest's path.
+/// the lock records the hashes already taken (a ladder opened next does not hash the files
+/// again), then the manifest `<dir>/<name>.toml` (through a temporary file, so a manifest is
+/// whole or absent). Returns the manifest's path.
 ///
 /// # Errors
 /// [`InitError::Exists`] for a manifest already there (unless `force`),
@@ -253,6 +254,13 @@ pub fn write(plan: &Plan, dir: &Path, force: bool) -> Result<PathBuf, InitError>
             }
         }
     }
+    let lock_path = Lock::path(dir, &plan.manifest.name);
+    let mut lock = Lock::load(&lock_path);
+    for (r, spec) in plan.rungs.iter().zip(&plan.manifest.rungs) {
+        let at = dir.join(&spec.file);
+        lock.record(&at, r.sha256.clone()).map_err(io(&at))?;
+    }
+    lock.save(&lock_path).map_err(io(&lock_path))?;
     let text = format!(
         "# Written by `molt-run ladder init`: rungs largest first, each file checked by its sha256.\n{}",
         toml::to_string(&plan.manifest).map_err(|e| InitError::Io {

@@ -84,6 +84,28 @@ impl Lock {
         std::fs::rename(tmp, path)
     }
 
+    /// Records `sha256`, hashed by the caller, for the file at `path` as it is now (size and
+    /// mtime, through a link).
+    ///
+    /// # Errors
+    /// I/O errors reading the file's metadata.
+    pub fn record(&mut self, path: &Path, sha256: String) -> std::io::Result<()> {
+        let key = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let (size, mtime_ns) = stat(path)?;
+        self.files.insert(
+            key,
+            FileRecord {
+                size,
+                mtime_ns,
+                sha256,
+            },
+        );
+        Ok(())
+    }
+
     /// The file's sha256: from the lock when size and mtime still match, else hashed now (and
     /// recorded). Returns `(sha256, freshly_hashed)`.
     ///
