@@ -145,6 +145,9 @@ pub struct StallRow {
     pub samples: Vec<f64>,
 }
 
+/// Rows by setup name (`before`, `after`).
+pub type RowsBySetup = BTreeMap<String, Vec<StallRow>>;
+
 /// One measured switch.
 #[derive(Debug, Clone)]
 struct Sample {
@@ -197,8 +200,8 @@ pub fn run(
     corpus: &str,
     opts: &StallOptions,
     progress: &mut dyn FnMut(&str),
-    checkpoint: &mut dyn FnMut(&BTreeMap<String, Vec<StallRow>>, usize),
-) -> Result<BTreeMap<String, Vec<StallRow>>, BenchError> {
+    checkpoint: &mut dyn FnMut(&RowsBySetup, usize),
+) -> Result<RowsBySetup, BenchError> {
     let mut samples: BTreeMap<&'static str, Vec<Sample>> = BTreeMap::new();
     for rep in 0..opts.reps {
         for &length in &opts.lengths {
@@ -227,10 +230,7 @@ pub fn run(
     Ok(summarise(ladder, &samples))
 }
 
-fn summarise(
-    ladder: &Ladder,
-    samples: &BTreeMap<&'static str, Vec<Sample>>,
-) -> BTreeMap<String, Vec<StallRow>> {
+fn summarise(ladder: &Ladder, samples: &BTreeMap<&'static str, Vec<Sample>>) -> RowsBySetup {
     samples
         .iter()
         .map(|(name, s)| ((*name).to_string(), rows(ladder, s)))

@@ -43,8 +43,8 @@ pub(super) fn section(doc: &StallDoc, figures: &FigureSet, figures_rel: &str) ->
     let _ = writeln!(s, "\n## The stall at a switch\n");
     let _ = writeln!(
         s,
-        "From `switch_stall.json` (`molt-run --threads {} bench --stall`): the gap between the last token on the source and the first on the destination, everything included, for every route of the ladder at two context lengths, {} repetitions; the destination's page cache warm (its file read through before the leg) or cold (dropped with `posix_fadvise(DONTNEED)`; `cached` says how much of the file another process's mapping kept in the cache anyway). *Before*: the destination is loaded at the switch (llama.cpp's load with its mapping populated, a context with a full-window KV buffer, a warm-up decode). *After*: the rungs below the current one wait on standby — loaded ahead, their weight pages released from this process — and a switch down only maps the pages back; a switch up still loads. Machine: {}.\n",
-        doc.threads, doc.reps, doc.contention
+        "From `switch_stall.json` (`molt-run --threads {} bench --stall`): the gap between the last token on the source and the first on the destination, everything included, for every route of the ladder at two context lengths, {} repetitions; the destination's page cache warm (its file read through before the leg) or cold (dropped with `posix_fadvise(DONTNEED)`; `cached` says how much of the file another process's mapping kept in the cache anyway). *Before*: the destination is loaded at the switch (llama.cpp's load with its mapping populated, a context with a full-window KV buffer, a warm-up decode). *After*: the rungs below the current one wait on standby — loaded ahead, their weight pages released from this process — and a switch down only maps the pages back; a switch up still loads. Every rung's context window: {} tokens. Machine: {}.\n",
+        doc.threads, doc.reps, doc.n_ctx, doc.contention
     );
     let _ = writeln!(
         s,

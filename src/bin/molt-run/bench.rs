@@ -210,9 +210,7 @@ fn run_stall(g: &GlobalArgs, a: &Args) -> Result<()> {
     config.n_ctx = config.n_ctx.max(u32::try_from(need).unwrap_or(u32::MAX));
     let corpus = molt::train::read_corpus(&a.corpus)?;
     let info = RunInfo::now();
-    let doc_of = |by_setup: &std::collections::BTreeMap<String, Vec<stall::StallRow>>,
-                  reps: usize|
-     -> Result<StallDoc> {
+    let doc_of = |by_setup: &stall::RowsBySetup, reps: usize| -> Result<StallDoc> {
         Ok(StallDoc {
             run: serde_json::to_value(&info)?,
             threads: config.n_threads,
