@@ -114,6 +114,41 @@ pub(super) fn section(doc: &StallDoc, figures: &FigureSet, figures_rel: &str) ->
         s,
         "Where it is missed, the largest parts say why: on the size routes the selective token recompute (`token_recompute`, the destination re-reading at least 64 positions and a tenth of the context natively) and the head re-read are the switch itself, not the destination's readiness; `other` is sampling and bookkeeping between the switch and the token. Parts are medians of their own, so they need not add up to the stall's median."
     );
+    // What standby changed, part by part: the load before against the activation after, on
+    // the same down rows.
+    let pairs: Vec<(f64, f64)> = down_warm
+        .iter()
+        .filter_map(|r| {
+            let b = doc.before_rows.iter().find(|b| {
+                b.route == r.route
+                    && b.cache == r.cache
+                    && b.context_tokens.abs_diff(r.context_tokens) * 4 < r.context_tokens.max(1)
+            })?;
+            Some((
+                *b.parts_ms.get("load")?,
+                r.parts_ms.get("standby_activate").copied().unwrap_or(0.0)
+                    + r.parts_ms.get("load").copied().unwrap_or(0.0),
+            ))
+        })
+        .collect();
+    if !pairs.is_empty() {
+        let before: Vec<String> = pairs.iter().map(|(b, _)| format!("{b:.0}")).collect();
+        let after: Vec<String> = pairs.iter().map(|(_, a)| format!("{a:.0}")).collect();
+        let _ = writeln!(
+            s,
+            "What standby takes off a warm switch down, row by row as listed: the destination's load, {} ms before, became {} ms of mapping its pages back.",
+            before.join(" / "),
+            after.join(" / ")
+        );
+    }
+    if doc.reps < 3 {
+        let _ = writeln!(
+            s,
+            "With {} repetition{} the rows carry no spread, and before and after ran minutes apart on a machine whose load moved: compare the parts, not the totals.",
+            doc.reps,
+            if doc.reps == 1 { "" } else { "s" }
+        );
+    }
     if let Some(h) = figures.written.iter().find(|f| f.name == "switch_stall") {
         let _ = writeln!(
             s,
