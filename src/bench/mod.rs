@@ -10,6 +10,7 @@
 //! - [`footprint`]: what each rung occupies per context length, measured by the OS beside the
 //!   policy's model, and what parking gives back.
 //! - [`speed`]: prefill/decode tok/s per rung, Molt's engine beside plain llama.cpp.
+//! - [`stall`]: the gap a user sees at a switch, every route, warm and cold page cache.
 //! - [`figures`] and [`page`]: PNG figures and the results page, generated from the JSON.
 
 pub mod conditions;
@@ -21,6 +22,7 @@ pub mod page;
 pub mod qos;
 pub mod recall;
 pub mod speed;
+pub mod stall;
 
 use std::path::PathBuf;
 

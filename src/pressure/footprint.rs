@@ -137,6 +137,25 @@ pub fn resident_bytes_of_mapping(file: &Path) -> Result<u64, PressureError> {
     Ok(smaps_rss_of(&smaps, &canonical))
 }
 
+/// [`resident_bytes_of_mapping`] summed over several files from one read of
+/// `/proc/self/smaps` (each read walks every mapping's page tables, which costs tens of ms
+/// on a loaded machine once a rung's weights are mapped). Files that cannot be
+/// canonicalised count 0.
+///
+/// # Errors
+/// [`PressureError::Io`] when `/proc/self/smaps` cannot be read.
+pub fn resident_bytes_of_mappings(files: &[&Path]) -> Result<u64, PressureError> {
+    if files.is_empty() {
+        return Ok(0);
+    }
+    let smaps = procfile::read(Path::new("/proc/self/smaps"))?;
+    Ok(files
+        .iter()
+        .filter_map(|f| std::fs::canonicalize(f).ok())
+        .map(|c| smaps_rss_of(&smaps, &c))
+        .sum())
+}
+
 /// Sums `Rss` over the entries of an `smaps` text whose pathname equals `file`.
 pub(crate) fn smaps_rss_of(smaps: &str, file: &Path) -> u64 {
     let Some(wanted) = file.to_str() else {
@@ -166,7 +185,7 @@ pub(crate) fn smaps_rss_of(smaps: &str, file: &Path) -> u64 {
 
 /// The pathname of an smaps header `start-end perms offset dev inode [pathname]`: everything
 /// after the fifth field, so paths with spaces survive.
-fn mapping_pathname(header: &str) -> &str {
+pub(crate) fn mapping_pathname(header: &str) -> &str {
     let mut rest = header;
     for _ in 0..5 {
         rest = rest.trim_start();

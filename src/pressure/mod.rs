@@ -10,6 +10,8 @@
 //!   child's side.
 //! - [`footprint`]: measured (never guessed) occupancy — RSS, PSS, the resident pages of one
 //!   memory-mapped file, page-cache residency via `mincore` — and the [`Footprint`] record.
+//! - [`pages`]: a mapped file's pages released from this process or mapped back in, and a
+//!   file's pages dropped from or read into the page cache (standby rungs, the stall bench).
 //!
 //! All fallible functions return [`PressureError`] (or the narrower [`TraceError`] /
 //! [`HogError`], which convert into it).
@@ -18,6 +20,7 @@ pub mod budget;
 mod error;
 pub mod footprint;
 pub mod hog;
+pub mod pages;
 mod procfile;
 pub mod trace;
 
@@ -30,7 +33,8 @@ pub use error::{HogError, PressureError, TraceError, TraceProblem};
 pub use footprint::{
     Footprint, PageCacheResidency, file_resident_in_page_cache, mincore_resident_bytes,
     process_anon_rss_bytes, process_peak_rss_bytes, process_pss_bytes, process_rss_bytes,
-    reset_peak_rss, resident_bytes_of_mapping, return_freed_buffers_to_os, rss_bytes_in, trim_heap,
+    reset_peak_rss, resident_bytes_of_mapping, resident_bytes_of_mappings,
+    return_freed_buffers_to_os, rss_bytes_in, trim_heap,
 };
 pub use hog::{HogChild, HogMemory, HogReport, HogSchedule, HogStep, run_hog, run_hog_with};
 pub use trace::{Clock, Trace, TraceRefs, TraceStep, Unit};

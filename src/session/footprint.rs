@@ -5,7 +5,7 @@
 use crate::engine::ContextConfig;
 use crate::sched::RungCost;
 
-use super::{LiveRung, Session};
+use super::{Session, StandbyRung};
 
 /// KV bytes per token of a rung: K and V rows of every layer.
 fn kv_per_token(info: &crate::ladder::RungInfo, config: ContextConfig) -> u64 {
@@ -73,19 +73,21 @@ impl Session {
             .collect()
     }
 
-    /// The measured footprint: resident pages of every mapped rung file (from the process's
-    /// own `smaps`) plus the growth of the process's anonymous memory since the session was
+    /// The measured footprint: resident pages of every mapped rung file, standby rungs' included
+    /// (from the process's own `smaps`), plus the growth of the process's anonymous memory since the session was
     /// created — repacked weights, KV and compute buffers as far as they have been touched, a
     /// parked cache. If `RssAnon` cannot be read: each loaded rung's load-time measurement
     /// plus the parked cache's bytes. In a process that runs other work besides this session,
     /// the anonymous part includes that work too.
     pub fn measured_footprint(&self) -> u64 {
-        let weights: u64 = self
+        let files: Vec<&std::path::Path> = self
             .rungs
             .iter()
             .flatten()
-            .map(LiveRung::weights_resident)
-            .sum();
+            .map(|r| r.info.path.as_path())
+            .chain(self.standby.iter().flatten().map(StandbyRung::path))
+            .collect();
+        let weights = crate::pressure::resident_bytes_of_mappings(&files).unwrap_or(0);
         match crate::pressure::process_anon_rss_bytes() {
             Ok(anon) => weights + anon.saturating_sub(self.anon_base),
             Err(_) => {
@@ -97,6 +99,7 @@ impl Session {
                         .filter(|(_, r)| r.is_some())
                         .map(|(i, _)| self.context_bytes[i].unwrap_or(0))
                         .sum::<u64>()
+                    + self.standby_bytes()
                     + self.parked_kv_bytes()
             }
         }

@@ -108,7 +108,8 @@ impl Session {
     }
 
     /// The footprint the policy assigns the session's present state: the current rung's
-    /// resident cost (unless parked) plus the KV of `tokens` context tokens.
+    /// resident cost (unless parked) plus the KV of `tokens` context tokens, plus what the
+    /// standby rungs hold (measured).
     pub fn modelled_now(&self, tokens: u64) -> u64 {
         let costs = self.rung_costs();
         let c = &costs[self.current];
@@ -117,7 +118,7 @@ impl Session {
         } else {
             c.resident_bytes()
         };
-        weights + c.kv_bytes(tokens)
+        weights + c.kv_bytes(tokens) + self.standby_bytes()
     }
 
     /// Raises the current rung's anonymous cost to what the process shows (see
@@ -133,7 +134,8 @@ impl Session {
         let others: u64 = (0..self.rungs.len())
             .filter(|&i| i != self.current && self.rungs[i].is_some())
             .map(|i| self.context_bytes[i].unwrap_or(0))
-            .sum();
+            .sum::<u64>()
+            + self.standby_bytes();
         let mine = anon
             .saturating_sub(self.anon_base)
             .saturating_sub(others)
@@ -231,6 +233,10 @@ impl Session {
             park_ms: ms(t0),
         };
         for slot in &mut self.rungs {
+            *slot = None;
+        }
+        // Nothing runs while parked: a standby rung would only hold memory.
+        for slot in &mut self.standby {
             *slot = None;
         }
         crate::pressure::trim_heap();

@@ -84,6 +84,19 @@ pub struct SwitchTimings {
     /// [`super::SwitchInfo`], the switch's own FLOPs: the projection plus the destination's
     /// first decode.
     pub flops: f64,
+    /// Where `load_ms` went when the destination was loaded at the switch (`None`: it was
+    /// loaded already, or came off standby).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load_parts: Option<super::LoadParts>,
+    /// The destination came off standby ([`super::StandbyRung`]): `load_ms` is then only the
+    /// time its weight pages took to be mapped back in.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub from_standby: bool,
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's skip_serializing_if passes a reference
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 #[allow(clippy::trivially_copy_pass_by_ref)] // serde's skip_serializing_if passes a reference
@@ -501,6 +514,7 @@ pub fn transplant_exported(
         load_ms: 0.0,
         cells,
         flops,
+        ..SwitchTimings::default()
     })
 }
 

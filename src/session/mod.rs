@@ -16,6 +16,7 @@ mod native;
 mod options;
 mod refill;
 mod rung;
+mod standby;
 mod switch;
 
 pub use condition::Condition;
@@ -24,7 +25,7 @@ pub use error::{MigrationCause, MigrationError, MigrationStep, SessionError};
 pub use events::{Event, FootprintSample, Generation, LeverInfo, StopReason, Summary, SwitchInfo};
 pub use levers::chat_pinned_prefix;
 pub use options::{DEFAULT_HEAD_REREAD, GenerateOptions, Prompt, SessionOptions, Strategy};
-pub use rung::{LiveRung, ParkedRung};
+pub use rung::{LiveRung, LoadParts, ParkedRung, StandbyRung};
 pub use switch::SwitchMethod;
 
 use crate::engine::{ChatMessage, ContextConfig, Sampler, Token, Utf8Stream, softmax};
@@ -45,6 +46,8 @@ pub struct Session {
     opts: SessionOptions,
     routes: Routes,
     rungs: Vec<Option<LiveRung>>,
+    /// Rungs loaded ahead with their weight pages released ([`SessionOptions::standby`]).
+    standby: Vec<Option<StandbyRung>>,
     /// Measured context overheads, per rung, once a rung has been loaded.
     context_bytes: Vec<Option<u64>>,
     /// Set by [`Session::pin_context_bytes`]: loads no longer overwrite `context_bytes`.
@@ -81,6 +84,10 @@ pub struct Session {
     /// Positions of the cache whose cells a switch projected and nothing has re-read natively
     /// since (ordered, disjoint).
     projected: Vec<Range<usize>>,
+    /// A switch's footprint sample (token index, budget), taken once the destination's first
+    /// token is out: reading the process's page tables and trimming the heap took ~250 ms on
+    /// a loaded 2-core machine, and belongs to no gap the user waits on.
+    footprint_due: Option<(usize, u64)>,
 }
 
 impl Session {
@@ -121,6 +128,7 @@ impl Session {
             opts,
             routes,
             rungs: (0..n).map(|_| None).collect(),
+            standby: (0..n).map(|_| None).collect(),
             context_bytes: vec![None; n],
             pinned_costs: false,
             current,
@@ -139,8 +147,10 @@ impl Session {
             refill: None,
             observed: None,
             projected: Vec::new(),
+            footprint_due: None,
         };
         s.ensure_loaded(current)?;
+        s.prepare_standby();
         Ok(s)
     }
 
@@ -237,9 +247,12 @@ impl Session {
             self.ensure_loaded(self.home)?;
             let old = self.current;
             self.current = self.home;
-            if !self.opts.keep_source {
-                self.unload(old);
+            if !self.opts.keep_source
+                && let Some(live) = self.rungs[old].take()
+            {
+                self.retire(old, live);
             }
+            self.settle_standby(None);
             self.live().ctx.clear();
         }
         Ok(())
@@ -271,9 +284,12 @@ impl Session {
         let old = self.current;
         self.current = index;
         self.live().ctx.clear();
-        if !self.opts.keep_source {
-            self.unload(old);
+        if !self.opts.keep_source
+            && let Some(live) = self.rungs[old].take()
+        {
+            self.retire(old, live);
         }
+        self.settle_standby(None);
         Ok(())
     }
 
@@ -289,6 +305,11 @@ impl Session {
     pub fn ensure_loaded(&mut self, index: usize) -> Result<&mut LiveRung, SessionError> {
         if index >= self.rungs.len() {
             return Err(SessionError::UnknownRung(index.to_string()));
+        }
+        if self.rungs[index].is_none()
+            && let Some((live, _)) = self.take_standby(index)
+        {
+            self.rungs[index] = Some(live);
         }
         if self.rungs[index].is_none() {
             let mut live = LiveRung::load(&self.ladder.rungs[index], self.config)?;
@@ -650,12 +671,14 @@ impl Session {
                 latency_ms,
                 logprobs,
             });
+            self.flush_footprint(sink);
             if accept.stop {
                 stopped_by_control = true;
                 stop = StopReason::Eos;
                 break;
             }
         }
+        self.flush_footprint(sink);
         // A refill still behind when the answer ends is dropped with its context: the next
         // answer starts from the cache as it stands.
         self.drop_refill();
@@ -693,6 +716,8 @@ impl Session {
             stall_ms: self.stall_ms,
         };
         sink(&Event::Done(generation.summary()));
+        // After the answer, off every token's path: load ahead what a switch down would need.
+        self.prepare_standby();
         Ok(generation)
     }
 
@@ -716,9 +741,7 @@ impl Session {
             && to < self.rungs.len()
         {
             let info = self.switch_to(to, tok, i, None)?;
-            crate::pressure::trim_heap();
-            let b = self.last_budget.unwrap_or(0);
-            sink(&Event::Footprint(self.footprint_sample(i, b)));
+            self.footprint_due = Some((i, self.last_budget.unwrap_or(0)));
             return Ok(Between::Switched(Box::new(info)));
         }
         // A forced switch holds for the rest of the answer: the policy may still move down when
@@ -773,16 +796,20 @@ impl Session {
             let acted = match decision {
                 Decision::Stay | Decision::Admit { .. } => {
                     if !parked {
+                        self.settle_standby(Some(b.bytes));
                         return Ok(Between::Stay);
                     }
                     false
                 }
-                Decision::Promote { .. } if forced_hold && !parked => return Ok(Between::Stay),
+                Decision::Promote { .. } if forced_hold && !parked => {
+                    self.settle_standby(Some(b.bytes));
+                    return Ok(Between::Stay);
+                }
                 Decision::Demote { to } | Decision::Promote { to } => {
                     if !parked {
                         let info = self.switch_to(to, tok, i, Some(b))?;
-                        crate::pressure::trim_heap();
-                        sink(&Event::Footprint(self.footprint_sample(i, b.bytes)));
+                        self.settle_standby(Some(b.bytes));
+                        self.footprint_due = Some((i, b.bytes));
                         return Ok(Between::Switched(Box::new(info)));
                     }
                     if let Some(info) = self.move_parked(to, i, b)? {
@@ -835,8 +862,8 @@ impl Session {
                         let n_past = live.ctx.n_past();
                         live.ctx.truncate(n_past - 1);
                         let info = self.switch_to(rung, tok, i, Some(b))?;
-                        crate::pressure::trim_heap();
-                        sink(&Event::Footprint(self.footprint_sample(i, b.bytes)));
+                        self.settle_standby(Some(b.bytes));
+                        self.footprint_due = Some((i, b.bytes));
                         return Ok(Between::Switched(Box::new(info)));
                     }
                 }
@@ -885,6 +912,15 @@ impl Session {
                 });
             }
             std::thread::sleep(PARK_POLL);
+        }
+    }
+
+    /// Sends the footprint sample a switch left due ([`Session::footprint_due`]), after
+    /// returning the freed heap to the operating system.
+    fn flush_footprint(&mut self, sink: &mut dyn FnMut(&Event)) {
+        if let Some((at, budget)) = self.footprint_due.take() {
+            crate::pressure::trim_heap();
+            sink(&Event::Footprint(self.footprint_sample(at, budget)));
         }
     }
 

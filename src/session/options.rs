@@ -126,6 +126,14 @@ pub struct SessionOptions {
     /// the conversation kept and the session still parked, instead of holding the engine
     /// until memory returns. `None`: wait as long as it takes.
     pub park_deadline: Option<Duration>,
+    /// Keep the rungs below the current one on standby ([`super::StandbyRung`]): loaded ahead,
+    /// context created and warmed up, weight pages released from this process, so a switch
+    /// down only maps the pages back instead of loading the rung (measured by `molt-run bench
+    /// --stall`). What they hold (their context buffers, measured) is counted in the
+    /// session's footprint, and they are the first thing given up when the budget no longer
+    /// holds them beside the current rung. On by default; off, every switch loads its
+    /// destination on the spot.
+    pub standby: bool,
 }
 
 /// The head re-read of a default Molt switch: ChatML's opening (`<|im_start|>user\n`, three
@@ -151,6 +159,7 @@ impl Default for SessionOptions {
             refill_chunk: 0,
             token_recompute: Some(TokenRecompute::default_size()),
             park_deadline: None,
+            standby: true,
         }
     }
 }

@@ -1,5 +1,13 @@
-//! A rung as the session holds it: live (weights mapped, context ready) or parked (weights
-//! unmapped, the sequence's KV state kept in host memory as llama.cpp's own blob).
+//! A rung as the session holds it: live (weights mapped, context ready), on standby (model and
+//! context kept, weight pages released from this process) or parked (weights unmapped, the
+//! sequence's KV state kept in host memory as llama.cpp's own blob).
+//!
+//! Standby exists for the switch's stall: loading a rung — llama.cpp's model load with its
+//! mapping populated, a context with a full-window KV buffer cleared, a warm-up decode — took
+//! 400–550 ms on the real ladder, ten times the gap between two tokens, and it was on the
+//! switch's critical path. A [`StandbyRung`] has done all of that ahead; what it costs while
+//! waiting is its anonymous memory (context buffers, tokenizer tables), measured, while its
+//! weight pages stay in the page cache and out of this process's RSS.
 //!
 //! Parking is lossless: [`ParkedRung::resume`] maps the weights again, creates a fresh
 //! context and re-imports the blob byte for byte, so the logits after resuming equal those
@@ -29,6 +37,19 @@ pub struct LiveRung {
     pub context_bytes: u64,
     /// Time to map the weights and create the context, ms.
     pub load_ms: f64,
+    /// Where `load_ms` went.
+    pub parts: LoadParts,
+}
+
+/// Where a rung's load time went, ms: the parts of [`LiveRung::load`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct LoadParts {
+    /// Our GGUF metadata parse and llama.cpp's model load (the mapping populated).
+    pub model_ms: f64,
+    /// The context: KV buffer allocated and cleared, compute buffers reserved.
+    pub context_ms: f64,
+    /// The warm-up decode and the clear after it.
+    pub warmup_ms: f64,
 }
 
 impl LiveRung {
@@ -47,13 +68,16 @@ impl LiveRung {
         return_freed_buffers_to_os();
         let before = process_anon_rss_bytes().unwrap_or(0);
         let model = Model::load(&info.path, info.name(), ModelOptions::default()).map_err(wrap)?;
+        let t_model = Instant::now();
         let mut ctx = Context::new(model, config).map_err(wrap)?;
+        let t_context = Instant::now();
         // One token makes llama.cpp touch its compute buffers, so the measurement sees them.
         let warm = ctx.model().tokenize(" ", false).map_err(wrap)?;
         if let Some(&t) = warm.first() {
             ctx.decode(&[t]).map_err(wrap)?;
         }
         ctx.clear();
+        let t_warm = Instant::now();
         let after = process_anon_rss_bytes().unwrap_or(0);
         let reserved = ctx.reserved_bytes();
         Ok(Self {
@@ -63,6 +87,11 @@ impl LiveRung {
             // touch all of what llama.cpp reserved, so the policy counts the larger of the two.
             context_bytes: after.saturating_sub(before).max(reserved),
             load_ms: t0.elapsed().as_secs_f64() * 1e3,
+            parts: LoadParts {
+                model_ms: ms_between(t0, t_model),
+                context_ms: ms_between(t_model, t_context),
+                warmup_ms: ms_between(t_context, t_warm),
+            },
         })
     }
 
@@ -108,6 +137,59 @@ impl LiveRung {
             n_past,
             park_ms: t0.elapsed().as_secs_f64() * 1e3,
         })
+    }
+}
+
+fn ms_between(a: Instant, b: Instant) -> f64 {
+    b.duration_since(a).as_secs_f64() * 1e3
+}
+
+/// A rung loaded ahead and waiting: its model and context exist (loaded, warmed up, cleared),
+/// its weight pages are released from this process (see [`crate::pressure::pages`]). Taking it
+/// live maps the pages back in one call; nothing else of [`LiveRung::load`] is repeated.
+pub struct StandbyRung {
+    live: LiveRung,
+    /// What it holds in this process while waiting, measured: the anonymous memory its load
+    /// added (context buffers, tokenizer tables, repacked weights if any) plus the weight
+    /// pages still resident after the release (0 unless the release failed).
+    pub rss_bytes: u64,
+}
+
+impl StandbyRung {
+    /// Loads the rung (as [`LiveRung::load`]) and puts it on standby.
+    ///
+    /// # Errors
+    /// A load failure.
+    pub fn prepare(info: &RungInfo, config: ContextConfig) -> Result<Self, SessionError> {
+        Ok(Self::from_live(LiveRung::load(info, config)?))
+    }
+
+    /// Puts a loaded rung on standby: its cache cleared, its weight pages released. A failed
+    /// release (no `/proc`, an old kernel) leaves the pages resident, and `rss_bytes` says so.
+    pub fn from_live(mut live: LiveRung) -> Self {
+        live.ctx.clear();
+        let _ = crate::pressure::pages::release_mapping(&live.info.path);
+        let rss_bytes = live.context_bytes + live.weights_resident();
+        Self { live, rss_bytes }
+    }
+
+    /// The rung's name.
+    pub fn name(&self) -> &str {
+        self.live.name()
+    }
+
+    /// Its weights file.
+    pub fn path(&self) -> &std::path::Path {
+        &self.live.info.path
+    }
+
+    /// Takes the rung live: maps its weight pages back in (from the page cache when warm,
+    /// else from disk). Returns it with the time that took, ms.
+    pub fn activate(self) -> (LiveRung, f64) {
+        let t0 = Instant::now();
+        // A failed populate only means the first decode faults the pages in itself.
+        let _ = crate::pressure::pages::populate_mapping(&self.live.info.path);
+        (self.live, t0.elapsed().as_secs_f64() * 1e3)
     }
 }
 

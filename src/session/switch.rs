@@ -15,7 +15,9 @@ use crate::transplant::projector::Projector;
 use crate::transplant::select::select_spans;
 
 use super::error::MigrationStep;
-use super::{LiveRung, ParkedRung, Session, SessionError, Strategy, SwitchInfo, jsd, migrate};
+use super::{
+    LiveRung, LoadParts, ParkedRung, Session, SessionError, Strategy, SwitchInfo, jsd, migrate,
+};
 use crate::routes::{self, RouteKind};
 
 /// How a switch carried the conversation's state to the destination.
@@ -71,6 +73,12 @@ struct SwitchOutcome {
     seam: Option<SeamReading>,
     /// The spans re-read by selective token recompute.
     spans: Vec<Range<usize>>,
+    /// Where the load went, when the destination was loaded at the switch.
+    load_parts: Option<LoadParts>,
+    /// The destination came off standby.
+    from_standby: bool,
+    /// The source, when the session may keep it on standby (see [`Session::retire`]).
+    retired: Option<LiveRung>,
 }
 
 /// A switch's seam as the quality pass measures it.
@@ -240,6 +248,9 @@ impl Session {
             load_ms,
             seam,
             spans,
+            load_parts,
+            from_standby,
+            retired,
         } = if shed_first {
             self.switch_shed_first(from, to, last)?
         } else {
@@ -266,6 +277,8 @@ impl Session {
             timings: migrate::SwitchTimings {
                 load_ms,
                 flops,
+                load_parts,
+                from_standby,
                 ..timings
             },
             flops_reprefill,
@@ -276,6 +289,10 @@ impl Session {
             note,
         };
         self.current = to;
+        if let Some(src) = retired {
+            self.retire(from, src);
+        }
+        self.settle_standby(None);
         // What the destination's cache holds that is not its own.
         self.projected = if method == SwitchMethod::Molt {
             let n = timings.cells;
@@ -327,12 +344,17 @@ impl Session {
         last: Token,
     ) -> Result<SwitchOutcome, SessionError> {
         let was_loaded = self.rungs[to].is_some();
+        let from_standby = !was_loaded && self.standby[to].is_some();
         let t_load = Instant::now();
         self.ensure_loaded(to)?;
         let load_ms = if was_loaded {
             0.0
         } else {
             t_load.elapsed().as_secs_f64() * 1e3
+        };
+        let load_parts = match &self.rungs[to] {
+            Some(dst) if !was_loaded && !from_standby => Some(dst.parts),
+            _ => None,
         };
         let (projector, mut note) = self.resolve_route(from, to);
         let mut src = self.rungs[from].take().expect("current rung is loaded");
@@ -382,12 +404,13 @@ impl Session {
         };
         let from_name = src.name().to_string();
         self.rungs[to] = Some(dst);
-        if self.opts.keep_source {
+        let retired = if self.opts.keep_source {
             src.ctx.clear();
             self.rungs[from] = Some(src);
+            None
         } else {
-            drop(src);
-        }
+            Some(src)
+        };
         Ok(SwitchOutcome {
             from_name,
             timings,
@@ -396,6 +419,9 @@ impl Session {
             load_ms,
             seam,
             spans: ranges,
+            load_parts,
+            from_standby,
+            retired,
         })
     }
 
@@ -448,13 +474,21 @@ impl Session {
         drop(src);
         crate::pressure::trim_heap();
         let t_load = Instant::now();
-        let carried = match LiveRung::load(&self.ladder.rungs[to], self.config) {
-            Ok(mut dst) => {
+        // A standby destination only maps its pages back; otherwise it is loaded now.
+        let loaded = match self.take_standby(to) {
+            Some((dst, _)) => Ok((dst, true)),
+            None => LiveRung::load(&self.ladder.rungs[to], self.config).map(|d| (d, false)),
+        };
+        let carried = match loaded {
+            Ok((mut dst, from_standby)) => {
                 let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
-                if dst.context_bytes > 0 && !self.pinned_costs {
-                    self.context_bytes[to] = Some(dst.context_bytes);
+                let load_parts = (!from_standby).then_some(dst.parts);
+                if !from_standby {
+                    if dst.context_bytes > 0 && !self.pinned_costs {
+                        self.context_bytes[to] = Some(dst.context_bytes);
+                    }
+                    self.arm_hidden_tap(to, &mut dst.ctx);
                 }
-                self.arm_hidden_tap(to, &mut dst.ctx);
                 let anchor = self.anchor_for(to, &mut note);
                 let rc = topk.as_ref().map(|t| self.recompute_for(to, t));
                 let spans = Span::of(&self.history, &ranges);
@@ -482,12 +516,12 @@ impl Session {
                             (t, self.reread_method())
                         }),
                 };
-                r.map(|(t, m)| (t, m, dst, load_ms))
+                r.map(|(t, m)| (t, m, dst, load_ms, load_parts, from_standby))
             }
             Err(e) => Err(e),
         };
         match carried {
-            Ok((timings, method, dst, load_ms)) => {
+            Ok((timings, method, dst, load_ms, load_parts, from_standby)) => {
                 self.rungs[to] = Some(dst);
                 Ok(SwitchOutcome {
                     from_name,
@@ -497,6 +531,9 @@ impl Session {
                     load_ms,
                     seam: None,
                     spans: ranges,
+                    load_parts,
+                    from_standby,
+                    retired: None,
                 })
             }
             Err(e) => {

@@ -24,6 +24,9 @@
 //! - `recall_frontier.png` ([`recall_frontier()`]) and `recall_lengths.png`
 //!   ([`recall_lengths()`]) — recall of the context's facts against switch cost per arm, and
 //!   by context length (`recall.json`, [`RecallDoc`]).
+//! - `switch_stall.png` ([`stall()`]) — the stall a user sees at a switch per route, before
+//!   and after standby rungs, warm and cold page cache (`switch_stall.json`,
+//!   [`crate::bench::stall::StallDoc`]).
 //!
 //! [`draw_all`] draws whichever of them have their JSON present and says why the others were
 //! skipped.
@@ -48,6 +51,7 @@ mod qos;
 pub mod recall;
 mod residuals;
 mod seams;
+mod stall;
 
 pub use conditions::conditions;
 pub use cost_sweep::cost_sweep;
@@ -56,6 +60,7 @@ pub use qos::qos;
 pub use recall::{recall_frontier, recall_lengths};
 pub use residuals::{ResidualDoc, residuals};
 pub use seams::seams;
+pub use stall::stall;
 
 static FONT: &[u8] = include_bytes!("../../../assets/fonts/DejaVuSans.ttf");
 const FAMILY: &str = "sans-serif";
@@ -221,6 +226,13 @@ pub fn draw_all(results: &Path, out: &Path) -> Result<FigureSet, BenchError> {
     } else {
         missing("recall_frontier", "recall.json");
         missing("recall_lengths", "recall.json");
+    }
+    match stall::draw(results, out) {
+        Some(f) => written.push(f?),
+        None => set.skipped.push((
+            "switch_stall".into(),
+            "switch_stall.json not found in results".into(),
+        )),
     }
     set.written = written;
     Ok(set)

@@ -80,6 +80,14 @@ pub struct Args {
     /// Tokens for the decode measurement.
     #[arg(long, default_value_t = 32)]
     pub decode_tokens: usize,
+    /// The stall a user sees at a switch: every route, down and up, warm and cold page cache,
+    /// the destination loaded at the switch (before) and off standby (after)
+    /// (results/switch_stall.json). Run it with --threads 1 on a shared machine.
+    #[arg(long)]
+    pub stall: bool,
+    /// Context lengths of the stall bench, tokens.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![128usize, 1024])]
+    pub stall_lengths: Vec<usize>,
     /// Output directory.
     #[arg(long, default_value = "results")]
     pub out_dir: PathBuf,
@@ -136,10 +144,20 @@ pub struct Args {
 }
 
 pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
-    if !a.speed && !a.cost_sweep && !a.footprint && !a.qos && !a.recall && a.conditions.is_none() {
+    if !a.speed
+        && !a.cost_sweep
+        && !a.footprint
+        && !a.qos
+        && !a.recall
+        && !a.stall
+        && a.conditions.is_none()
+    {
         bail!(
-            "nothing to run: pass --conditions all, --cost-sweep, --speed, --footprint, --recall and/or --qos"
+            "nothing to run: pass --conditions all, --cost-sweep, --speed, --footprint, --recall, --stall and/or --qos"
         );
+    }
+    if a.stall && (a.stall_lengths.is_empty() || a.stall_lengths.contains(&0)) {
+        bail!("--stall-lengths must be positive");
     }
     if a.real_hog && !a.qos {
         bail!("--real-hog applies to --qos");
@@ -165,7 +183,80 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     if a.speed {
         run_speed(g, a)?;
     }
+    if a.stall {
+        run_stall(g, a)?;
+    }
     Ok(())
+}
+
+fn run_stall(g: &GlobalArgs, a: &Args) -> Result<()> {
+    use molt::bench::stall::{self, StallDoc, StallOptions};
+    let ladder = g.open_ladder()?;
+    let mut config = g.context_config()?;
+    let dirs = a.projectors.iter().cloned().collect::<Vec<_>>();
+    let mut opts = if a.quick {
+        StallOptions::quick(dirs)
+    } else {
+        StallOptions::full(dirs)
+    };
+    if !a.quick {
+        opts.lengths.clone_from(&a.stall_lengths);
+        opts.reps = a.reps;
+    }
+    let longest = opts.lengths.iter().copied().max().unwrap_or(0);
+    // Room for the context and every leg's tokens, three tries each, and a reserve.
+    let legs = molt::bench::stall::route_circuit(ladder.rungs.len()).len();
+    let need = longest + 3 * legs * (opts.lead_tokens + 1 + opts.itl_tokens) + 16;
+    config.n_ctx = config.n_ctx.max(u32::try_from(need).unwrap_or(u32::MAX));
+    let corpus = molt::train::read_corpus(&a.corpus)?;
+    let info = RunInfo::now();
+    let doc_of = |by_setup: &stall::RowsBySetup, reps: usize| -> Result<StallDoc> {
+        Ok(StallDoc {
+            run: serde_json::to_value(&info)?,
+            threads: config.n_threads,
+            n_ctx: config.n_ctx,
+            contention: format!(
+                "a shared {}-CPU machine, load average {:.2} at the start; every decode on {} thread(s)",
+                info.cpus, info.loadavg_1m, config.n_threads
+            ),
+            reps,
+            rows: by_setup.get("after").cloned().unwrap_or_default(),
+            before_rows: by_setup.get("before").cloned().unwrap_or_default(),
+        })
+    };
+    let mut saved: Result<()> = Ok(());
+    let by_setup = stall::run(
+        &ladder,
+        config,
+        &corpus,
+        &opts,
+        &mut |line| eprintln!("{line}"),
+        &mut |rows, reps| {
+            // Each repetition's results are written as they stand, so a cut run keeps them.
+            if saved.is_ok() {
+                saved = doc_of(rows, reps)
+                    .and_then(|d| write_result(&a.out_dir, "switch_stall.json", &d));
+            }
+        },
+    )?;
+    saved?;
+    let doc = doc_of(&by_setup, opts.reps)?;
+    for r in &doc.rows {
+        eprintln!(
+            "{:>12} {:>4} ~{:>4} {:<4} stall {:>7.1} ms [{:.1}–{:.1}]  itl {:>6.1} ms  ratio {:>5.1}  standby {:>5.1} MiB",
+            r.route,
+            r.direction,
+            r.context_tokens,
+            format!("{:?}", r.cache).to_lowercase(),
+            r.stall_ms.median,
+            r.stall_ms.min,
+            r.stall_ms.max,
+            r.itl_ms_median,
+            r.stall_ms.median / r.itl_ms_median,
+            r.standby_rss_mib,
+        );
+    }
+    write_result(&a.out_dir, "switch_stall.json", &doc)
 }
 
 fn run_cost_sweep(g: &GlobalArgs, a: &Args) -> Result<()> {

@@ -1,0 +1,161 @@
+//! The results page's section on the stall a user sees at a switch (`switch_stall.json`):
+//! one table of every route, context length and page-cache state, before and after standby
+//! rungs, the figure, and one sentence per goal saying which rows meet it.
+//!
+//! The goal is the issue's: with the page cache warm, a switch down stalls at most
+//! [`GOAL_FACTOR`] × the destination's median inter-token latency measured in the same run.
+
+use std::fmt::Write as _;
+
+use super::file_name;
+use crate::bench::figures::FigureSet;
+use crate::bench::stall::{CacheState, StallDoc, StallRow};
+
+/// Stall over the destination's inter-token latency a warm switch down may reach.
+pub const GOAL_FACTOR: f64 = 3.0;
+
+fn cache_word(c: CacheState) -> &'static str {
+    match c {
+        CacheState::Warm => "warm",
+        CacheState::Cold => "cold",
+    }
+}
+
+/// The largest parts of a row's stall, as `name ms` (the `switch_total` sum left out).
+fn top_parts(r: &StallRow, n: usize) -> String {
+    let mut v: Vec<(&String, &f64)> = r
+        .parts_ms
+        .iter()
+        .filter(|(k, v)| k.as_str() != "switch_total" && v.is_finite() && **v >= 1.0)
+        .collect();
+    v.sort_by(|a, b| b.1.total_cmp(a.1));
+    v.iter()
+        .take(n)
+        .map(|(k, v)| format!("{k} {v:.0}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The section, from its `##` heading on; `figures_rel` is the figure directory relative to
+/// the page.
+pub(super) fn section(doc: &StallDoc, figures: &FigureSet, figures_rel: &str) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "\n## The stall at a switch\n");
+    let _ = writeln!(
+        s,
+        "From `switch_stall.json` (`molt-run --threads {} bench --stall`): the gap between the last token on the source and the first on the destination, everything included, for every route of the ladder at two context lengths, {} repetitions; the destination's page cache warm (its file read through before the leg) or cold (dropped with `posix_fadvise(DONTNEED)`; `cached` says how much of the file another process's mapping kept in the cache anyway). *Before*: the destination is loaded at the switch (llama.cpp's load with its mapping populated, a context with a full-window KV buffer, a warm-up decode). *After*: the rungs below the current one wait on standby — loaded ahead, their weight pages released from this process — and a switch down only maps the pages back; a switch up still loads. Every rung's context window: {} tokens. Machine: {}.\n",
+        doc.threads, doc.reps, doc.n_ctx, doc.contention
+    );
+    let _ = writeln!(
+        s,
+        "| route | dir | context | cache | cached | stall before, ms | stall after, ms [min–max] | dst ITL, ms | after / ITL | standby held, MiB | largest parts after, ms |"
+    );
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|");
+    let mut rows: Vec<&StallRow> = doc.rows.iter().collect();
+    rows.sort_by(|a, b| {
+        (
+            a.direction != "down",
+            a.context_tokens,
+            &a.route,
+            a.cache == CacheState::Cold,
+        )
+            .cmp(&(
+                b.direction != "down",
+                b.context_tokens,
+                &b.route,
+                b.cache == CacheState::Cold,
+            ))
+    });
+    for r in &rows {
+        let before = doc.before_rows.iter().find(|b| {
+            b.route == r.route
+                && b.cache == r.cache
+                && b.context_tokens.abs_diff(r.context_tokens) * 4 < r.context_tokens.max(1)
+        });
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {} | {:.0}% | {} | {:.0} [{:.0}–{:.0}] | {:.0} | {:.1} | {:.0} | {} |",
+            r.route.replace("->", " → "),
+            r.direction,
+            r.context_tokens,
+            cache_word(r.cache),
+            r.dst_page_cache_frac * 100.0,
+            before.map_or_else(|| "–".to_string(), |b| format!("{:.0}", b.stall_ms.median)),
+            r.stall_ms.median,
+            r.stall_ms.min,
+            r.stall_ms.max,
+            r.itl_ms_median,
+            r.stall_ms.median / r.itl_ms_median,
+            r.standby_rss_mib,
+            top_parts(r, 3),
+        );
+    }
+    let down_warm: Vec<&&StallRow> = rows
+        .iter()
+        .filter(|r| r.direction == "down" && r.cache == CacheState::Warm)
+        .collect();
+    let met: Vec<String> = down_warm
+        .iter()
+        .filter(|r| r.stall_ms.median <= GOAL_FACTOR * r.itl_ms_median)
+        .map(|r| format!("{} at {}", r.route.replace("->", " → "), r.context_tokens))
+        .collect();
+    let _ = writeln!(
+        s,
+        "\n**Goal** (warm cache, every switch down: stall ≤ {GOAL_FACTOR} × the destination's inter-token latency): met on {} of {} rows{}.",
+        met.len(),
+        down_warm.len(),
+        if met.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", met.join(", "))
+        }
+    );
+    let _ = writeln!(
+        s,
+        "Where it is missed, the largest parts say why: on the size routes the selective token recompute (`token_recompute`, the destination re-reading at least 64 positions and a tenth of the context natively) and the head re-read are the switch itself, not the destination's readiness; `other` is sampling and bookkeeping between the switch and the token. Parts are medians of their own, so they need not add up to the stall's median."
+    );
+    // What standby changed, part by part: the load before against the activation after, on
+    // the same down rows.
+    let pairs: Vec<(f64, f64)> = down_warm
+        .iter()
+        .filter_map(|r| {
+            let b = doc.before_rows.iter().find(|b| {
+                b.route == r.route
+                    && b.cache == r.cache
+                    && b.context_tokens.abs_diff(r.context_tokens) * 4 < r.context_tokens.max(1)
+            })?;
+            Some((
+                *b.parts_ms.get("load")?,
+                r.parts_ms.get("standby_activate").copied().unwrap_or(0.0)
+                    + r.parts_ms.get("load").copied().unwrap_or(0.0),
+            ))
+        })
+        .collect();
+    if !pairs.is_empty() {
+        let before: Vec<String> = pairs.iter().map(|(b, _)| format!("{b:.0}")).collect();
+        let after: Vec<String> = pairs.iter().map(|(_, a)| format!("{a:.0}")).collect();
+        let _ = writeln!(
+            s,
+            "What standby takes off a warm switch down, row by row as listed: the destination's load, {} ms before, became {} ms of mapping its pages back.",
+            before.join(" / "),
+            after.join(" / ")
+        );
+    }
+    if doc.reps < 3 {
+        let _ = writeln!(
+            s,
+            "With {} repetition{} the rows carry no spread, and before and after ran minutes apart on a machine whose load moved: compare the parts, not the totals.",
+            doc.reps,
+            if doc.reps == 1 { "" } else { "s" }
+        );
+    }
+    if let Some(h) = figures.written.iter().find(|f| f.name == "switch_stall") {
+        let _ = writeln!(
+            s,
+            "\n![switch stall]({figures_rel}/{})\n\n*{}*",
+            file_name(&h.path),
+            h.caption
+        );
+    }
+    s
+}

@@ -1,0 +1,522 @@
+//! The stall a user sees at a switch (`molt-run bench --stall`, `results/switch_stall.json`):
+//! the time between the last token on the source and the first token on the destination,
+//! everything included — the destination made ready, the cache carried, the first decode,
+//! sampling — beside the destination's own gap between two tokens in the same run.
+//!
+//! How it runs: one session per repetition reads a context of about the asked length on the
+//! smallest rung, then walks every ordered route of the ladder once, each leg a short answer
+//! continuing the same cache with a switch forced a few tokens in (an Eulerian circuit of the
+//! complete route graph, so one prefill serves every route). Before each leg the destination's
+//! file is put in the asked page-cache state: warm (read through once) or cold
+//! (`posix_fadvise(DONTNEED)`; pages another process maps stay, and the row says how much of
+//! the file was still cached). Each switch's parts come from its [`SwitchInfo`]; what they do
+//! not cover (sampling, the footprint sample after a switch) is `other`.
+//!
+//! Two setups are measured side by side: `before` loads the destination at the switch (the
+//! landed behaviour, [`SessionOptions::standby`] off), `after` takes it off standby.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use super::BenchError;
+use super::speed::Rate;
+use crate::engine::{ContextConfig, Token};
+use crate::ladder::Ladder;
+use crate::session::{Event, GenerateOptions, Prompt, Session, SessionOptions, SwitchInfo};
+
+/// The page-cache state of the destination's file before a switch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CacheState {
+    /// Its pages in the page cache (read through once before the leg).
+    Warm,
+    /// Its pages dropped from the page cache before the leg, so they are read from disk.
+    Cold,
+}
+
+/// Which switch a row measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Setup {
+    /// The destination loaded at the switch (standby off).
+    Before,
+    /// Standby rungs on (the default session).
+    After,
+}
+
+/// Options of the stall benchmark.
+#[derive(Debug, Clone)]
+pub struct StallOptions {
+    /// Context lengths to switch at, tokens (approximate: the legs add a few each).
+    pub lengths: Vec<usize>,
+    /// Repetitions of every route.
+    pub reps: usize,
+    /// Page-cache states.
+    pub caches: Vec<CacheState>,
+    /// Setups measured.
+    pub setups: Vec<Setup>,
+    /// Tokens generated on the source before the forced switch.
+    pub lead_tokens: usize,
+    /// Tokens generated on the destination after the switch (its inter-token latency).
+    pub itl_tokens: usize,
+    /// Projector directories (the session's search order when empty).
+    pub projector_dirs: Vec<PathBuf>,
+}
+
+impl StallOptions {
+    /// The real run: ~128 and ~1024 tokens, 3 repetitions, warm and cold, both setups.
+    #[must_use]
+    pub fn full(projector_dirs: Vec<PathBuf>) -> Self {
+        Self {
+            lengths: vec![128, 1024],
+            reps: 3,
+            caches: vec![CacheState::Warm, CacheState::Cold],
+            setups: vec![Setup::Before, Setup::After],
+            lead_tokens: 2,
+            itl_tokens: 8,
+            projector_dirs,
+        }
+    }
+
+    /// A smoke run (a tiny ladder's test): one short context, one repetition.
+    #[must_use]
+    pub fn quick(projector_dirs: Vec<PathBuf>) -> Self {
+        Self {
+            lengths: vec![32],
+            reps: 1,
+            itl_tokens: 3,
+            ..Self::full(projector_dirs)
+        }
+    }
+}
+
+/// Median, min and max, ms.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Spread {
+    /// Median.
+    pub median: f64,
+    /// Minimum.
+    pub min: f64,
+    /// Maximum.
+    pub max: f64,
+}
+
+impl Spread {
+    fn of(v: &[f64]) -> Self {
+        let r = Rate::from(v.to_vec());
+        Self {
+            median: r.median,
+            min: r.min,
+            max: r.max,
+        }
+    }
+}
+
+/// One route, direction, context length and cache state of one setup.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StallRow {
+    /// `src->dst`.
+    pub route: String,
+    /// `down` (to a smaller rung) or `up`.
+    pub direction: String,
+    /// Context tokens at the switch (median over repetitions).
+    pub context_tokens: usize,
+    /// Page-cache state of the destination's file before the switch.
+    pub cache: CacheState,
+    /// Last token on the source to first token on the destination, ms.
+    pub stall_ms: Spread,
+    /// Medians of the stall's parts, ms (see the module docs).
+    pub parts_ms: BTreeMap<String, f64>,
+    /// The destination's median gap between two tokens after the switch, same runs, ms.
+    pub itl_ms_median: f64,
+    /// What the standby rungs held when the switch began, MiB (median).
+    pub standby_rss_mib: f64,
+    /// Share of repetitions whose destination came off standby.
+    pub from_standby: f64,
+    /// Share of the destination's file in the page cache just before the leg (median): the
+    /// honest reading of `cold` when another process maps the file.
+    pub dst_page_cache_frac: f64,
+    /// How the cache was carried (`molt`, `reprefill-no-projector`, …), of the first
+    /// repetition.
+    pub method: String,
+    /// Every repetition's stall, ms.
+    pub samples: Vec<f64>,
+}
+
+/// Rows by setup name (`before`, `after`).
+pub type RowsBySetup = BTreeMap<String, Vec<StallRow>>;
+
+/// One measured switch.
+#[derive(Debug, Clone)]
+struct Sample {
+    from: usize,
+    to: usize,
+    length: usize,
+    cache: CacheState,
+    context_tokens: usize,
+    stall_ms: f64,
+    itl_ms: Vec<f64>,
+    info: SwitchInfo,
+    standby_bytes: u64,
+    page_cache_frac: f64,
+}
+
+/// Every ordered route of an `n`-rung ladder once, as a circuit starting and ending on the
+/// smallest rung (Hierholzer's walk over the complete directed graph).
+#[must_use]
+pub fn route_circuit(n: usize) -> Vec<(usize, usize)> {
+    if n < 2 {
+        return Vec::new();
+    }
+    let mut unused: Vec<Vec<usize>> = (0..n)
+        .map(|a| (0..n).filter(|&b| b != a).rev().collect())
+        .collect();
+    let mut stack = vec![n - 1];
+    let mut path = Vec::new();
+    while let Some(&v) = stack.last() {
+        if let Some(w) = unused[v].pop() {
+            stack.push(w);
+        } else {
+            path.push(v);
+            stack.pop();
+        }
+    }
+    path.reverse();
+    path.windows(2).map(|w| (w[0], w[1])).collect()
+}
+
+/// Runs the benchmark: every setup, length, cache state and repetition; `progress` gets a
+/// line per leg, `checkpoint` the rows of every setup so far (and the repetitions they pool)
+/// after each repetition, so a run cut short still leaves its results. Returns the rows of
+/// each setup.
+///
+/// # Errors
+/// A session failure, or a corpus too short for the longest context.
+pub fn run(
+    ladder: &Ladder,
+    config: ContextConfig,
+    corpus: &str,
+    opts: &StallOptions,
+    progress: &mut dyn FnMut(&str),
+    checkpoint: &mut dyn FnMut(&RowsBySetup, usize),
+) -> Result<RowsBySetup, BenchError> {
+    let mut samples: BTreeMap<&'static str, Vec<Sample>> = BTreeMap::new();
+    for rep in 0..opts.reps {
+        for &length in &opts.lengths {
+            for &cache in &opts.caches {
+                // The setups alternate inside a repetition, so drift on a shared machine hits
+                // both alike.
+                for &setup in &opts.setups {
+                    let got = chain(ladder, config, corpus, opts, setup, length, cache)?;
+                    for s in &got {
+                        progress(&format!(
+                            "rep {rep} {setup:?} {cache:?} ~{length}: {}->{} stall {:.1} ms (load {:.1}, switch {:.1}), itl {:.1} ms",
+                            ladder.rungs[s.from].name(),
+                            ladder.rungs[s.to].name(),
+                            s.stall_ms,
+                            s.info.timings.load_ms,
+                            s.info.timings.cost_ms,
+                            median(&s.itl_ms),
+                        ));
+                    }
+                    samples.entry(setup_name(setup)).or_default().extend(got);
+                }
+            }
+        }
+        checkpoint(&summarise(ladder, &samples), rep + 1);
+    }
+    Ok(summarise(ladder, &samples))
+}
+
+fn summarise(ladder: &Ladder, samples: &BTreeMap<&'static str, Vec<Sample>>) -> RowsBySetup {
+    samples
+        .iter()
+        .map(|(name, s)| ((*name).to_string(), rows(ladder, s)))
+        .collect()
+}
+
+fn setup_name(s: Setup) -> &'static str {
+    match s {
+        Setup::Before => "before",
+        Setup::After => "after",
+    }
+}
+
+fn median(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    Rate::from(v.to_vec()).median
+}
+
+/// A text of about `length` tokens of the corpus, as the smallest rung tokenizes it.
+fn context_text(session: &mut Session, corpus: &str, length: usize) -> Result<String, BenchError> {
+    let idx = session.current_index();
+    let name = session.current_rung().to_string();
+    let live = session
+        .rung_mut(idx)
+        .ok_or_else(|| BenchError::Config(format!("rung {name} is not loaded")))?;
+    let tokens: Vec<Token> =
+        live.model()
+            .tokenize(corpus, false)
+            .map_err(|source| BenchError::Engine {
+                rung: name.clone(),
+                source,
+            })?;
+    if tokens.len() < length {
+        return Err(BenchError::Config(format!(
+            "the corpus has {} tokens; the stall bench asked for {length}",
+            tokens.len()
+        )));
+    }
+    Ok(live.model().detokenize(&tokens[..length]))
+}
+
+/// One repetition: a session reads the context on the smallest rung, then walks the route
+/// circuit.
+fn chain(
+    ladder: &Ladder,
+    config: ContextConfig,
+    corpus: &str,
+    opts: &StallOptions,
+    setup: Setup,
+    length: usize,
+    cache: CacheState,
+) -> Result<Vec<Sample>, BenchError> {
+    let sopts = SessionOptions {
+        standby: setup == Setup::After,
+        projector_dirs: if opts.projector_dirs.is_empty() {
+            SessionOptions::default().projector_dirs
+        } else {
+            opts.projector_dirs.clone()
+        },
+        ..SessionOptions::default()
+    };
+    let n = ladder.rungs.len();
+    let mut session = Session::with_options(ladder.clone(), config, ladder.rungs[0].name(), sopts)?;
+    session.move_idle(n - 1)?;
+    let mut prompt = Prompt::Text(context_text(&mut session, corpus, length)?);
+    let mut out = Vec::new();
+    for (from, to) in route_circuit(n) {
+        // The session may have ended a leg early (end of text): the next leg continues it.
+        debug_assert_eq!(session.current_index(), from);
+        let path = &ladder.rungs[to].path;
+        match cache {
+            CacheState::Warm => {
+                crate::pressure::pages::read_into_page_cache(path).map_err(io_err(path))?;
+            }
+            CacheState::Cold => {
+                crate::pressure::pages::drop_from_page_cache(path).map_err(io_err(path))?;
+            }
+        }
+        let page_cache_frac = crate::pressure::file_resident_in_page_cache(path)
+            .map_or(f64::NAN, |r| {
+                r.resident_bytes as f64 / r.file_bytes.max(1) as f64
+            });
+        let standby_bytes = session.standby_bytes();
+        let mut sample = None;
+        // A leg whose answer ends before the switch is run again from where it stopped.
+        for _attempt in 0..3 {
+            let leg = GenerateOptions {
+                max_tokens: opts.lead_tokens + 1 + opts.itl_tokens,
+                force_switch: Some((opts.lead_tokens, to)),
+                ..GenerateOptions::default()
+            };
+            let mut latencies: Vec<(usize, f64)> = Vec::new();
+            let mut switch: Option<SwitchInfo> = None;
+            session.generate(&prompt, &leg, &mut |e| match e {
+                Event::Token {
+                    index, latency_ms, ..
+                } => latencies.push((*index, *latency_ms)),
+                Event::Switch(info) => switch = Some(info.clone()),
+                _ => {}
+            })?;
+            prompt = Prompt::Text(String::new());
+            let Some(info) = switch else { continue };
+            let at = info.at_token;
+            let stall_ms = latencies
+                .iter()
+                .find(|(i, _)| *i == at)
+                .map_or(f64::NAN, |&(_, l)| l);
+            sample = Some(Sample {
+                from,
+                to,
+                length,
+                cache,
+                context_tokens: session.history().len(),
+                stall_ms,
+                itl_ms: latencies
+                    .iter()
+                    .filter(|(i, _)| *i > at)
+                    .map(|&(_, l)| l)
+                    .collect(),
+                info,
+                standby_bytes,
+                page_cache_frac,
+            });
+            break;
+        }
+        let Some(s) = sample else {
+            return Err(BenchError::Config(format!(
+                "{} -> {}: three answers in a row ended before the switch",
+                ladder.rungs[from].name(),
+                ladder.rungs[to].name()
+            )));
+        };
+        out.push(s);
+    }
+    Ok(out)
+}
+
+fn io_err(path: &std::path::Path) -> impl Fn(crate::pressure::PressureError) -> BenchError + '_ {
+    move |e| BenchError::Config(format!("{}: {e}", path.display()))
+}
+
+/// The stall's parts of one switch, ms (keys as in the results file).
+fn parts(s: &Sample) -> BTreeMap<String, f64> {
+    let t = &s.info.timings;
+    let mut p = BTreeMap::new();
+    if t.from_standby {
+        p.insert("standby_activate".into(), t.load_ms);
+        p.insert("load".into(), 0.0);
+    } else {
+        p.insert("load".into(), t.load_ms);
+    }
+    if let Some(lp) = t.load_parts {
+        p.insert("load_model".into(), lp.model_ms);
+        p.insert("load_context".into(), lp.context_ms);
+        p.insert("load_warmup".into(), lp.warmup_ms);
+    }
+    p.insert("export".into(), t.export_ms);
+    p.insert("project".into(), t.project_ms);
+    p.insert("import".into(), t.import_ms);
+    p.insert("head_reread".into(), t.head_ms);
+    p.insert("token_recompute".into(), t.spans_ms);
+    p.insert("topk_recompute".into(), t.recompute_ms);
+    p.insert("first_decode".into(), t.first_decode_ms);
+    p.insert("switch_total".into(), t.cost_ms);
+    p.insert(
+        "other".into(),
+        (s.stall_ms - t.load_ms - t.cost_ms).max(0.0),
+    );
+    p
+}
+
+fn rows(ladder: &Ladder, samples: &[Sample]) -> Vec<StallRow> {
+    let mut groups: BTreeMap<(usize, usize, usize, u8), Vec<&Sample>> = BTreeMap::new();
+    for s in samples {
+        let c = u8::from(s.cache == CacheState::Cold);
+        groups
+            .entry((s.length, s.from, s.to, c))
+            .or_default()
+            .push(s);
+    }
+    groups
+        .into_values()
+        .map(|g| {
+            let first = g[0];
+            let stalls: Vec<f64> = g.iter().map(|s| s.stall_ms).collect();
+            let mut parts_ms = BTreeMap::new();
+            let all: Vec<BTreeMap<String, f64>> = g.iter().map(|s| parts(s)).collect();
+            for key in all
+                .iter()
+                .flat_map(|m| m.keys())
+                .collect::<std::collections::BTreeSet<_>>()
+            {
+                let v: Vec<f64> = all.iter().filter_map(|m| m.get(key).copied()).collect();
+                parts_ms.insert(key.clone(), median(&v));
+            }
+            let itl: Vec<f64> = g.iter().flat_map(|s| s.itl_ms.iter().copied()).collect();
+            let ctx: Vec<f64> = g.iter().map(|s| s.context_tokens as f64).collect();
+            let standby: Vec<f64> = g
+                .iter()
+                .map(|s| s.standby_bytes as f64 / f64::from(1u32 << 20))
+                .collect();
+            let frac: Vec<f64> = g.iter().map(|s| s.page_cache_frac).collect();
+            StallRow {
+                route: format!(
+                    "{}->{}",
+                    ladder.rungs[first.from].name(),
+                    ladder.rungs[first.to].name()
+                ),
+                direction: if first.to > first.from { "down" } else { "up" }.into(),
+                #[expect(
+                    clippy::cast_possible_truncation,
+                    clippy::cast_sign_loss,
+                    reason = "a token count"
+                )]
+                context_tokens: median(&ctx) as usize,
+                cache: first.cache,
+                stall_ms: Spread::of(&stalls),
+                parts_ms,
+                itl_ms_median: median(&itl),
+                standby_rss_mib: median(&standby),
+                from_standby: g.iter().filter(|s| s.info.timings.from_standby).count() as f64
+                    / g.len() as f64,
+                dst_page_cache_frac: median(&frac),
+                method: first.info.method.as_str().to_string(),
+                samples: stalls,
+            }
+        })
+        .collect()
+}
+
+/// The results file.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StallDoc {
+    /// Machine and build.
+    #[serde(default)]
+    pub run: serde_json::Value,
+    /// Threads every decode used.
+    pub threads: u32,
+    /// Context window of every rung.
+    pub n_ctx: u32,
+    /// What else ran on the machine meanwhile.
+    pub contention: String,
+    /// Repetitions per row.
+    pub reps: usize,
+    /// The switch as the session now makes it (standby on).
+    pub rows: Vec<StallRow>,
+    /// The same measured with the destination loaded at the switch (the landed behaviour).
+    #[serde(default)]
+    pub before_rows: Vec<StallRow>,
+}
+
+impl StallDoc {
+    /// The down routes, warm cache, whose median stall exceeds `factor` × the destination's
+    /// median inter-token latency.
+    #[must_use]
+    pub fn down_warm_over(&self, factor: f64) -> Vec<&StallRow> {
+        self.rows
+            .iter()
+            .filter(|r| r.direction == "down" && r.cache == CacheState::Warm)
+            .filter(|r| r.stall_ms.median > factor * r.itl_ms_median)
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::route_circuit;
+
+    #[test]
+    fn the_circuit_walks_every_route_once_from_the_smallest_rung() {
+        for n in 2..6 {
+            let c = route_circuit(n);
+            assert_eq!(c.len(), n * (n - 1), "{c:?}");
+            assert_eq!(c[0].0, n - 1);
+            assert_eq!(c.last().unwrap().1, n - 1);
+            for w in c.windows(2) {
+                assert_eq!(w[0].1, w[1].0, "{c:?}");
+            }
+            let mut sorted = c.clone();
+            sorted.sort_unstable();
+            sorted.dedup();
+            assert_eq!(sorted.len(), c.len(), "no route twice: {c:?}");
+            assert!(c.iter().all(|(a, b)| a != b));
+        }
+        assert!(route_circuit(1).is_empty());
+    }
+}

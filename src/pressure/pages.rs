@@ -1,0 +1,203 @@
+//! Moving a weights file's pages between this process, the page cache and the disk, without
+//! unmapping it.
+//!
+//! A standby rung keeps its llama.cpp model (and context) while its weights cost this process
+//! nothing: [`release_mapping`] drops the file's pages from our page tables (`madvise
+//! MADV_DONTNEED` on every mapping of the file), so they leave our RSS at once but stay in the
+//! kernel's reclaimable page cache; [`populate_mapping`] maps them back in one call when the
+//! rung is needed (`MADV_POPULATE_READ`), instead of one page fault per 64 KiB window during
+//! the first decode. [`drop_from_page_cache`] and [`read_into_page_cache`] set the page cache
+//! itself cold or warm, for the stall benchmark's two conditions.
+
+use std::fs::File;
+use std::io::Read;
+use std::path::Path;
+
+use super::PressureError;
+use super::procfile;
+
+/// `MADV_POPULATE_READ` (Linux 5.14): fault in the pages of a range for reading, now.
+#[cfg(target_os = "linux")]
+const MADV_POPULATE_READ: libc::c_int = 22;
+
+/// The address ranges `[start, end)` of this process's mappings of `file`, from
+/// `/proc/self/maps`.
+fn ranges_of(file: &Path) -> Result<Vec<(usize, usize)>, PressureError> {
+    let canonical = std::fs::canonicalize(file).map_err(|source| PressureError::Io {
+        path: file.to_path_buf(),
+        source,
+    })?;
+    let maps = procfile::read(Path::new("/proc/self/maps"))?;
+    Ok(ranges_in(&maps, &canonical))
+}
+
+/// The ranges of a `maps` text whose pathname is `file`.
+pub(crate) fn ranges_in(maps: &str, file: &Path) -> Vec<(usize, usize)> {
+    let Some(wanted) = file.to_str() else {
+        return Vec::new();
+    };
+    maps.lines()
+        .filter(|line| {
+            let path = super::footprint::mapping_pathname(line);
+            path == wanted || path.strip_suffix(" (deleted)") == Some(wanted)
+        })
+        .filter_map(|line| {
+            let range = line.split_whitespace().next()?;
+            let (a, b) = range.split_once('-')?;
+            let start = usize::from_str_radix(a, 16).ok()?;
+            let end = usize::from_str_radix(b, 16).ok()?;
+            (end > start).then_some((start, end))
+        })
+        .collect()
+}
+
+/// Applies `advice` to every mapping of `file` in this process; returns the bytes covered.
+fn advise_mappings(
+    file: &Path,
+    advice: libc::c_int,
+    call: &'static str,
+) -> Result<u64, PressureError> {
+    let mut covered = 0u64;
+    for (start, end) in ranges_of(file)? {
+        // SAFETY: [start, end) is a whole mapping of this process as `/proc/self/maps` lists
+        // it (page aligned by construction). The advice values used here do not change the
+        // mapping's contents as a reader sees them: MADV_DONTNEED on a file-backed, read-only
+        // mapping only drops page-table entries (the next access maps the same file bytes
+        // again), and MADV_POPULATE_READ / MADV_WILLNEED only fault or read pages in.
+        let rc = unsafe { libc::madvise(start as *mut libc::c_void, end - start, advice) };
+        if rc != 0 {
+            return Err(PressureError::Sys {
+                call,
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        covered += (end - start) as u64;
+    }
+    Ok(covered)
+}
+
+/// Drops the resident pages of every mapping of `file` in this process from our page tables:
+/// RSS falls by them at once, the pages stay in the page cache, and the mapping stays valid
+/// (the next access faults the same bytes back in). Only for read-only mappings of a file
+/// nobody writes — the GGUF files llama.cpp maps `PROT_READ`. Returns the bytes of mappings
+/// covered.
+///
+/// # Errors
+/// [`PressureError::Io`] if `/proc/self/maps` or the path cannot be read,
+/// [`PressureError::Sys`] if `madvise` fails.
+pub fn release_mapping(file: &Path) -> Result<u64, PressureError> {
+    advise_mappings(file, libc::MADV_DONTNEED, "madvise(MADV_DONTNEED)")
+}
+
+/// Maps every page of every mapping of `file` in this process now (`MADV_POPULATE_READ`;
+/// where the kernel lacks it, `MADV_WILLNEED`, which only starts reading them). From a warm
+/// page cache this costs page-table work only; from a cold one it reads the file. Returns the
+/// bytes of mappings covered.
+///
+/// # Errors
+/// As [`release_mapping`].
+pub fn populate_mapping(file: &Path) -> Result<u64, PressureError> {
+    #[cfg(target_os = "linux")]
+    match advise_mappings(file, MADV_POPULATE_READ, "madvise(MADV_POPULATE_READ)") {
+        Ok(n) => return Ok(n),
+        Err(PressureError::Sys { source, .. }) if source.raw_os_error() == Some(libc::EINVAL) => {}
+        Err(e) => return Err(e),
+    }
+    advise_mappings(file, libc::MADV_WILLNEED, "madvise(MADV_WILLNEED)")
+}
+
+/// Asks the kernel to drop `file`'s clean pages from the page cache
+/// (`posix_fadvise(POSIX_FADV_DONTNEED)`): the next load reads it from disk. Pages some
+/// process still maps stay; measure with [`super::file_resident_in_page_cache`].
+///
+/// # Errors
+/// [`PressureError::Io`] if the file cannot be opened, [`PressureError::Sys`] if the call
+/// fails.
+pub fn drop_from_page_cache(file: &Path) -> Result<(), PressureError> {
+    use std::os::fd::AsRawFd;
+    let f = File::open(file).map_err(|source| PressureError::Io {
+        path: file.to_path_buf(),
+        source,
+    })?;
+    // SAFETY: a valid open descriptor; offset 0 and length 0 mean the whole file; the call
+    // only changes caching.
+    let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    if rc != 0 {
+        return Err(PressureError::Sys {
+            call: "posix_fadvise(POSIX_FADV_DONTNEED)",
+            source: std::io::Error::from_raw_os_error(rc),
+        });
+    }
+    Ok(())
+}
+
+/// Reads `file` through once so its pages are in the page cache (the warm condition).
+///
+/// # Errors
+/// [`PressureError::Io`] if it cannot be read.
+pub fn read_into_page_cache(file: &Path) -> Result<u64, PressureError> {
+    let io = |source| PressureError::Io {
+        path: file.to_path_buf(),
+        source,
+    };
+    let mut f = File::open(file).map_err(io)?;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut total = 0u64;
+    loop {
+        let n = f.read(&mut buf).map_err(io)?;
+        if n == 0 {
+            return Ok(total);
+        }
+        total += n as u64;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    #[test]
+    fn maps_ranges_of_one_file_only() {
+        let maps = "\
+55d0-55d1 r--p 00000000 08:01 11 /usr/bin/molt
+7f00-7f10 r--s 00000000 08:01 42 /models/my model.gguf
+7f10-7f20 r--s 00010000 08:01 42 /models/my model.gguf
+7f20-7f30 rw-p 00000000 00:00 0
+7f30-7f40 r--s 00000000 08:01 43 /models/my model.gguf.bak
+";
+        assert_eq!(
+            ranges_in(maps, Path::new("/models/my model.gguf")),
+            vec![(0x7f00, 0x7f10), (0x7f10, 0x7f20)]
+        );
+        assert!(ranges_in(maps, Path::new("/models/my")).is_empty());
+    }
+
+    #[test]
+    fn release_drops_resident_pages_and_populate_brings_them_back() {
+        let page = super::super::footprint::page_size();
+        let pages = 256;
+        let mut f = tempfile::NamedTempFile::new().expect("temp file");
+        for i in 0..pages {
+            #[expect(clippy::cast_possible_truncation, reason = "a fill pattern")]
+            f.write_all(&vec![i as u8; page]).expect("write");
+        }
+        f.flush().expect("flush");
+        let file = File::open(f.path()).expect("open");
+        // SAFETY: the temp file is private to this test and not modified while mapped.
+        let map = unsafe { memmap2::Mmap::map(&file) }.expect("map");
+        let sum: u64 = (0..pages).map(|i| u64::from(map[i * page])).sum();
+        std::hint::black_box(sum);
+        let all = (pages * page) as u64;
+        let resident = || super::super::resident_bytes_of_mapping(f.path()).expect("smaps");
+        assert!(resident() >= all - page as u64, "touched: {}", resident());
+        assert_eq!(release_mapping(f.path()).expect("release"), all);
+        assert_eq!(resident(), 0, "released pages leave our RSS");
+        // The mapping still reads the same bytes.
+        assert_eq!(map[7 * page], 7);
+        release_mapping(f.path()).expect("release");
+        populate_mapping(f.path()).expect("populate");
+        assert!(resident() >= all - page as u64, "populated: {}", resident());
+        drop(map);
+    }
+}

@@ -1,0 +1,107 @@
+//! Standby rungs ([`SessionOptions::standby`](super::SessionOptions::standby)): the rungs
+//! below the current one, loaded ahead so a switch down does not wait for a load.
+//!
+//! The rules, in the order the session applies them:
+//! - **Which**: every rung below the current one (smaller, so a destination of a switch down),
+//!   never the current one or one above it: after a switch down the rungs now above are
+//!   dropped, after a switch up the source joins the standby set instead of being freed.
+//! - **When prepared**: when the session starts, and after an answer (never between two
+//!   tokens), if the budget last read holds the rung's measured cost beside everything else.
+//! - **What counts**: a standby rung's measured cost ([`StandbyRung::rss_bytes`]) is part of
+//!   the session's modelled footprint, and of what the process's own numbers show.
+//! - **First given up**: before the policy would have to move because of them, standby rungs
+//!   are dropped, smallest rung first (the next switch down most likely goes one rung down),
+//!   until the current rung and the rest fit the budget. The policy itself decides on the
+//!   rungs alone: a switch never happens to keep a standby rung.
+
+use super::{LiveRung, Session, StandbyRung};
+
+impl Session {
+    /// What the standby rungs hold, measured.
+    pub fn standby_bytes(&self) -> u64 {
+        self.standby.iter().flatten().map(|s| s.rss_bytes).sum()
+    }
+
+    /// Which rungs are on standby.
+    pub fn on_standby(&self) -> Vec<bool> {
+        self.standby.iter().map(Option::is_some).collect()
+    }
+
+    /// Takes rung `index` off standby, live, with the time its pages took to map back.
+    pub(super) fn take_standby(&mut self, index: usize) -> Option<(LiveRung, f64)> {
+        self.standby
+            .get_mut(index)
+            .and_then(Option::take)
+            .map(StandbyRung::activate)
+    }
+
+    /// Puts a rung the session no longer runs on standby, when the rules allow it (standby on,
+    /// the rung below the current one); otherwise it is freed.
+    pub(super) fn retire(&mut self, index: usize, mut live: LiveRung) {
+        if !self.opts.standby || index <= self.current {
+            drop(live);
+            crate::pressure::trim_heap();
+            return;
+        }
+        // Its buffers may have grown past the load's measurement while it ran.
+        if let Some(seen) = self.context_bytes[index] {
+            live.context_bytes = live.context_bytes.max(seen);
+        }
+        self.standby[index] = Some(StandbyRung::from_live(live));
+    }
+
+    /// Drops the standby rungs the rules no longer allow: those at or above the current rung,
+    /// and, with a budget, as many as it takes (smallest rung first) for the current rung's
+    /// modelled footprint and the rest to fit it. Returns whether any was dropped.
+    pub(super) fn settle_standby(&mut self, budget: Option<u64>) -> bool {
+        let mut dropped = false;
+        for i in 0..=self.current.min(self.standby.len().saturating_sub(1)) {
+            dropped |= self.standby[i].take().is_some();
+        }
+        if let Some(b) = budget {
+            let tokens = self.history.len() as u64 + 1;
+            while self.standby.iter().any(Option::is_some) && self.modelled_now(tokens) > b {
+                if let Some(slot) = self.standby.iter_mut().rev().find(|s| s.is_some()) {
+                    *slot = None;
+                    dropped = true;
+                }
+            }
+        }
+        if dropped {
+            crate::pressure::trim_heap();
+        }
+        dropped
+    }
+
+    /// Prepares the missing standby rungs, largest first, each only if the budget last read
+    /// holds its cost (measured, or the estimate before it has been loaded) beside the
+    /// current rung and the others. A rung that fails to load is left off standby: the
+    /// switch that needs it loads it and reports the error then.
+    pub(super) fn prepare_standby(&mut self) {
+        if !self.opts.standby || self.is_parked() {
+            return;
+        }
+        let tokens = self.history.len() as u64 + 1;
+        for i in self.current + 1..self.ladder.rungs.len() {
+            if self.standby[i].is_some() || self.rungs[i].is_some() {
+                continue;
+            }
+            let cost = self.rung_costs()[i].compute_bytes;
+            if let Some(b) = self.last_budget
+                && self.modelled_now(tokens) + cost > b
+            {
+                continue;
+            }
+            if let Ok(mut live) = LiveRung::load(&self.ladder.rungs[i], self.config) {
+                if live.context_bytes > 0 && !self.pinned_costs {
+                    self.context_bytes[i] = Some(live.context_bytes);
+                }
+                self.arm_hidden_tap(i, &mut live.ctx);
+                self.standby[i] = Some(StandbyRung::from_live(live));
+            }
+        }
+        if let Some(b) = self.last_budget {
+            self.settle_standby(Some(b));
+        }
+    }
+}

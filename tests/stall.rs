@@ -1,0 +1,232 @@
+//! The stall at a switch on the tiny ladder: standby rungs are what a switch down takes
+//! (nothing loaded at the switch), a switch up puts its source on standby, standby is the
+//! first thing given up when the budget no longer holds it, and `molt-run bench --stall
+//! --quick` writes `switch_stall.json` in the schema the results page and the checks read.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use molt::bench::stall::{StallDoc, route_circuit};
+use molt::pressure::FixedBudget;
+use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions, SwitchInfo};
+
+const TEXT: &str = "The scheduler parks the weights of a background job while keeping its cache, then maps them back when memory returns.";
+
+fn session(standby: bool) -> Session {
+    let l = common::tiny_ladder();
+    let opts = SessionOptions {
+        standby,
+        projector_dirs: vec![common::tiny_projectors().clone()],
+        ..SessionOptions::default()
+    };
+    Session::with_options(l.clone(), common::cfg(), l.rungs[0].name(), opts).unwrap()
+}
+
+/// One answer with a switch forced before token `at`; returns the switch.
+fn forced(s: &mut Session, prompt: &str, at: usize, to: usize) -> SwitchInfo {
+    let mut switch = None;
+    s.generate(
+        &Prompt::Text(prompt.into()),
+        &GenerateOptions {
+            max_tokens: at + 3,
+            force_switch: Some((at, to)),
+            ..GenerateOptions::default()
+        },
+        &mut |e| {
+            if let Event::Switch(i) = e {
+                switch = Some(i.clone());
+            }
+        },
+    )
+    .unwrap();
+    switch.expect("the forced switch happened")
+}
+
+#[test]
+fn a_switch_down_takes_its_destination_off_standby_and_a_switch_up_leaves_its_source_there() {
+    let n = common::tiny_ladder().rungs.len();
+    let mut s = session(true);
+    let all_below: Vec<bool> = (0..n).map(|i| i > 0).collect();
+    assert_eq!(s.on_standby(), all_below, "every rung below the home rung");
+    assert!(s.standby_bytes() > 0, "standby is measured, not free");
+    let down = forced(&mut s, TEXT, 2, n - 1);
+    assert!(down.timings.from_standby, "{down:?}");
+    assert!(
+        down.timings.load_parts.is_none(),
+        "nothing loaded at the switch"
+    );
+    // On the smallest rung nothing is below: the rungs above are dropped.
+    assert!(s.on_standby().iter().all(|b| !b), "{:?}", s.on_standby());
+    let up = forced(&mut s, "", 1, 0);
+    assert!(!up.timings.from_standby);
+    assert!(up.timings.load_parts.is_some(), "a switch up loads");
+    assert!(
+        s.on_standby()[n - 1],
+        "the source of a switch up waits on standby"
+    );
+    // Without standby every switch loads its destination.
+    let mut plain = session(false);
+    assert!(plain.on_standby().iter().all(|b| !b));
+    assert_eq!(plain.standby_bytes(), 0);
+    let down = forced(&mut plain, TEXT, 2, n - 1);
+    assert!(!down.timings.from_standby);
+    assert!(down.timings.load_parts.is_some());
+}
+
+#[test]
+fn standby_is_given_up_before_the_budget_is_overshot() {
+    let l = common::tiny_ladder();
+    let opts = SessionOptions {
+        // The policy's costs stay as measured at load, so the budget below means what it says.
+        observe_footprint: false,
+        projector_dirs: vec![common::tiny_projectors().clone()],
+        ..SessionOptions::default()
+    };
+    let mut s = Session::with_options(l.clone(), common::cfg(), l.rungs[0].name(), opts).unwrap();
+    assert!(s.on_standby().iter().any(|b| *b));
+    let standby = s.standby_bytes();
+    // A budget that holds the home rung with the whole answer's context but not the standby
+    // rungs beside it.
+    let prompt = s
+        .rung_mut(0)
+        .unwrap()
+        .model()
+        .tokenize(TEXT, false)
+        .unwrap();
+    let tokens = prompt.len() as u64 + 5;
+    let home_only = s.modelled_now(tokens) - standby;
+    let budget = FixedBudget::new(home_only + standby / 2);
+    s.set_budget_source(Some(Box::new(budget)));
+    let g = s
+        .generate(
+            &Prompt::Text(TEXT.into()),
+            &GenerateOptions {
+                max_tokens: 4,
+                ..GenerateOptions::default()
+            },
+            &mut |_| {},
+        )
+        .unwrap();
+    assert_eq!(
+        g.rungs_used,
+        vec![s.ladder().rungs[0].name().to_string()],
+        "standby is given up; the rung is not"
+    );
+    // Given up while the answer ran (smallest rung first); after it, only what the budget
+    // holds beside the home rung is prepared again.
+    assert!(
+        s.standby_bytes() <= standby / 2,
+        "standby {} of {standby} B kept: {:?}",
+        s.standby_bytes(),
+        s.on_standby()
+    );
+    let used = s.history().len() as u64 + 1;
+    assert!(s.modelled_now(used) <= home_only + standby / 2);
+    // And with room again, the next answer prepares it anew.
+    s.set_budget_source(None);
+    s.generate(
+        &Prompt::Text(String::new()),
+        &GenerateOptions {
+            max_tokens: 1,
+            ..GenerateOptions::default()
+        },
+        &mut |_| {},
+    )
+    .unwrap();
+    assert!(
+        s.on_standby().iter().skip(1).all(|b| *b),
+        "{:?}",
+        s.on_standby()
+    );
+}
+
+#[test]
+fn bench_stall_quick_writes_the_schema() {
+    let l = common::tiny_ladder();
+    let dir = tempfile::tempdir().unwrap();
+    let out = assert_cmd::Command::new(env!("CARGO_BIN_EXE_molt-run"))
+        .env_remove("MOLT_HOME")
+        .env_remove("MOLT_LADDER")
+        .env_remove("XDG_DATA_HOME")
+        .env("HOME", dir.path())
+        .arg("--ladder")
+        .arg(common::fixture_dir().join("tiny.toml"))
+        .args(["--threads", "1", "--n-ctx", "512"])
+        .args(["bench", "--stall", "--quick", "--projectors"])
+        .arg(common::tiny_projectors())
+        .arg("--corpus")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("projectors/corpus"))
+        .arg("--out-dir")
+        .arg(dir.path())
+        .timeout(Duration::from_secs(600))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = std::fs::read_to_string(dir.path().join("switch_stall.json")).unwrap();
+    let raw: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let routes = route_circuit(l.rungs.len()).len();
+    for key in ["rows", "before_rows"] {
+        let rows = raw[key].as_array().unwrap();
+        // Every route, warm and cold, at the one quick length.
+        assert_eq!(rows.len(), routes * 2, "{key}: {text}");
+        for r in rows {
+            for field in [
+                "route",
+                "direction",
+                "context_tokens",
+                "cache",
+                "stall_ms",
+                "parts_ms",
+                "itl_ms_median",
+                "standby_rss_mib",
+            ] {
+                assert!(r.get(field).is_some(), "{key} row without {field}: {r}");
+            }
+            assert!(["down", "up"].contains(&r["direction"].as_str().unwrap()));
+            assert!(["warm", "cold"].contains(&r["cache"].as_str().unwrap()));
+            let stall = &r["stall_ms"];
+            let (med, min, max) = (
+                stall["median"].as_f64().unwrap(),
+                stall["min"].as_f64().unwrap(),
+                stall["max"].as_f64().unwrap(),
+            );
+            assert!(min > 0.0 && min <= med && med <= max, "{r}");
+            assert!(r["itl_ms_median"].as_f64().unwrap() > 0.0, "{r}");
+            assert!(
+                r["parts_ms"]
+                    .as_object()
+                    .unwrap()
+                    .contains_key("first_decode")
+            );
+        }
+    }
+    let doc: StallDoc = serde_json::from_str(&text).unwrap();
+    for r in &doc.rows {
+        let expected = if r.direction == "down" { 1.0 } else { 0.0 };
+        assert!(
+            (r.from_standby - expected).abs() < 1e-9,
+            "after: {} {} from standby {}",
+            r.route,
+            r.direction,
+            r.from_standby
+        );
+        if r.direction == "down" {
+            assert!(r.standby_rss_mib > 0.0, "{r:?}");
+        }
+    }
+    assert!(doc.before_rows.iter().all(|r| r.from_standby == 0.0));
+    assert!(doc.before_rows.iter().all(|r| r.standby_rss_mib == 0.0));
+    // The figure and the page section draw from it.
+    let set = molt::bench::figures::draw_all(dir.path(), &dir.path().join("figures")).unwrap();
+    assert!(
+        set.written.iter().any(|f| f.name == "switch_stall"),
+        "{:?}",
+        set.skipped
+    );
+}
