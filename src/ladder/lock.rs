@@ -87,6 +87,7 @@ impl Lock {
             &tmp,
             serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?,
         )?;
+        crate::fault::die_mid_write(&tmp);
         std::fs::rename(tmp, path)
     }
 

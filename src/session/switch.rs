@@ -328,6 +328,9 @@ impl Session {
     ) -> Result<SwitchOutcome, SessionError> {
         let was_loaded = self.rungs[to].is_some();
         let t_load = Instant::now();
+        if !was_loaded && crate::fault::hit(crate::fault::Site::SwitchLoad) {
+            return Err(injected_load_failure(&self.ladder.rungs[to]));
+        }
         self.ensure_loaded(to)?;
         let load_ms = if was_loaded {
             0.0
@@ -448,7 +451,12 @@ impl Session {
         drop(src);
         crate::pressure::trim_heap();
         let t_load = Instant::now();
-        let carried = match LiveRung::load(&self.ladder.rungs[to], self.config) {
+        let loaded = if crate::fault::hit(crate::fault::Site::SwitchLoad) {
+            Err(injected_load_failure(&self.ladder.rungs[to]))
+        } else {
+            LiveRung::load(&self.ladder.rungs[to], self.config)
+        };
+        let carried = match loaded {
             Ok(mut dst) => {
                 let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
                 if dst.context_bytes > 0 && !self.pinned_costs {
@@ -528,5 +536,17 @@ impl Session {
                 }
             }
         }
+    }
+}
+
+/// What a destination that will not load looks like when `MOLT_FAULT` says so (see
+/// [`crate::fault`]): the error llama.cpp's refusal of the file gives.
+fn injected_load_failure(info: &crate::ladder::RungInfo) -> SessionError {
+    SessionError::Engine {
+        rung: info.name().to_string(),
+        source: crate::engine::EngineError::LoadFailed {
+            path: info.path.display().to_string(),
+            detail: crate::fault::detail(crate::fault::Site::SwitchLoad),
+        },
     }
 }
