@@ -10,6 +10,8 @@
 //! - [`footprint`]: what each rung occupies per context length, measured by the OS beside the
 //!   policy's model, and what parking gives back.
 //! - [`speed`]: prefill/decode tok/s per rung, Molt's engine beside plain llama.cpp.
+//! - [`reliability`]: the soak (switches in one process, RSS and descriptor slopes) and
+//!   `results/reliability.json` (fuzz, faults, soak, probes).
 //! - [`figures`] and [`page`]: PNG figures and the results page, generated from the JSON.
 
 pub mod conditions;
@@ -20,6 +22,7 @@ pub mod metrics;
 pub mod page;
 pub mod qos;
 pub mod recall;
+pub mod reliability;
 pub mod speed;
 
 use std::path::PathBuf;
