@@ -34,8 +34,9 @@ for t in "${targets[@]}"; do
     echo "fuzzing $t for ${seconds}s" >&2
     start=$(date +%s.%N)
     set +e
-    cargo +nightly fuzz run --fuzz-dir tests/fuzz -s none -a --target-dir "$target_dir" "$t" \
-        "$scratch/$t" "tests/fuzz/corpus/$t" -- \
+    # The binary cargo-fuzz built, run directly: `cargo fuzz run` would rebuild first whenever
+    # a source changed since the build above.
+    "$target_dir/x86_64-unknown-linux-gnu/release/$t" "$scratch/$t" "tests/fuzz/corpus/$t" \
         -max_total_time="$seconds" -jobs=1 -workers=1 -print_final_stats=1 -rss_limit_mb=2048 \
         -artifact_prefix="tests/fuzz/artifacts/$t/" >"$logs/$t.log" 2>&1
     rc=$?

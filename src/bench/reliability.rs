@@ -171,13 +171,15 @@ impl Reliability {
             bad.push(format!("fault {}: lost ({})", f.site, f.outcome));
         }
         for s in &self.soak {
-            if !(s.rss_slope_kib_per_switch <= MAX_RSS_SLOPE_KIB_PER_SWITCH) {
+            // A NaN slope fails too.
+            let over = |v: f64, max: f64| v.is_nan() || v > max;
+            if over(s.rss_slope_kib_per_switch, MAX_RSS_SLOPE_KIB_PER_SWITCH) {
                 bad.push(format!(
                     "soak {}: resident set grows {:.3} KiB per switch",
                     s.ladder, s.rss_slope_kib_per_switch
                 ));
             }
-            if !(s.fd_slope <= MAX_FD_SLOPE) {
+            if over(s.fd_slope, MAX_FD_SLOPE) {
                 bad.push(format!(
                     "soak {}: descriptors grow {:.5} per switch",
                     s.ladder, s.fd_slope
