@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs every cargo-fuzz target once for SECONDS each (default 180) on one core, from the
+# Runs every cargo-fuzz target once for SECONDS each (default 180) in one process (libFuzzer's
+# default; -jobs would fork workers that log to fuzz-N.log in the working directory), from the
 # committed corpus, and records executions, seconds, coverage and crashes in results/fuzz.json
 # (which `molt-run bench --reliability` gathers into results/reliability.json).
 #
@@ -39,7 +40,7 @@ for t in "${targets[@]}"; do
     # The binary cargo-fuzz built, run directly: `cargo fuzz run` would rebuild first whenever
     # a source changed since the build above.
     "$target_dir/x86_64-unknown-linux-gnu/release/$t" "$scratch/$t" "tests/fuzz/corpus/$t" \
-        -max_total_time="$seconds" -jobs=1 -workers=1 -print_final_stats=1 -rss_limit_mb=2048 \
+        -max_total_time="$seconds" -print_final_stats=1 -rss_limit_mb=2048 \
         -artifact_prefix="tests/fuzz/artifacts/$t/" >"$logs/$t.log" 2>&1
     rc=$?
     set -e

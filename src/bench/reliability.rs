@@ -25,6 +25,10 @@ use crate::session::{Event, GenerateOptions, Prompt, Session};
 
 /// Resident-set growth per switch the soak may show, KiB (the goal of issue 20).
 pub const MAX_RSS_SLOPE_KIB_PER_SWITCH: f64 = 1.0;
+/// Switches a soak needs before its resident-set slope is judged: over a hundred switches the
+/// resident set's own noise (hundreds of KiB from one answer to the next on the real ladder)
+/// is larger than the goal times the run, so a shorter soak's slope is reported, not judged.
+pub const MIN_SWITCHES_FOR_RSS_VERDICT: u64 = 1000;
 /// Descriptor growth per switch the soak may show: one leaked descriptor per thousand switches
 /// is already a leak, so the line sits well below it.
 pub const MAX_FD_SLOPE: f64 = 0.0005;
@@ -173,7 +177,9 @@ impl Reliability {
         for s in &self.soak {
             // A NaN slope fails too.
             let over = |v: f64, max: f64| v.is_nan() || v > max;
-            if over(s.rss_slope_kib_per_switch, MAX_RSS_SLOPE_KIB_PER_SWITCH) {
+            if s.switches >= MIN_SWITCHES_FOR_RSS_VERDICT
+                && over(s.rss_slope_kib_per_switch, MAX_RSS_SLOPE_KIB_PER_SWITCH)
+            {
                 bad.push(format!(
                     "soak {}: resident set grows {:.3} KiB per switch",
                     s.ladder, s.rss_slope_kib_per_switch
@@ -485,6 +491,11 @@ mod tests {
         r.fuzz[0].crashes_open = 1;
         r.faults[0].lost = true;
         r.soak[0].rss_slope_kib_per_switch = 1.5;
+        r.soak.push(SoakRow {
+            ladder: "real".into(),
+            switches: 100,
+            ..r.soak[0].clone()
+        });
         r.probes[0].ok = false;
         assert_eq!(r.check().len(), 4, "{:?}", r.check());
     }

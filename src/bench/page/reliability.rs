@@ -4,7 +4,9 @@
 
 use std::fmt::Write as _;
 
-use crate::bench::reliability::{MAX_RSS_SLOPE_KIB_PER_SWITCH, Reliability};
+use crate::bench::reliability::{
+    MAX_RSS_SLOPE_KIB_PER_SWITCH, MIN_SWITCHES_FOR_RSS_VERDICT, Reliability,
+};
 
 /// The section's Markdown.
 #[must_use]
@@ -57,16 +59,16 @@ pub fn section(doc: &Reliability) -> String {
     }
     let _ = writeln!(
         s,
-        "\n**Soak** (one process, a sawtooth budget between the largest and the smallest rung; slopes by least squares over the samples after the first tenth of the switches):\n"
+        "\n**Soak** (one process, a sawtooth budget between the largest and the smallest rung; slopes by least squares over the samples after the first tenth of the switches; the resident-set goal is judged on soaks of at least {MIN_SWITCHES_FOR_RSS_VERDICT} switches — over fewer, the resident set's noise from one answer to the next is larger than the goal times the run):\n"
     );
     let _ = writeln!(
         s,
-        "| ladder | switches | answers | RSS slope KiB/switch | RSS KiB (after warm-up → end) | fd slope | fds | seconds |\n|---|---|---|---|---|---|---|---|"
+        "| ladder | switches | answers | RSS slope KiB/switch | RSS KiB (after warm-up → end) | fd slope | fds | seconds | verdict |\n|---|---|---|---|---|---|---|---|---|"
     );
     for r in &doc.soak {
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {:.3} | {} → {} | {:.5} | {} → {} | {:.0} |",
+            "| {} | {} | {} | {:.3} | {} → {} | {:.5} | {} → {} | {:.0} | {} |",
             r.ladder,
             r.switches,
             r.answers,
@@ -76,7 +78,14 @@ pub fn section(doc: &Reliability) -> String {
             r.fd_slope,
             r.fds[0],
             r.fds[1],
-            r.seconds
+            r.seconds,
+            if r.switches < MIN_SWITCHES_FOR_RSS_VERDICT {
+                "RSS: too short to judge"
+            } else if r.rss_slope_kib_per_switch <= MAX_RSS_SLOPE_KIB_PER_SWITCH {
+                "met"
+            } else {
+                "**not met**"
+            }
         );
     }
     let _ = writeln!(s, "\n**Probes** (issue 20's hostile-client holes):\n");
