@@ -19,10 +19,15 @@
 //! - [`pressure`] and [`sched`]: budgets, footprints and the policy that keeps Molt inside them;
 //! - [`tenants`]: the actuator that applies a multi-tenant plan to live tenants;
 //! - [`bench`]: the benchmark programs;
-//! - [`tiny`]: tiny random-weight models of the real architecture, for hermetic tests.
+//! - [`tiny`]: tiny random-weight models of the real architecture, for hermetic tests;
+//! - [`fault`]: `MOLT_FAULT=site:nth`, failures injected on purpose to test recovery;
+//! - [`fuzzing`]: the entry points of the fuzz targets and their CI smoke, one per parser of
+//!   untrusted bytes.
 
 pub mod bench;
 pub mod engine;
+pub mod fault;
+pub mod fuzzing;
 pub mod gguf;
 pub mod kv;
 pub mod ladder;

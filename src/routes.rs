@@ -307,6 +307,15 @@ impl Routes {
         }
         let b = &self.bindings[i];
         let a = match anchor_path(&self.dirs, &self.ladder_name, &b.name) {
+            Some(p) if crate::fault::hit(crate::fault::Site::AnchorRead) => {
+                return Err(crate::transplant::ProjectorError::Io {
+                    file: p,
+                    source: std::io::Error::other(crate::fault::detail(
+                        crate::fault::Site::AnchorRead,
+                    )),
+                }
+                .into());
+            }
             Some(p) => Some(Arc::new(Anchor::load(&p, &b.sha256)?)),
             None => None,
         };

@@ -396,3 +396,22 @@ fn tokenizer_keys_of_the_wrong_type_are_errors() {
         MismatchReason::TokenTypeCount { left: 3, right: 0 }
     );
 }
+
+/// Found by the gguf fuzz target (`tests/fuzz/corpus/gguf/crash-9763a3c4…`): KV heads × key
+/// length past `u32` was accepted, and `kv_dim_k` overflowed (wrapping in release builds, so a
+/// cache row would have been sized wrong). It is refused by name now.
+#[test]
+fn a_kv_row_width_past_u32_is_refused() {
+    for key in ["llama.attention.key_length", "llama.attention.value_length"] {
+        let mut pairs = llama_like();
+        pairs.retain(|(k, _)| *k != "llama.attention.head_count_kv");
+        pairs.push(("llama.attention.head_count_kv", 0x1_0000u32.into()));
+        pairs.push((key, 0x1_0000u32.into()));
+        match ModelFacts::from_gguf(&file(&pairs)) {
+            Err(GgufError::InvalidMetadata { reason, .. }) => {
+                assert!(reason.contains("overflows"), "{reason}");
+            }
+            other => panic!("{key}: expected a refusal, got {other:?}"),
+        }
+    }
+}

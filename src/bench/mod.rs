@@ -11,6 +11,8 @@
 //!   policy's model, and what parking gives back.
 //! - [`speed`]: prefill/decode tok/s per rung, Molt's engine beside plain llama.cpp.
 //! - [`stall`]: the gap a user sees at a switch, every route, warm and cold page cache.
+//! - [`reliability`]: the soak (switches in one process, RSS and descriptor slopes) and
+//!   `results/reliability.json` (fuzz, faults, soak, probes).
 //! - [`figures`] and [`page`]: PNG figures and the results page, generated from the JSON.
 
 pub mod conditions;
@@ -21,6 +23,7 @@ pub mod metrics;
 pub mod page;
 pub mod qos;
 pub mod recall;
+pub mod reliability;
 pub mod speed;
 pub mod stall;
 

@@ -829,6 +829,12 @@ impl Context {
     /// or no room in the cache); the sequence is left empty, never half-imported.
     pub fn import_state(&mut self, blob: &[u8]) -> Result<(), EngineError> {
         self.clear();
+        if crate::fault::hit(crate::fault::Site::KvImport) {
+            return Err(EngineError::State {
+                op: "import",
+                detail: crate::fault::detail(crate::fault::Site::KvImport),
+            });
+        }
         let _ = recent_llama_errors();
         // SAFETY: blob is valid for blob.len() bytes; llama.cpp validates the layout and
         // returns 0 on failure.

@@ -70,6 +70,7 @@ pub fn quantize(src: &Path, dst: &Path, ty: QuantType, threads: u32) -> Result<(
         let _ = std::fs::remove_file(&partial);
         return Err(err(rc, recent_llama_errors()));
     }
+    crate::fault::die_mid_write(&partial);
     std::fs::rename(&partial, dst).map_err(|source| EngineError::Io {
         path: dst.display().to_string(),
         source,

@@ -112,7 +112,8 @@ impl ModelFacts {
     /// `{arch}.embedding_length`, `{arch}.attention.head_count` or `{arch}.context_length`;
     /// [`GgufError::WrongType`] for a key of the wrong type; [`GgufError::InvalidMetadata`]
     /// for zero heads, a head count that does not divide the embedding without a key
-    /// length, or no way to tell the vocabulary size.
+    /// length, a KV row width (`head_count_kv × key/value length`) past `u32`, or no way to
+    /// tell the vocabulary size.
     pub fn from_gguf(f: &GgufFile) -> Result<ModelFacts> {
         let arch = f.get_str("general.architecture")?.to_owned();
         let k = |suffix: &str| format!("{arch}.{suffix}");
@@ -150,6 +151,17 @@ impl ModelFacts {
             Some(h) => h,
             None => default_head.unwrap_or(head_dim),
         };
+
+        // A cache row is n_head_kv × head_dim wide; a file whose product wraps a u32 would
+        // size every KV buffer wrong (found by the gguf fuzz target).
+        for (dim, key) in [(head_dim, "key_length"), (head_dim_v, "value_length")] {
+            if n_head_kv.checked_mul(dim).is_none() {
+                return Err(invalid(format!(
+                    "{} {n_head_kv} × attention.{key} {dim} overflows a cache row's width",
+                    k("attention.head_count_kv")
+                )));
+            }
+        }
 
         let rope = RopeFacts {
             kind: rope_kind(&arch, has_mrope_sections(f, &k("rope.dimension_sections"))),

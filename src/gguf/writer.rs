@@ -283,6 +283,7 @@ impl GgufWriter {
                 });
             }
         };
+        crate::fault::die_mid_write(&partial);
         std::fs::rename(&partial, path).map_err(|source| {
             let _ = std::fs::remove_file(&partial);
             WriteError::Io {

@@ -390,6 +390,7 @@ fn assemble(
             actual_size: size,
         });
     }
+    crate::fault::die_mid_write(&partial);
     std::fs::rename(&partial, path).map_err(io(path))?;
     if !opts.keep_downloads {
         for w in &wheels {

@@ -66,9 +66,15 @@ impl Lock {
     /// Reads the lock (a missing or unreadable lock is empty: it is only a cache of hashes).
     pub fn load(path: &Path) -> Self {
         std::fs::read(path)
-            .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok())
+            .map(|b| Self::from_bytes(&b))
             .unwrap_or_default()
+    }
+
+    /// Parses a lock file's bytes; anything that is not a lock is an empty lock (see
+    /// [`Lock::load`]).
+    #[must_use]
+    pub fn from_bytes(bytes: &[u8]) -> Self {
+        serde_json::from_slice(bytes).unwrap_or_default()
     }
 
     /// Writes the lock atomically.
@@ -81,6 +87,7 @@ impl Lock {
             &tmp,
             serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?,
         )?;
+        crate::fault::die_mid_write(&tmp);
         std::fs::rename(tmp, path)
     }
 

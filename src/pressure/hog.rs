@@ -279,6 +279,13 @@ pub fn run_hog_with<R: Read + Send + 'static, W: Write>(
 
     let mut reach = |memory: &mut HogMemory, ack: &mut W, mib: u64| -> Result<(), HogError> {
         memory.resize_mib(mib)?;
+        if crate::fault::hit(crate::fault::Site::HogExit) {
+            eprintln!(
+                "molt hog: {}",
+                crate::fault::detail(crate::fault::Site::HogExit)
+            );
+            crate::fault::kill_self();
+        }
         report.peak_mib = report.peak_mib.max(mib);
         report.targets_reached += 1;
         say(ack, &format!("at {mib}"))

@@ -14,6 +14,7 @@ mod levers;
 pub mod migrate;
 mod native;
 mod options;
+pub mod prompt_file;
 mod refill;
 mod rung;
 mod standby;

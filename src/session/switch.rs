@@ -346,6 +346,9 @@ impl Session {
         let was_loaded = self.rungs[to].is_some();
         let from_standby = !was_loaded && self.standby[to].is_some();
         let t_load = Instant::now();
+        if !was_loaded && crate::fault::hit(crate::fault::Site::SwitchLoad) {
+            return Err(injected_load_failure(&self.ladder.rungs[to]));
+        }
         self.ensure_loaded(to)?;
         let load_ms = if was_loaded {
             0.0
@@ -475,9 +478,13 @@ impl Session {
         crate::pressure::trim_heap();
         let t_load = Instant::now();
         // A standby destination only maps its pages back; otherwise it is loaded now.
-        let loaded = match self.take_standby(to) {
-            Some((dst, _)) => Ok((dst, true)),
-            None => LiveRung::load(&self.ladder.rungs[to], self.config).map(|d| (d, false)),
+        let loaded = if crate::fault::hit(crate::fault::Site::SwitchLoad) {
+            Err(injected_load_failure(&self.ladder.rungs[to]))
+        } else {
+            match self.take_standby(to) {
+                Some((dst, _)) => Ok((dst, true)),
+                None => LiveRung::load(&self.ladder.rungs[to], self.config).map(|d| (d, false)),
+            }
         };
         let carried = match loaded {
             Ok((mut dst, from_standby)) => {
@@ -565,5 +572,17 @@ impl Session {
                 }
             }
         }
+    }
+}
+
+/// What a destination that will not load looks like when `MOLT_FAULT` says so (see
+/// [`crate::fault`]): the error llama.cpp's refusal of the file gives.
+fn injected_load_failure(info: &crate::ladder::RungInfo) -> SessionError {
+    SessionError::Engine {
+        rung: info.name().to_string(),
+        source: crate::engine::EngineError::LoadFailed {
+            path: info.path.display().to_string(),
+            detail: crate::fault::detail(crate::fault::Site::SwitchLoad),
+        },
     }
 }

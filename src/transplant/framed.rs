@@ -117,5 +117,6 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ProjectorErr
     }
     let tmp = path.with_extension(format!("{}.partial", std::process::id()));
     fs::write(&tmp, bytes).map_err(io)?;
+    crate::fault::die_mid_write(&tmp);
     fs::rename(&tmp, path).map_err(io)
 }

@@ -202,7 +202,11 @@ impl HiddenMap {
         Self::from_bytes(&bytes, file, src_sha256, dst_sha256)
     }
 
-    fn from_bytes(
+    /// Parses a file's bytes (see [`HiddenMap::load`]); `file` only labels errors.
+    ///
+    /// # Errors
+    /// As [`HiddenMap::load`], without I/O.
+    pub fn from_bytes(
         bytes: &[u8],
         file: PathBuf,
         src_sha256: &str,

@@ -367,6 +367,7 @@ impl Projector {
         f.write_all(&bytes).map_err(io)?;
         f.sync_all().map_err(io)?;
         drop(f);
+        crate::fault::die_mid_write(&tmp);
         fs::rename(&tmp, path).map_err(io)
     }
 

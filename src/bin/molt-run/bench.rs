@@ -141,6 +141,21 @@ pub struct Args {
     /// Run only the first N items of every context length and switch point.
     #[arg(long)]
     pub recall_sample: Option<usize>,
+    /// The soak: switches in one process under a sawtooth budget (home rung / smallest rung),
+    /// the resident set and open descriptors sampled after every answer; the ladder's row of
+    /// results/soak.json is replaced.
+    #[arg(long)]
+    pub soak: bool,
+    /// Switches the soak makes.
+    #[arg(long, default_value_t = 1000)]
+    pub switches: u64,
+    /// Gather results/reliability.json from the fuzz, fault and soak records and the probe list,
+    /// and fail if a goal does not hold (crashes open, anything lost, RSS slope > 1 KiB/switch).
+    #[arg(long)]
+    pub reliability: bool,
+    /// The probe list merged into results/reliability.json.
+    #[arg(long, default_value = "benches/reliability/probes.json")]
+    pub probes: PathBuf,
 }
 
 pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
@@ -150,10 +165,12 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         && !a.qos
         && !a.recall
         && !a.stall
+        && !a.soak
+        && !a.reliability
         && a.conditions.is_none()
     {
         bail!(
-            "nothing to run: pass --conditions all, --cost-sweep, --speed, --footprint, --recall, --stall and/or --qos"
+            "nothing to run: pass --conditions all, --cost-sweep, --speed, --footprint, --recall, --stall, --qos, --soak and/or --reliability"
         );
     }
     if a.stall && (a.stall_lengths.is_empty() || a.stall_lengths.contains(&0)) {
@@ -185,6 +202,60 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     }
     if a.stall {
         run_stall(g, a)?;
+    }
+    if a.soak {
+        run_soak(g, a)?;
+    }
+    if a.reliability {
+        run_reliability(a)?;
+    }
+    Ok(())
+}
+
+fn run_soak(g: &GlobalArgs, a: &Args) -> Result<()> {
+    use molt::bench::reliability::{SoakOptions, record_soak, run_soak};
+    let ladder = g.open_ladder()?;
+    let config = g.context_config()?;
+    let start = ladder.rungs[0].name().to_string();
+    let opts = molt::session::SessionOptions {
+        projector_dirs: molt::routes::search_dirs(a.projectors.as_deref()),
+        // The soak measures what switching leaks; the process's own growth must not be what
+        // moves (or parks) the answer.
+        observe_footprint: false,
+        ..molt::session::SessionOptions::default()
+    };
+    let mut session = molt::session::Session::with_options(ladder, config, &start, opts)?;
+    let soak = SoakOptions {
+        switches: a.switches,
+        ..SoakOptions::default()
+    };
+    let (row, _) = run_soak(&mut session, &soak, &mut |s| {
+        eprintln!(
+            "soak: {} switches, RSS {} KiB, {} fds",
+            s.switches, s.rss_kib, s.fds
+        );
+    })?;
+    println!("{}", serde_json::to_string_pretty(&row)?);
+    std::fs::create_dir_all(&a.out_dir)?;
+    record_soak(&a.out_dir.join("soak.json"), &row)?;
+    Ok(())
+}
+
+fn run_reliability(a: &Args) -> Result<()> {
+    use molt::bench::reliability::{Reliability, write_json};
+    let r = Reliability::gather(&a.out_dir, &a.probes)?;
+    write_json(&a.out_dir.join("reliability.json"), &r)?;
+    let bad = r.check();
+    eprintln!(
+        "reliability: {} fuzz targets, {} faults, {} soaks, {} probes -> {}",
+        r.fuzz.len(),
+        r.faults.len(),
+        r.soak.len(),
+        r.probes.len(),
+        a.out_dir.join("reliability.json").display()
+    );
+    if !bad.is_empty() {
+        bail!("reliability goals not met: {}", bad.join("; "));
     }
     Ok(())
 }

@@ -144,22 +144,7 @@ impl From<StrategyArg> for Strategy {
     }
 }
 
-#[derive(serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct JsonPrompt {
-    prompt: String,
-    #[serde(default)]
-    id: Option<serde_json::Value>,
-    #[serde(default)]
-    max_tokens: Option<usize>,
-}
-
-struct Item {
-    line: usize,
-    id: serde_json::Value,
-    prompt: String,
-    max_tokens: Option<usize>,
-}
+use molt::session::prompt_file::PromptItem as Item;
 
 /// Bad lines of a prompt file: line number and why.
 type BadLines = Vec<(usize, String)>;
@@ -167,53 +152,11 @@ type BadLines = Vec<(usize, String)>;
 fn read_prompts(path: &PathBuf) -> Result<(Vec<Item>, BadLines)> {
     let bytes =
         std::fs::read(path).with_context(|| format!("reading prompt file {}", path.display()))?;
-    let mut items = Vec::new();
-    let mut bad = Vec::new();
-    // Lines are split as bytes and decoded one by one, so a line that is not UTF-8 is
-    // reported by number like any other bad line and the others still run.
-    let body = bytes.strip_suffix(b"\n").unwrap_or(&bytes);
-    for (i, raw) in body.split(|&b| b == b'\n').enumerate() {
-        let line = i + 1;
-        let raw = raw.strip_suffix(b"\r").unwrap_or(raw);
-        let t = match std::str::from_utf8(raw) {
-            Ok(t) => t.trim(),
-            Err(e) => {
-                bad.push((
-                    line,
-                    format!("not valid UTF-8 (at byte {} of the line)", e.valid_up_to()),
-                ));
-                continue;
-            }
-        };
-        if t.is_empty() || t.starts_with('#') {
-            continue;
-        }
-        if t.starts_with('{') {
-            match serde_json::from_str::<JsonPrompt>(t) {
-                Ok(j) if j.max_tokens == Some(0) => {
-                    bad.push((line, "\"max_tokens\" must be at least 1".to_string()));
-                }
-                Ok(j) if !j.prompt.trim().is_empty() => {
-                    items.push(Item {
-                        line,
-                        id: j.id.unwrap_or(serde_json::json!(line)),
-                        prompt: j.prompt,
-                        max_tokens: j.max_tokens,
-                    });
-                }
-                Ok(_) => bad.push((line, "empty \"prompt\"".to_string())),
-                Err(e) => bad.push((line, format!("not a valid JSON prompt object: {e}"))),
-            }
-        } else {
-            items.push(Item {
-                line,
-                id: serde_json::json!(line),
-                prompt: t.to_string(),
-                max_tokens: None,
-            });
-        }
-    }
-    Ok((items, bad))
+    let file = molt::session::prompt_file::parse(&bytes);
+    Ok((
+        file.items,
+        file.bad.into_iter().map(|b| (b.line, b.why)).collect(),
+    ))
 }
 
 pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {

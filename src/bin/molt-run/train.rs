@@ -241,6 +241,7 @@ fn generate_corpus(
     }
     let tmp = out.with_extension("txt.partial");
     std::fs::write(&tmp, &text)?;
+    molt::fault::die_mid_write(&tmp);
     std::fs::rename(&tmp, &out)?;
     Ok(())
 }
@@ -279,6 +280,7 @@ fn generate_chats(
     }
     let tmp = out.with_extension("jsonl.partial");
     std::fs::write(&tmp, &lines)?;
+    molt::fault::die_mid_write(&tmp);
     std::fs::rename(&tmp, &out)?;
     Ok(())
 }

@@ -1,0 +1,4 @@
+//! libFuzzer target: `molt::fuzzing::trace` (see that module for what it checks).
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| molt::fuzzing::trace(data));
