@@ -10,7 +10,9 @@ use molt::kv::KvSnapshot;
 use molt::ladder::Ladder;
 use molt::routes::{Routes, Variant, binding};
 use molt::session::migrate::{Reread, reprefill, transplant, transplant_with};
-use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions, Strategy, jsd};
+use molt::session::{
+    Event, GenerateOptions, Generation, Prompt, Session, SessionOptions, Strategy, jsd,
+};
 use molt::transplant::anchor::Anchor;
 use molt::transplant::project::identity_projector;
 use molt::transplant::rope::{Direction, RopeKind, RopeSpec, rotate};
@@ -63,6 +65,30 @@ fn identity_is_lossless(ladder: &Ladder, rung: usize, tol: f32) {
         d2 > tol * 4.0,
         "re-rotating at wrong angles changed logits only by {d2}"
     );
+}
+
+/// A session on `l`'s rung `big` answering [`TEXT`] in `max_tokens`, with a switch to rung
+/// `to` forced before token `at`.
+fn answer_switching(
+    l: Ladder,
+    opts: SessionOptions,
+    max_tokens: usize,
+    (at, to): (usize, usize),
+    sink: &mut dyn FnMut(&Event),
+) -> (Session, Generation) {
+    let mut s = Session::with_options(l, common::cfg_long(), "big", opts).unwrap();
+    let g = s
+        .generate(
+            &Prompt::Text(TEXT.into()),
+            &GenerateOptions {
+                max_tokens,
+                force_switch: Some((at, to)),
+                ..GenerateOptions::default()
+            },
+            sink,
+        )
+        .unwrap();
+    (s, g)
 }
 
 #[test]
@@ -154,18 +180,7 @@ fn llama_ladder_migrates_mid_answer_on_its_fitted_size_route() {
         projector_dirs: vec![dir.clone()],
         ..SessionOptions::default()
     };
-    let mut s = Session::with_options(l, common::cfg_long(), "big", opts).unwrap();
-    let g = s
-        .generate(
-            &Prompt::Text(TEXT.into()),
-            &GenerateOptions {
-                max_tokens: 16,
-                force_switch: Some((6, 1)),
-                ..GenerateOptions::default()
-            },
-            &mut |_| {},
-        )
-        .unwrap();
+    let (mut s, g) = answer_switching(l, opts, 16, (6, 1), &mut |_| {});
     let sw = &g.switches[0];
     assert_eq!(
         (sw.from.as_str(), sw.to.as_str(), sw.method.as_str()),
@@ -224,19 +239,8 @@ fn migration_mid_answer_continues_at_the_right_positions_on_tiny_rungs() {
         measure_seam: true,
         ..SessionOptions::default()
     };
-    let mut s = Session::with_options(l, common::cfg_long(), "big", opts).unwrap();
     let mut events = Vec::new();
-    let g = s
-        .generate(
-            &Prompt::Text(TEXT.into()),
-            &GenerateOptions {
-                max_tokens: 24,
-                force_switch: Some((10, 2)),
-                ..GenerateOptions::default()
-            },
-            &mut |e| events.push(e.clone()),
-        )
-        .unwrap();
+    let (mut s, g) = answer_switching(l, opts, 24, (10, 2), &mut |e| events.push(e.clone()));
     assert_eq!(g.switches.len(), 1);
     let sw = &g.switches[0];
     assert_eq!(
@@ -289,18 +293,7 @@ fn reprefill_switch_goes_through_the_same_loop() {
         projector_dirs: vec![],
         ..SessionOptions::default()
     };
-    let mut s = Session::with_options(l, common::cfg_long(), "big", opts).unwrap();
-    let g = s
-        .generate(
-            &Prompt::Text(TEXT.into()),
-            &GenerateOptions {
-                max_tokens: 16,
-                force_switch: Some((5, 2)),
-                ..GenerateOptions::default()
-            },
-            &mut |_| {},
-        )
-        .unwrap();
+    let (_, g) = answer_switching(l, opts, 16, (5, 2), &mut |_| {});
     assert_eq!(g.switches[0].method, "reprefill");
     assert_eq!(g.switches[0].timings.cells, g.prompt_tokens + 5);
     assert!((g.switches[0].timings.flops - g.switches[0].flops_reprefill).abs() < 1.0);

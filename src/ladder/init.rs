@@ -133,12 +133,13 @@ pub fn plan(
     if files.len() < 2 {
         return Err(InitError::TooFew(files.len()));
     }
-    let mut rungs: Vec<(PlannedRung, TokenizerIdentity)> = Vec::new();
+    // Each checked file with its tokenizer and the path as the user gave it (for messages).
+    let mut rungs: Vec<(PlannedRung, TokenizerIdentity, &PathBuf)> = Vec::new();
     for f in files {
         let path = f.canonicalize().map_err(io(f))?;
-        if let Some((r, _)) = rungs.iter().find(|(r, _)| r.path == path) {
+        if let Some((_, _, given)) = rungs.iter().find(|(r, _, _)| r.path == path) {
             return Err(InitError::Duplicate {
-                a: r.path.clone(),
+                a: (*given).clone(),
                 b: f.clone(),
                 why: "the same file".into(),
             });
@@ -150,26 +151,26 @@ pub fn plan(
         let gguf = GgufFile::open(&path).map_err(gguf_err)?;
         let facts = ModelFacts::from_gguf(&gguf).map_err(gguf_err)?;
         let tok = TokenizerIdentity::from_gguf(&gguf).map_err(gguf_err)?;
-        if let Some((first, t0)) = rungs.first() {
+        if let Some((_, t0, given)) = rungs.first() {
             t0.compare(&tok).map_err(|m| InitError::Tokenizer {
-                a: first.path.clone(),
+                a: (*given).clone(),
                 b: f.clone(),
-                reason: m.to_string(),
+                reason: m.reason.to_string(),
             })?;
         }
         progress(&format!("hashing {}", f.display()));
         let sha256 = sha256_file(&path, |_| {}).map_err(io(&path))?;
-        if let Some((r, _)) = rungs.iter().find(|(r, _)| r.sha256 == sha256) {
+        if let Some((_, _, given)) = rungs.iter().find(|(r, _, _)| r.sha256 == sha256) {
             return Err(InitError::Duplicate {
-                a: r.path.clone(),
+                a: (*given).clone(),
                 b: f.clone(),
                 why: "identical contents".into(),
             });
         }
         let bytes = std::fs::metadata(&path).map_err(io(&path))?.len();
-        if let Some((r, _)) = rungs.iter().find(|(r, _)| r.bytes == bytes) {
+        if let Some((_, _, given)) = rungs.iter().find(|(r, _, _)| r.bytes == bytes) {
             return Err(InitError::SameSize {
-                a: r.path.clone(),
+                a: (*given).clone(),
                 b: f.clone(),
                 bytes,
             });
@@ -182,9 +183,10 @@ pub fn plan(
                 bytes,
             },
             tok,
+            f,
         ));
     }
-    let mut rungs: Vec<PlannedRung> = rungs.into_iter().map(|(r, _)| r).collect();
+    let mut rungs: Vec<PlannedRung> = rungs.into_iter().map(|(r, _, _)| r).collect();
     rungs.sort_by_key(|r| std::cmp::Reverse(r.bytes));
     let specs = rungs
         .iter()
