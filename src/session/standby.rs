@@ -76,8 +76,9 @@ impl Session {
     /// Prepares the missing standby rungs, largest first, each only if the budget last read
     /// holds its cost (measured, or the estimate before it has been loaded) beside the
     /// current rung and the others. A rung that fails to load is left off standby: the
-    /// switch that needs it loads it and reports the error then.
-    pub(super) fn prepare_standby(&mut self) {
+    /// switch that needs it loads it and reports the error then. The session calls it when it
+    /// starts and after each answer; a caller that unloaded rungs itself calls it again.
+    pub fn prepare_standby(&mut self) {
         if !self.opts.standby || self.is_parked() {
             return;
         }

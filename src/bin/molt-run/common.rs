@@ -107,8 +107,9 @@ pub fn load_trace(path: &Path, rungs: &[String], costs: &[RungCost], n_ctx: u32)
 
 /// Loads every rung below the session's current one once and unmaps it again, so the policy
 /// decides with measured context overheads instead of the session's conservative estimate
-/// (which, on small models, can exceed the rung itself many times over). Returns
-/// `(rung, milliseconds)` per rung measured.
+/// (which, on small models, can exceed the rung itself many times over), then puts them back
+/// on standby (unloading dropped them, and the first answer's switch would load on the spot).
+/// Returns `(rung, milliseconds)` per rung measured.
 pub fn measure_rungs(session: &mut molt::session::Session) -> Result<Vec<(String, f64)>> {
     let home = session.current_index();
     let mut done = Vec::new();
@@ -121,6 +122,7 @@ pub fn measure_rungs(session: &mut molt::session::Session) -> Result<Vec<(String
             t0.elapsed().as_secs_f64() * 1e3,
         ));
     }
+    session.prepare_standby();
     Ok(done)
 }
 
