@@ -2,8 +2,9 @@
 # The test command: hermetic tests on tiny generated models, plus the real-ladder tests when
 # the ladder has been fetched (set MOLT_REQUIRE_LADDER=1 to make its absence a failure, as CI
 # does). Release profile on purpose: llama.cpp is then built once for the binary and the tests.
+# Every test binary runs even after one fails, so a failure cannot hide the ones after it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 export OMP_WAIT_POLICY=PASSIVE
-cargo test --release -- --test-threads=2 "$@"
+cargo test --release --no-fail-fast -- --test-threads=2 "$@"
