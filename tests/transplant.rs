@@ -1,7 +1,9 @@
 //! Migration between two tokens on real llama.cpp execution: the sandwich with identity maps is
 //! lossless, a fitted tiny route continues decoding at the right positions, a projector bound
 //! to other files is refused, and (on the real ladder, in CI) a migration mid-answer produces a
-//! continuation that tier0 scores within a stated perplexity bound.
+//! continuation that tier0 scores within a stated perplexity bound. The size-route tests (the
+//! sandwich, head and tail re-reads, anchors, the migration) run on both tiny families: qwen2
+//! (NEOX RoPE) and llama (normal RoPE, other head counts).
 
 mod common;
 
@@ -332,12 +334,14 @@ struct TinyRoute {
     next: molt::engine::Token,
 }
 
-fn tiny_big_to_small() -> TinyRoute {
-    let l = common::tiny_ladder();
-    let mut routes = Routes::new(l, vec![common::tiny_projectors().clone()], Variant::Auto);
-    let p = routes.get(0, 2).unwrap();
+/// The size route from `l`'s largest rung to its smallest, with `l`'s fitted projector, the
+/// source having read [`TEXT`].
+fn big_to_small(l: &Ladder, projectors: &std::path::Path) -> TinyRoute {
+    let small = l.rungs.len() - 1;
+    let mut routes = Routes::new(l, vec![projectors.to_path_buf()], Variant::Auto);
+    let p = routes.get(0, small).unwrap();
     let ms = Model::load(&l.rungs[0].path, "big", ModelOptions::default()).unwrap();
-    let md = Model::load(&l.rungs[2].path, "small", ModelOptions::default()).unwrap();
+    let md = Model::load(&l.rungs[small].path, "small", ModelOptions::default()).unwrap();
     let mut src = Context::new(ms.clone(), common::cfg_long()).unwrap();
     let dst = Context::new(md, common::cfg_long()).unwrap();
     let toks = ms.tokenize(TEXT, false).unwrap();
@@ -352,8 +356,15 @@ fn tiny_big_to_small() -> TinyRoute {
     }
 }
 
-#[test]
-fn transplant_and_reprefill_agree_in_direction_on_tiny_rungs() {
+/// The size route of both tiny families: qwen2 (NEOX RoPE) and llama (normal RoPE).
+fn both_families() -> [TinyRoute; 2] {
+    [
+        big_to_small(common::tiny_ladder(), common::tiny_projectors()),
+        big_to_small(common::llama_ladder(), common::llama_projectors()),
+    ]
+}
+
+fn transplant_and_reprefill_agree_in_direction_on_tiny_rungs_on(route: TinyRoute) {
     // Both strategies end at the destination's first logits; the re-prefill's divergence from
     // the source is the floor, and both must be finite distributions.
     let TinyRoute {
@@ -362,7 +373,7 @@ fn transplant_and_reprefill_agree_in_direction_on_tiny_rungs() {
         mut dst,
         toks,
         next,
-    } = tiny_big_to_small();
+    } = route;
     let t = transplant(&src, &mut dst, &p, next).unwrap();
     let a = dst.logits().to_vec();
     let r = reprefill(&src, &mut dst, &toks, next).unwrap();
@@ -374,8 +385,7 @@ fn transplant_and_reprefill_agree_in_direction_on_tiny_rungs() {
     assert!(lp.iter().all(|x| x.is_finite()));
 }
 
-#[test]
-fn tail_recompute_rereads_the_last_tokens_natively() {
+fn tail_recompute_rereads_the_last_tokens_natively_on(route: TinyRoute) {
     // A tail as long as the whole history drops every projected cell: the destination then
     // holds exactly what a re-prefill builds, so their logits agree to the bit. A shorter
     // tail keeps the projected prefix and the right positions, and moves the first logits
@@ -386,7 +396,7 @@ fn tail_recompute_rereads_the_last_tokens_natively() {
         mut dst,
         toks,
         next,
-    } = tiny_big_to_small();
+    } = route;
     reprefill(&src, &mut dst, &toks, next).unwrap();
     let floor = dst.logits().to_vec();
     let all = transplant_with(
@@ -460,8 +470,7 @@ fn tail_recompute_rereads_the_last_tokens_natively() {
     assert!(e.to_string().contains("tail recompute"), "{e}");
 }
 
-#[test]
-fn head_reread_splices_the_destinations_own_prefix() {
+fn head_reread_splices_the_destinations_own_prefix_on(route: TinyRoute) {
     // A head as long as the history replaces every projected row by the destination's own:
     // exactly what a re-prefill builds. A head and a tail that meet cover the history too, so
     // the two options compose to the same bits; the positions continue after either.
@@ -471,7 +480,7 @@ fn head_reread_splices_the_destinations_own_prefix() {
         mut dst,
         toks,
         next,
-    } = tiny_big_to_small();
+    } = route;
     reprefill(&src, &mut dst, &toks, next).unwrap();
     let floor = dst.logits().to_vec();
     let all = transplant_with(
@@ -733,8 +742,7 @@ fn background_refill_takes_over_with_the_native_cache() {
     );
 }
 
-#[test]
-fn an_anchor_supplies_the_head_it_covers() {
+fn an_anchor_supplies_the_head_it_covers_on(route: TinyRoute) {
     // An anchor is the destination's own state over the history's first tokens, so splicing
     // it gives the same cache as decoding them at the switch, to the bit, whether it covers
     // part of the head (the rest decoded), all of it, or more (cut to the head). An anchor of
@@ -745,7 +753,7 @@ fn an_anchor_supplies_the_head_it_covers() {
         mut dst,
         toks,
         next,
-    } = tiny_big_to_small();
+    } = route;
     let h = 4;
     let switch = |dst: &mut Context, anchor: Option<&Anchor>| {
         let t = transplant_with(
@@ -860,4 +868,32 @@ fn anchors_are_fitted_on_the_template_opening_and_bound_to_their_rung() {
         sw.timings.head_ms > 0.0 && sw.timings.head_ms <= sw.timings.cost_ms,
         "{sw:?}"
     );
+}
+
+#[test]
+fn transplant_and_reprefill_agree_in_direction_on_tiny_rungs() {
+    for route in both_families() {
+        transplant_and_reprefill_agree_in_direction_on_tiny_rungs_on(route);
+    }
+}
+
+#[test]
+fn tail_recompute_rereads_the_last_tokens_natively() {
+    for route in both_families() {
+        tail_recompute_rereads_the_last_tokens_natively_on(route);
+    }
+}
+
+#[test]
+fn head_reread_splices_the_destinations_own_prefix() {
+    for route in both_families() {
+        head_reread_splices_the_destinations_own_prefix_on(route);
+    }
+}
+
+#[test]
+fn an_anchor_supplies_the_head_it_covers() {
+    for route in both_families() {
+        an_anchor_supplies_the_head_it_covers_on(route);
+    }
 }
