@@ -118,22 +118,24 @@ fn assert_next_answer_switches(rows: &[serde_json::Value]) {
     assert_eq!(next["switches"][0]["method"], "molt", "{next}");
 }
 
-#[test]
-fn destination_load_fails_mid_switch() {
+/// A switch whose `fault` fires: the first answer ends with an error naming every one of
+/// `words`, and the next answer switches by projection.
+fn a_failed_switch_ends_its_answer_only(fault: &str, words: &[&str]) {
     let _ = common::tiny_ladder();
     let dir = tempfile::tempdir().unwrap();
-    let (out, rows) =
-        two_answers_with_a_switch(dir.path(), Some("switch_load:1"), common::tiny_projectors());
+    let (out, rows) = two_answers_with_a_switch(dir.path(), Some(fault), common::tiny_projectors());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(rows.len(), 2, "{stderr}");
     let err = rows[0]["error"]
         .as_str()
         .expect("the first answer ends with an error");
-    assert!(
-        err.contains("could not load") && err.contains("injected fault"),
-        "{err}"
-    );
+    assert!(words.iter().all(|w| err.contains(w)), "{err}");
     assert_next_answer_switches(&rows);
+}
+
+#[test]
+fn destination_load_fails_mid_switch() {
+    a_failed_switch_ends_its_answer_only("switch_load:1", &["could not load", "injected fault"]);
     record(
         "switch_load",
         "the answer ends with a clear error (llama.cpp could not load …: injected fault); the source stays loaded and the next answer switches by projection",
@@ -142,20 +144,7 @@ fn destination_load_fails_mid_switch() {
 
 #[test]
 fn kv_import_fails_mid_switch() {
-    let _ = common::tiny_ladder();
-    let dir = tempfile::tempdir().unwrap();
-    let (out, rows) =
-        two_answers_with_a_switch(dir.path(), Some("kv_import:1"), common::tiny_projectors());
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(rows.len(), 2, "{stderr}");
-    let err = rows[0]["error"]
-        .as_str()
-        .expect("the first answer ends with an error");
-    assert!(
-        err.contains("import") && err.contains("injected fault"),
-        "{err}"
-    );
-    assert_next_answer_switches(&rows);
+    a_failed_switch_ends_its_answer_only("kv_import:1", &["import", "injected fault"]);
     record(
         "kv_import",
         "the answer ends with a clear error (import: injected fault); the source is restored and the next answer switches by projection",
