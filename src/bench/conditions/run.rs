@@ -130,17 +130,6 @@ fn rss() -> u64 {
     process_rss_bytes().unwrap_or(0)
 }
 
-/// Hands freed heap memory back to the OS, so that an RSS reading taken next counts only what
-/// is live (glibc otherwise keeps earlier sessions' buffers, and a new session reusing them
-/// would look free).
-fn trim_heap() {
-    // SAFETY: malloc_trim only releases free memory at the top of glibc's arenas; it has no
-    // preconditions and touches no live allocation.
-    unsafe {
-        libc::malloc_trim(0);
-    }
-}
-
 /// What each rung costs as a running process sees it: every rung loaded alone, the longest
 /// prompt decoded, and the growth of the process's resident memory taken as weights plus
 /// context (compute buffers, KV buffer, logits). The session's own load-time estimate
@@ -186,7 +175,7 @@ fn measure_costs(
     drop(probe);
     let mut costs = Vec::new();
     for (i, info) in ladder.rungs.iter().enumerate() {
-        trim_heap();
+        crate::pressure::trim_heap();
         let before = rss();
         let mut live = crate::session::LiveRung::load(info, config)?;
         live.ctx
@@ -208,7 +197,7 @@ fn measure_costs(
             context,
         ));
     }
-    trim_heap();
+    crate::pressure::trim_heap();
     Ok((costs, longest.len()))
 }
 
@@ -281,7 +270,7 @@ fn generate_once(setup: &Setup<'_>, spec: &RunSpec<'_>) -> Result<Outcome, Bench
         attention_tap: quality,
         ..config
     };
-    trim_heap();
+    crate::pressure::trim_heap();
     let baseline = rss();
     let opts = SessionOptions {
         strategy: arm.strategy,
