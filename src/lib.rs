@@ -20,11 +20,14 @@
 //! - [`tenants`]: the actuator that applies a multi-tenant plan to live tenants;
 //! - [`bench`]: the benchmark programs;
 //! - [`tiny`]: tiny random-weight models of the real architecture, for hermetic tests;
+//! - [`durable`]: files replaced whole or not at all (fsync, rename, fsync the directory),
+//!   and the partial files of writes cut short;
 //! - [`fault`]: `MOLT_FAULT=site:nth`, failures injected on purpose to test recovery;
 //! - [`fuzzing`]: the entry points of the fuzz targets and their CI smoke, one per parser of
 //!   untrusted bytes.
 
 pub mod bench;
+pub mod durable;
 pub mod engine;
 pub mod fault;
 pub mod fuzzing;

@@ -222,7 +222,17 @@ fn killed_while_requantizing_then_fetch_redoes_it() {
     let dir = tempfile::tempdir().unwrap();
     let manifest = requantize_ladder(dir.path());
     let q8 = dir.path().join("tiny-big-q8_0.gguf");
-    let partial = dir.path().join("tiny-big-q8_0.gguf.partial");
+    // The partial files of the rung being written (`NAME.<pid>-<n>.partial`).
+    let partials = || -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| {
+                let n = p.file_name().unwrap().to_string_lossy().into_owned();
+                n.starts_with("tiny-big-q8_0.gguf.") && n.ends_with(".partial")
+            })
+            .collect()
+    };
     // Pass 1 is the lock (recording the local rung's hash), pass 2 the requantized rung.
     let out = molt_run(dir.path(), &manifest)
         .env("MOLT_FAULT", "write:2")
@@ -231,12 +241,13 @@ fn killed_while_requantizing_then_fetch_redoes_it() {
         .unwrap();
     assert_killed(&out);
     assert!(
-        String::from_utf8_lossy(&out.stderr).contains("tiny-big-q8_0.gguf.partial"),
+        String::from_utf8_lossy(&out.stderr).contains("tiny-big-q8_0.gguf."),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(!q8.exists(), "no half-written rung under its real name");
-    assert!(partial.exists(), "the fault struck mid-write");
+    let left = partials();
+    assert_eq!(left.len(), 1, "the fault struck mid-write: {left:?}");
     // The next run rebuilds it whole and records its hash.
     let out = molt_run(dir.path(), &manifest)
         .arg("fetch")
@@ -248,11 +259,18 @@ fn killed_while_requantizing_then_fetch_redoes_it() {
         String::from_utf8_lossy(&out.stderr)
     );
     molt::gguf::GgufFile::open(&q8).expect("the rebuilt rung is a whole GGUF");
+    // The dead writer's partial file is gone, and the run said so.
+    assert!(partials().is_empty(), "{:?}", partials());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("left by an interrupted write"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let ladder = molt::ladder::Ladder::open(&manifest, dir.path()).expect("ladder opens");
     assert_eq!(ladder.rungs.len(), 2);
     record(
         "write: requantize (fetch)",
-        "killed mid-write: only the .partial is left, the rung is absent; the next fetch rebuilds it whole",
+        "killed mid-write: only the .partial is left, the rung is absent; the next fetch removes the partial and rebuilds the rung whole",
     );
 }
 

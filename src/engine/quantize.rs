@@ -39,12 +39,13 @@ impl QuantType {
 }
 
 /// Requantizes `src` into `dst` (allowing requantization of already-quantized tensors).
-/// Writes `dst.partial` and renames it, so `dst` is never a half-written model.
+/// Writes a partial file beside `dst` and puts it in place durably ([`crate::durable`]), so
+/// `dst` is never a half-written model.
 ///
 /// # Errors
 /// [`EngineError::Quantize`] when llama.cpp fails, [`EngineError::Io`] around the rename.
 pub fn quantize(src: &Path, dst: &Path, ty: QuantType, threads: u32) -> Result<(), EngineError> {
-    let partial = dst.with_extension("gguf.partial");
+    let partial = crate::durable::partial_path(dst);
     let err = |code: u32, detail: String| EngineError::Quantize {
         src: src.display().to_string(),
         dst: dst.display().to_string(),
@@ -70,8 +71,7 @@ pub fn quantize(src: &Path, dst: &Path, ty: QuantType, threads: u32) -> Result<(
         let _ = std::fs::remove_file(&partial);
         return Err(err(rc, recent_llama_errors()));
     }
-    crate::fault::die_mid_write(&partial);
-    std::fs::rename(&partial, dst).map_err(|source| EngineError::Io {
+    crate::durable::commit(&partial, dst).map_err(|source| EngineError::Io {
         path: dst.display().to_string(),
         source,
     })

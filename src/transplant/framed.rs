@@ -115,8 +115,5 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), ProjectorErr
     if let Some(d) = path.parent() {
         fs::create_dir_all(d).map_err(io)?;
     }
-    let tmp = path.with_extension(format!("{}.partial", std::process::id()));
-    fs::write(&tmp, bytes).map_err(io)?;
-    crate::fault::die_mid_write(&tmp);
-    fs::rename(&tmp, path).map_err(io)
+    crate::durable::write(path, bytes).map_err(io)
 }

@@ -23,7 +23,6 @@
 //! truncated or hostile file is an error, never a panic or a huge allocation.
 
 use std::fs;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use ndarray::{Array1, Array2};
@@ -360,15 +359,7 @@ impl Projector {
             file: path.to_path_buf(),
             source,
         };
-        let mut tmp = path.as_os_str().to_owned();
-        tmp.push(".tmp");
-        let tmp = PathBuf::from(tmp);
-        let mut f = fs::File::create(&tmp).map_err(io)?;
-        f.write_all(&bytes).map_err(io)?;
-        f.sync_all().map_err(io)?;
-        drop(f);
-        crate::fault::die_mid_write(&tmp);
-        fs::rename(&tmp, path).map_err(io)
+        crate::durable::write(path, &bytes).map_err(io)
     }
 
     /// Read `path` and check it was fitted between the GGUF files with these sha256s.

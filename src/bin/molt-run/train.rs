@@ -88,6 +88,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         .n_ctx
         .max(u32::try_from(a.window).unwrap_or(u32::MAX) + 8);
     let ladder = g.open_ladder()?;
+    sweep_partials(&[&a.out, &a.out.join(ladder.name()), &a.corpus]);
     if a.anchors_only {
         return anchors(&ladder, config, a);
     }
@@ -239,11 +240,19 @@ fn generate_corpus(
         text.push_str(&g.text);
         text.push_str("\n\n");
     }
-    let tmp = out.with_extension("txt.partial");
-    std::fs::write(&tmp, &text)?;
-    molt::fault::die_mid_write(&tmp);
-    std::fs::rename(&tmp, &out)?;
+    molt::durable::write(&out, text.as_bytes())?;
     Ok(())
+}
+
+/// Removes the partial files an interrupted fit or corpus write left in `dirs` (their process is
+/// gone, so nothing will finish them) and says which. A directory that cannot be listed is
+/// left to the write that needs it to report.
+fn sweep_partials(dirs: &[&std::path::Path]) {
+    for dir in dirs {
+        for stale in molt::durable::sweep_stale(dir).unwrap_or_default() {
+            eprintln!("removed {} (left by an interrupted write)", stale.display());
+        }
+    }
 }
 
 /// `chat-seeds.txt` → `chats.jsonl`: the largest rung's greedy answer to every seed prompt, kept
@@ -278,10 +287,7 @@ fn generate_chats(
         lines.push_str(&serde_json::to_string(&c)?);
         lines.push('\n');
     }
-    let tmp = out.with_extension("jsonl.partial");
-    std::fs::write(&tmp, &lines)?;
-    molt::fault::die_mid_write(&tmp);
-    std::fs::rename(&tmp, &out)?;
+    molt::durable::write(&out, lines.as_bytes())?;
     Ok(())
 }
 
