@@ -2,13 +2,22 @@
 //! run, through plain llama.cpp (the `llama-cpp-2` safe API over the same build, none of
 //! Molt's code in the loop). The ratio says what Molt's wrapper costs; the absolute numbers
 //! say what this machine does.
+//!
+//! A second, independent peer is llama.cpp's own `llama-bench` program ([`Peer`]), built by
+//! `scripts/llama-tools.sh` from the same llama.cpp sources with the same flags: it runs in its
+//! own process, alternating with Molt's engine repetition by repetition, under the same
+//! protocol (prefill of a prompt into an empty cache; decode of single tokens from an empty
+//! cache), the same micro-batch and the same repack setting. With `--tune` both run every
+//! micro-batch (128/256/512) with llama.cpp's CPU repack off and on, beside the compute buffer
+//! each reserves and the anonymous memory repack adds: the trade [`choose_setting`] decides.
 
 use crate::engine::{
     Context, ContextConfig, Model, ModelOptions, Sampler, SamplingParams, Token, backend,
 };
 use crate::ladder::RungInfo;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::num::NonZeroU32;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// One measurement series (median and spread over repetitions).
@@ -41,7 +50,7 @@ impl Rate {
 }
 
 /// Speed of one rung.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RungSpeed {
     /// Rung name.
     pub rung: String,
@@ -210,4 +219,435 @@ pub fn measure(rung: &RungInfo, opts: &SpeedOptions) -> Result<RungSpeed, String
         llama_prefill_tps: lpf,
         llama_decode_tps: ld,
     })
+}
+
+/// How a rung's engine is set up for speed: the prompt micro-batch and llama.cpp's CPU repack.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Setting {
+    /// Tokens per micro-batch.
+    pub n_ubatch: u32,
+    /// llama.cpp's CPU repack of the weights (`use_extra_bufts`).
+    pub repack: bool,
+}
+
+impl Setting {
+    /// Molt's setting when nothing else is asked.
+    #[must_use]
+    pub fn molt_default() -> Self {
+        Self {
+            n_ubatch: crate::engine::DEFAULT_N_UBATCH,
+            repack: false,
+        }
+    }
+
+    /// The settings `--tune` measures: micro-batches of 128, 256 and 512, repack off and on.
+    #[must_use]
+    pub fn grid() -> Vec<Self> {
+        [false, true]
+            .into_iter()
+            .flat_map(|repack| [128, 256, 512].map(|n_ubatch| Self { n_ubatch, repack }))
+            .collect()
+    }
+}
+
+/// llama.cpp's own `llama-bench` program, run as the peer.
+#[derive(Debug, Clone)]
+pub struct Peer {
+    /// The program.
+    pub bin: PathBuf,
+}
+
+/// One test of a llama-bench JSON report (the fields read).
+#[derive(Debug, Deserialize)]
+struct PeerTest {
+    build_commit: String,
+    build_number: i64,
+    n_prompt: u64,
+    n_gen: u64,
+    avg_ts: f64,
+}
+
+/// One llama-bench run: prefill and decode tokens per second, and the build it reported.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PeerRun {
+    /// Prefill tok/s.
+    pub prefill_tps: f64,
+    /// Decode tok/s.
+    pub decode_tps: f64,
+    /// "llama-bench <commit> (b<number>)".
+    pub name: String,
+}
+
+impl Peer {
+    /// The peer at `bin`, if that file exists.
+    #[must_use]
+    pub fn at(bin: &Path) -> Option<Self> {
+        bin.is_file().then(|| Self {
+            bin: bin.to_path_buf(),
+        })
+    }
+
+    /// Runs llama-bench once (one repetition after its own warm-up) on `model`: a prefill of
+    /// `prefill` tokens and a decode of `decode` tokens, both from an empty cache, F16 cache,
+    /// flash attention off, every token through the CPU — what [`molt_peer_once`] measures.
+    ///
+    /// # Errors
+    /// A message naming the program when it cannot run, fails, or prints no result.
+    pub fn once(
+        &self,
+        model: &Path,
+        setting: Setting,
+        prefill: usize,
+        decode: usize,
+        threads: u32,
+    ) -> Result<PeerRun, String> {
+        let out = std::process::Command::new(&self.bin)
+            .arg("-m")
+            .arg(model)
+            .args(["-p", &prefill.to_string(), "-n", &decode.to_string()])
+            .args(["-t", &threads.to_string(), "-r", "1", "-b", "512"])
+            .args(["-ub", &setting.n_ubatch.to_string()])
+            .args(["--repack", if setting.repack { "1" } else { "0" }])
+            .args(["-fa", "0", "-ctk", "f16", "-ctv", "f16", "-o", "json"])
+            .output()
+            .map_err(|e| format!("{}: {e}", self.bin.display()))?;
+        if !out.status.success() {
+            return Err(format!(
+                "{} failed ({}): {}",
+                self.bin.display(),
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+                    .lines()
+                    .rev()
+                    .take(3)
+                    .collect::<Vec<_>>()
+                    .join(" / ")
+            ));
+        }
+        parse_peer(&String::from_utf8_lossy(&out.stdout))
+            .map_err(|e| format!("{}: {e}", self.bin.display()))
+    }
+}
+
+/// Reads llama-bench's JSON report: the prompt test's and the generation test's mean rates.
+fn parse_peer(json: &str) -> Result<PeerRun, String> {
+    let tests: Vec<PeerTest> =
+        serde_json::from_str(json).map_err(|e| format!("its report does not parse: {e}"))?;
+    let rate = |prompt: bool| {
+        tests
+            .iter()
+            .find(|t| {
+                if prompt {
+                    t.n_prompt > 0 && t.n_gen == 0
+                } else {
+                    t.n_gen > 0 && t.n_prompt == 0
+                }
+            })
+            .map(|t| t.avg_ts)
+            .ok_or_else(|| {
+                format!(
+                    "its report has no {} test",
+                    if prompt { "prompt" } else { "generation" }
+                )
+            })
+    };
+    let first = tests.first().ok_or("its report is empty")?;
+    Ok(PeerRun {
+        prefill_tps: rate(true)?,
+        decode_tps: rate(false)?,
+        name: format!(
+            "llama-bench {} (b{})",
+            first.build_commit, first.build_number
+        ),
+    })
+}
+
+/// Molt's engine under the peer's protocol: a context of `setting`'s micro-batch on `model`
+/// (loaded with the setting's repack), a prefill of `toks` into the empty cache, then `decode`
+/// single-token decodes from an empty cache. Returns prefill and decode tok/s and the bytes
+/// llama.cpp reserved for the context (KV, compute and output buffers).
+///
+/// # Errors
+/// A message when the context cannot be created or a decode fails.
+pub fn molt_peer_once(
+    model: &std::sync::Arc<Model>,
+    setting: Setting,
+    toks: &[Token],
+    decode: usize,
+    threads: u32,
+) -> Result<(f64, f64, u64), String> {
+    let cfg = ContextConfig {
+        n_ctx: u32::try_from(toks.len().max(decode) + 8).unwrap_or(4096),
+        n_batch: 512,
+        n_ubatch: setting.n_ubatch,
+        n_threads: threads,
+        ..ContextConfig::default()
+    };
+    let mut ctx = Context::new(model.clone(), cfg).map_err(|e| e.to_string())?;
+    let reserved = ctx.reserved_bytes();
+    // Warm-up, as llama-bench does before it times anything.
+    ctx.decode(&toks[..toks.len().min(32)])
+        .map_err(|e| e.to_string())?;
+    ctx.clear();
+    let t = Instant::now();
+    ctx.decode(toks).map_err(|e| e.to_string())?;
+    let pf = toks.len() as f64 / t.elapsed().as_secs_f64();
+    ctx.clear();
+    let mut s = Sampler::new(SamplingParams::greedy());
+    let mut tok = toks[0];
+    let t = Instant::now();
+    for _ in 0..decode {
+        ctx.decode(&[tok]).map_err(|e| e.to_string())?;
+        tok = s.sample(ctx.logits());
+    }
+    Ok((pf, decode as f64 / t.elapsed().as_secs_f64(), reserved))
+}
+
+/// Molt beside the peer at one setting on one rung (medians over repetitions).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PeerRow {
+    /// Rung name.
+    pub rung: String,
+    /// Tokens per micro-batch.
+    pub n_ubatch: u32,
+    /// llama.cpp's CPU repack.
+    pub repack: bool,
+    /// Molt's prefill, tok/s.
+    pub prefill_tok_s: f64,
+    /// Molt's decode, tok/s.
+    pub decode_tok_s: f64,
+    /// The peer's prefill, tok/s.
+    pub peer_prefill_tok_s: f64,
+    /// The peer's decode, tok/s.
+    pub peer_decode_tok_s: f64,
+    /// `prefill_tok_s / peer_prefill_tok_s`.
+    pub prefill_ratio: f64,
+    /// `decode_tok_s / peer_decode_tok_s`.
+    pub decode_ratio: f64,
+    /// Every repetition: Molt prefill, Molt decode, peer prefill, peer decode.
+    pub samples: Vec<[f64; 4]>,
+    /// What llama.cpp reserved for Molt's context (KV, compute, output buffers), MiB.
+    pub reserved_mib: f64,
+    /// Anonymous memory the model load added (repacked weights, tokenizer tables), MiB.
+    pub load_anon_mib: f64,
+}
+
+/// Every setting's row of one rung, Molt and the peer alternating repetition by repetition.
+///
+/// # Errors
+/// A message when a model, context or peer run fails.
+pub fn measure_peer(
+    rung: &RungInfo,
+    peer: &Peer,
+    settings: &[Setting],
+    opts: &SpeedOptions,
+    progress: &mut dyn FnMut(&PeerRow),
+) -> Result<(Vec<PeerRow>, String), String> {
+    let mut rows = Vec::new();
+    let mut name = String::new();
+    for repack in [false, true] {
+        let of_repack: Vec<Setting> = settings
+            .iter()
+            .copied()
+            .filter(|s| s.repack == repack)
+            .collect();
+        if of_repack.is_empty() {
+            continue;
+        }
+        crate::pressure::trim_heap();
+        let anon0 = crate::pressure::process_anon_rss_bytes().unwrap_or(0);
+        let model = Model::load(&rung.path, rung.name(), ModelOptions { mmap: true, repack })
+            .map_err(|e| e.to_string())?;
+        let load_anon = crate::pressure::process_anon_rss_bytes()
+            .unwrap_or(0)
+            .saturating_sub(anon0);
+        let mut toks = model
+            .tokenize(&bench_text(), false)
+            .map_err(|e| e.to_string())?;
+        toks.truncate(opts.prefill_tokens);
+        for setting in of_repack {
+            let mut samples = Vec::new();
+            let mut reserved = 0;
+            for _ in 0..opts.reps.max(1) {
+                let (pf, dc, r) =
+                    molt_peer_once(&model, setting, &toks, opts.decode_tokens, opts.threads)?;
+                reserved = r;
+                let p = peer.once(
+                    &rung.path,
+                    setting,
+                    toks.len(),
+                    opts.decode_tokens,
+                    opts.threads,
+                )?;
+                name = p.name;
+                samples.push([pf, dc, p.prefill_tps, p.decode_tps]);
+            }
+            let median = |k: usize| Rate::from(samples.iter().map(|s| s[k]).collect()).median;
+            let row = PeerRow {
+                rung: rung.name().to_string(),
+                n_ubatch: setting.n_ubatch,
+                repack,
+                prefill_tok_s: median(0),
+                decode_tok_s: median(1),
+                peer_prefill_tok_s: median(2),
+                peer_decode_tok_s: median(3),
+                prefill_ratio: median(0) / median(2).max(1e-9),
+                decode_ratio: median(1) / median(3).max(1e-9),
+                samples,
+                reserved_mib: reserved as f64 / 1_048_576.0,
+                load_anon_mib: load_anon as f64 / 1_048_576.0,
+            };
+            progress(&row);
+            rows.push(row);
+        }
+    }
+    Ok((rows, name))
+}
+
+/// The speed setting for a rung given the memory it may use beyond its default footprint:
+/// of the measured rows of that rung, the fastest prefill whose extra memory over Molt's
+/// default (a larger compute buffer, repacked weights) fits `spare_bytes`, provided its decode
+/// is not slower than the default's. Molt's default when no row beats it within the room.
+#[must_use]
+pub fn choose_setting(rows: &[PeerRow], rung: &str, spare_bytes: u64) -> Setting {
+    let default = Setting::molt_default();
+    let of_rung: Vec<&PeerRow> = rows.iter().filter(|r| r.rung == rung).collect();
+    let Some(base) = of_rung
+        .iter()
+        .find(|r| r.n_ubatch == default.n_ubatch && r.repack == default.repack)
+    else {
+        return default;
+    };
+    let cost = |r: &PeerRow| {
+        ((r.reserved_mib - base.reserved_mib).max(0.0)
+            + (r.load_anon_mib - base.load_anon_mib).max(0.0))
+            * 1_048_576.0
+    };
+    of_rung
+        .iter()
+        .filter(|r| cost(r) <= spare_bytes as f64 && r.decode_tok_s >= base.decode_tok_s * 0.97)
+        .max_by(|a, b| a.prefill_tok_s.total_cmp(&b.prefill_tok_s))
+        .filter(|r| r.prefill_tok_s > base.prefill_tok_s)
+        .map_or(default, |r| Setting {
+            n_ubatch: r.n_ubatch,
+            repack: r.repack,
+        })
+}
+
+/// `results/speed.json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SpeedDoc {
+    /// The run's facts.
+    pub run: serde_json::Value,
+    /// Threads.
+    pub threads: u32,
+    /// Prompt tokens of the prefill.
+    pub prefill_tokens: usize,
+    /// Tokens decoded.
+    pub decode_tokens: usize,
+    /// Repetitions.
+    pub reps: usize,
+    /// Molt beside the `llama-cpp-2` safe API, per rung.
+    pub rungs: Vec<RungSpeed>,
+    /// The peer program and its build, when it ran.
+    #[serde(default)]
+    pub peer: Option<String>,
+    /// Molt beside the peer at Molt's default setting, one row per rung (the goal's rows).
+    #[serde(default)]
+    pub rows: Vec<PeerRow>,
+    /// Every measured setting (with `--tune`), the default's rows included.
+    #[serde(default)]
+    pub tuning: Vec<PeerRow>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_llama_bench_report_gives_both_rates_and_its_build() {
+        let json = r#"[
+          {"build_commit": "abc123", "build_number": 11434, "n_prompt": 256, "n_gen": 0, "avg_ts": 120.5, "other": 1},
+          {"build_commit": "abc123", "build_number": 11434, "n_prompt": 0, "n_gen": 32, "avg_ts": 30.25}
+        ]"#;
+        let p = parse_peer(json).unwrap();
+        assert_eq!(p.prefill_tps, 120.5);
+        assert_eq!(p.decode_tps, 30.25);
+        assert_eq!(p.name, "llama-bench abc123 (b11434)");
+        assert!(parse_peer("[]").unwrap_err().contains("empty"));
+        let only_pp = r#"[{"build_commit": "x", "build_number": 1, "n_prompt": 8, "n_gen": 0, "avg_ts": 1.0}]"#;
+        assert!(parse_peer(only_pp).unwrap_err().contains("generation"));
+        assert!(parse_peer("garbage").unwrap_err().contains("parse"));
+    }
+
+    fn row(
+        n_ubatch: u32,
+        repack: bool,
+        prefill: f64,
+        decode: f64,
+        reserved: f64,
+        anon: f64,
+    ) -> PeerRow {
+        PeerRow {
+            rung: "r".into(),
+            n_ubatch,
+            repack,
+            prefill_tok_s: prefill,
+            decode_tok_s: decode,
+            peer_prefill_tok_s: prefill,
+            peer_decode_tok_s: decode,
+            prefill_ratio: 1.0,
+            decode_ratio: 1.0,
+            samples: vec![],
+            reserved_mib: reserved,
+            load_anon_mib: anon,
+        }
+    }
+
+    #[test]
+    fn the_setting_is_the_fastest_prefill_the_spare_memory_holds() {
+        let rows = vec![
+            row(128, false, 70.0, 25.0, 100.0, 10.0),
+            row(512, false, 80.0, 25.0, 330.0, 10.0),
+            row(128, true, 110.0, 29.0, 100.0, 610.0),
+            row(512, true, 120.0, 29.0, 330.0, 610.0),
+        ];
+        let mib = 1u64 << 20;
+        assert_eq!(choose_setting(&rows, "r", 0), Setting::molt_default());
+        assert_eq!(
+            choose_setting(&rows, "r", 300 * mib),
+            Setting {
+                n_ubatch: 512,
+                repack: false
+            }
+        );
+        assert_eq!(
+            choose_setting(&rows, "r", 700 * mib),
+            Setting {
+                n_ubatch: 128,
+                repack: true
+            }
+        );
+        assert_eq!(
+            choose_setting(&rows, "r", 2000 * mib),
+            Setting {
+                n_ubatch: 512,
+                repack: true
+            }
+        );
+        // An unmeasured rung keeps the default.
+        assert_eq!(
+            choose_setting(&rows, "other", 2000 * mib),
+            Setting::molt_default()
+        );
+        // A faster prefill that slows decode is not taken.
+        let slow_decode = vec![
+            row(128, false, 70.0, 25.0, 100.0, 10.0),
+            row(512, false, 90.0, 20.0, 330.0, 10.0),
+        ];
+        assert_eq!(
+            choose_setting(&slow_decode, "r", 2000 * mib),
+            Setting::molt_default()
+        );
+    }
 }

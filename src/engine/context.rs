@@ -26,6 +26,12 @@ pub struct ContextConfig {
     pub n_ctx: u32,
     /// Maximum tokens per `llama_decode` call (prompt chunks).
     pub n_batch: u32,
+    /// Tokens per micro-batch, the unit llama.cpp computes a prompt chunk in (at most
+    /// `n_batch`). The compute buffer is reserved for a micro-batch whose every token asks for
+    /// logits (n_ubatch × n_vocab floats: 74 MiB at 128 on the Qwen ladder, 297 MiB at 512), so
+    /// a larger one buys prefill speed with memory; `bench --speed --tune` measures the trade.
+    #[serde(default = "default_n_ubatch")]
+    pub n_ubatch: u32,
     /// CPU threads for decoding and prefill.
     pub n_threads: u32,
     /// KV cache element type.
@@ -41,6 +47,14 @@ pub struct ContextConfig {
     pub hidden_tap: bool,
 }
 
+/// Molt's micro-batch when nothing else is asked: the memory a budget can least spare goes to
+/// the KV cache, not to a compute buffer sized for 512-token micro-batches.
+pub const DEFAULT_N_UBATCH: u32 = 128;
+
+fn default_n_ubatch() -> u32 {
+    DEFAULT_N_UBATCH
+}
+
 impl Default for ContextConfig {
     fn default() -> Self {
         let threads =
@@ -48,6 +62,7 @@ impl Default for ContextConfig {
         Self {
             n_ctx: 2048,
             n_batch: 512,
+            n_ubatch: DEFAULT_N_UBATCH,
             n_threads: threads,
             cache_type: CacheType::F16,
             attention_tap: false,
@@ -144,10 +159,9 @@ impl Context {
         p.n_ctx = config.n_ctx;
         p.n_batch = config.n_batch.min(config.n_ctx);
         // The compute buffer is reserved for the worst case of a micro-batch whose every token
-        // asks for logits (n_ubatch × n_vocab floats: 297 MiB at 512 on the Qwen ladder). Molt
-        // runs under a memory budget, so micro-batches stay at 128 tokens (74 MiB); prompts
-        // still go in n_batch chunks, which llama.cpp splits.
-        p.n_ubatch = p.n_batch.min(128);
+        // asks for logits (see `ContextConfig::n_ubatch`); prompts still go in n_batch chunks,
+        // which llama.cpp splits into micro-batches.
+        p.n_ubatch = config.n_ubatch.clamp(1, p.n_batch.max(1));
         // Sequence 0 is the conversation; the others are scratch sequences of selective token
         // recompute (see [`Context::recompute_spans`]). One unified cache holds them all, so a
         // scratch sequence shares sequence 0's cells (a copy is a tag, not a copy of data) and

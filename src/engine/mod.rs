@@ -26,7 +26,7 @@ pub mod system;
 pub mod tap;
 mod text;
 
-pub use context::{Context, ContextConfig, Span};
+pub use context::{Context, ContextConfig, DEFAULT_N_UBATCH, Span};
 pub use grammar::{Grammar, GrammarError, JSON_GRAMMAR};
 pub use logs::recent_llama_errors;
 pub use model::{ChatMessage, Model, ModelOptions};

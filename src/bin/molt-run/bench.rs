@@ -8,9 +8,18 @@ use std::path::{Path, PathBuf};
 /// Bench options.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Prefill and decode tok/s of every rung, Molt beside plain llama.cpp.
+    /// Prefill and decode tok/s of every rung, Molt beside plain llama.cpp and beside
+    /// llama.cpp's own llama-bench (when built: scripts/llama-tools.sh).
     #[arg(long)]
     pub speed: bool,
+    /// With --speed: llama.cpp's llama-bench program to run as the peer (default:
+    /// target/llama-tools/llama-bench, built by scripts/llama-tools.sh).
+    #[arg(long, env = "MOLT_LLAMA_BENCH")]
+    pub peer: Option<PathBuf>,
+    /// With --speed: measure micro-batches 128/256/512 with llama.cpp's CPU repack off and on,
+    /// Molt beside the peer at each, with the memory each costs.
+    #[arg(long)]
+    pub tune: bool,
     /// Transplant against re-prefill at several context lengths, every route, both rungs warm.
     #[arg(long)]
     pub cost_sweep: bool,
@@ -583,7 +592,65 @@ fn run_speed(g: &GlobalArgs, a: &Args) -> Result<()> {
         );
         rows.push(s);
     }
-    let doc = serde_json::json!({ "run": info, "threads": threads, "prefill_tokens": a.prefill_tokens, "decode_tokens": a.decode_tokens, "reps": a.reps, "rungs": rows });
+    let bin = a
+        .peer
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("target/llama-tools/llama-bench"));
+    let peer = speed::Peer::at(&bin);
+    if a.peer.is_some() && peer.is_none() {
+        bail!("--peer {}: no such program", bin.display());
+    }
+    let settings = if a.tune {
+        speed::Setting::grid()
+    } else {
+        vec![speed::Setting::molt_default()]
+    };
+    let (mut peer_name, mut tuning) = (None, Vec::new());
+    match &peer {
+        None => eprintln!(
+            "speed: no peer ({} is absent; scripts/llama-tools.sh builds it)",
+            bin.display()
+        ),
+        Some(peer) => {
+            for r in &ladder.rungs {
+                let (rows, name) = speed::measure_peer(r, peer, &settings, &opts, &mut |p| {
+                    println!(
+                        "{:6} ubatch {:3} repack {:3}  prefill {:6.1} tok/s (llama-bench {:6.1}, ratio {:.3})  decode {:5.1} tok/s (llama-bench {:5.1}, ratio {:.3})  context {:.0} MiB, load {:.0} MiB",
+                        p.rung,
+                        p.n_ubatch,
+                        if p.repack { "on" } else { "off" },
+                        p.prefill_tok_s,
+                        p.peer_prefill_tok_s,
+                        p.prefill_ratio,
+                        p.decode_tok_s,
+                        p.peer_decode_tok_s,
+                        p.decode_ratio,
+                        p.reserved_mib,
+                        p.load_anon_mib
+                    );
+                })
+                .map_err(anyhow::Error::msg)?;
+                peer_name = Some(name);
+                tuning.extend(rows);
+            }
+        }
+    }
+    let default = speed::Setting::molt_default();
+    let doc = speed::SpeedDoc {
+        run: serde_json::to_value(info)?,
+        threads,
+        prefill_tokens: a.prefill_tokens,
+        decode_tokens: a.decode_tokens,
+        reps: a.reps,
+        rungs: rows,
+        peer: peer_name,
+        rows: tuning
+            .iter()
+            .filter(|r| r.n_ubatch == default.n_ubatch && r.repack == default.repack)
+            .cloned()
+            .collect(),
+        tuning: if a.tune { tuning } else { Vec::new() },
+    };
     write_result(&a.out_dir, "speed.json", &doc)
 }
 

@@ -26,6 +26,10 @@ pub struct GlobalArgs {
     /// CPU threads (default: all cores).
     #[arg(long, global = true)]
     pub threads: Option<u32>,
+    /// Prompt tokens per micro-batch (1..=512): larger is faster prefill for a larger compute
+    /// buffer (74 MiB at 128 on the Qwen ladder, 297 MiB at 512; see `bench --speed --tune`).
+    #[arg(long, global = true, default_value_t = molt::engine::DEFAULT_N_UBATCH)]
+    pub ubatch: u32,
     /// KV cache element type (only unquantized caches can be transplanted).
     #[arg(long, global = true, value_enum, default_value_t = CacheArg::F16)]
     pub cache_type: CacheArg,
@@ -50,6 +54,10 @@ impl GlobalArgs {
             n_ctx: self.n_ctx,
             ..ContextConfig::default()
         };
+        if !(1..=c.n_batch).contains(&self.ubatch) {
+            bail!("--ubatch {} is outside 1..={}", self.ubatch, c.n_batch);
+        }
+        c.n_ubatch = self.ubatch;
         if let Some(t) = self.threads {
             if t == 0 {
                 bail!("--threads must be at least 1");
