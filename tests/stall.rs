@@ -230,3 +230,82 @@ fn bench_stall_quick_writes_the_schema() {
         set.skipped
     );
 }
+
+/// Budgets for the tiny ladder: `low` holds only the smallest rung with a full window, `high`
+/// every rung twice over (past the policy's promotion margin).
+fn low_high(s: &Session) -> (u64, u64) {
+    let n = s.ladder().rungs.len();
+    let n_ctx = u64::from(common::cfg().n_ctx);
+    let costs = s.rung_costs();
+    let full = |c: &molt::sched::RungCost| c.resident_bytes() + c.kv_bytes(n_ctx);
+    let low = full(&costs[n - 2])
+        .saturating_sub(1)
+        .max(full(&costs[n - 1]));
+    let high = costs.iter().map(full).max().unwrap() * 2 + s.options().policy.hysteresis_bytes;
+    (low, high)
+}
+
+#[test]
+fn a_switch_up_loads_its_destination_in_the_background_while_the_answer_goes_on() {
+    let l = common::tiny_ladder();
+    for prepare_up in [true, false] {
+        let opts = SessionOptions {
+            observe_footprint: false,
+            prepare_up,
+            projector_dirs: vec![common::tiny_projectors().clone()],
+            ..SessionOptions::default()
+        };
+        let mut s =
+            Session::with_options(l.clone(), common::cfg(), l.rungs[0].name(), opts).unwrap();
+        let (low, high) = low_high(&s);
+        // Down before token 2, memory back before token 6.
+        let trace = molt::pressure::Trace::parse(&format!(
+            r#"{{"name":"dip","unit":"B","clock":"token","initial":{high},"events":[{{"at":2,"budget":{low}}},{{"at":6,"budget":{high}}}]}}"#
+        ))
+        .unwrap();
+        s.set_budget_source(Some(Box::new(molt::pressure::TraceBudget::new(trace))));
+        let mut switches: Vec<SwitchInfo> = Vec::new();
+        let mut tokens = 0usize;
+        let g = s
+            .generate(
+                &Prompt::Text(TEXT.into()),
+                &GenerateOptions {
+                    max_tokens: 60,
+                    ..GenerateOptions::default()
+                },
+                &mut |e| match e {
+                    Event::Switch(i) => switches.push(i.clone()),
+                    // A reader slower than the tiny rungs decode, once memory is back and until
+                    // the switch up: the background load (seconds on a loaded machine) gets the
+                    // tokens it needs to finish within the answer.
+                    Event::Token { .. } => {
+                        tokens += 1;
+                        if tokens >= 6 && switches.len() < 2 {
+                            std::thread::sleep(Duration::from_millis(100));
+                        }
+                    }
+                    _ => {}
+                },
+            )
+            .unwrap();
+        assert_eq!(g.tokens.len(), 60, "the answer runs to its length");
+        let up = switches
+            .iter()
+            .find(|w| w.to == l.rungs[0].name())
+            .unwrap_or_else(|| panic!("no switch up: {switches:?}"));
+        if prepare_up {
+            assert!(up.timings.prepared_ms > 0.0, "{up:?}");
+            assert!(up.timings.prepared_tokens >= 1, "{up:?}");
+            assert_eq!(up.timings.load_ms, 0.0, "nobody waited for the load");
+            assert!(up.timings.load_parts.is_none(), "{up:?}");
+            assert!(
+                up.at_token > 6,
+                "the source decoded while the destination loaded: {up:?}"
+            );
+        } else {
+            assert_eq!(up.timings.prepared_ms, 0.0);
+            assert!(up.timings.load_parts.is_some(), "loaded on the spot");
+            assert_eq!(up.at_token, 6, "{up:?}");
+        }
+    }
+}

@@ -111,6 +111,9 @@ pub enum SessionError {
         /// The parked rung.
         rung: String,
     },
+    /// A background load could not be started.
+    #[error("cannot start loading a rung in the background: {0}")]
+    Prepare(String),
     /// The scheduler refused the snapshot it was given.
     #[error("scheduler: {0}")]
     Policy(#[from] SchedError),

@@ -125,7 +125,8 @@ impl Session {
     /// [`super::SessionOptions::observe_footprint`]): the growth of `RssAnon` since the session
     /// started, less what the other loaded rungs measured at load and any parked cache.
     pub(super) fn observe_footprint(&mut self) {
-        if !self.opts.observe_footprint || self.is_parked() {
+        // A rung loading in the background would be charged to the one decoding.
+        if !self.opts.observe_footprint || self.is_parked() || self.is_preparing() {
             return;
         }
         let Ok(anon) = crate::pressure::process_anon_rss_bytes() else {

@@ -92,6 +92,14 @@ pub struct SwitchTimings {
     /// time its weight pages took to be mapped back in.
     #[serde(default, skip_serializing_if = "is_false")]
     pub from_standby: bool,
+    /// A switch up prepared in the background ([`super::SessionOptions::prepare_up`]): how
+    /// long the destination took to load while the source went on decoding, ms (0: not
+    /// prepared). `load_ms` is then 0: nobody waited for the load.
+    #[serde(default, skip_serializing_if = "is_zero_f")]
+    pub prepared_ms: f64,
+    /// Tokens the source decoded while the destination loaded in the background.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub prepared_tokens: usize,
 }
 
 #[allow(clippy::trivially_copy_pass_by_ref)] // serde's skip_serializing_if passes a reference

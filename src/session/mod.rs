@@ -14,6 +14,7 @@ mod levers;
 pub mod migrate;
 mod native;
 mod options;
+mod prepare;
 pub mod prompt_file;
 mod refill;
 mod rung;
@@ -89,6 +90,10 @@ pub struct Session {
     /// token is out: reading the process's page tables and trimming the heap took ~250 ms on
     /// a loaded 2-core machine, and belongs to no gap the user waits on.
     footprint_due: Option<(usize, u64)>,
+    /// A switch up's destination loading in the background ([`SessionOptions::prepare_up`]).
+    preparing: Option<prepare::Preparing>,
+    /// What the finished background load cost, for the switch it prepared.
+    prepared: Option<prepare::Prepared>,
 }
 
 impl Session {
@@ -130,6 +135,8 @@ impl Session {
             routes,
             rungs: (0..n).map(|_| None).collect(),
             standby: (0..n).map(|_| None).collect(),
+            preparing: None,
+            prepared: None,
             context_bytes: vec![None; n],
             pinned_costs: false,
             current,
@@ -717,6 +724,9 @@ impl Session {
             stall_ms: self.stall_ms,
         };
         sink(&Event::Done(generation.summary()));
+        // A switch up still being prepared is not carried into the next answer (its budget
+        // may be another): drop it.
+        self.abandon_prepare();
         // After the answer, off every token's path: load ahead what a switch down would need.
         self.prepare_standby();
         Ok(generation)
@@ -794,6 +804,9 @@ impl Session {
                     > b.bytes;
                 return Ok(if over { Between::Killed } else { Between::Stay });
             }
+            if !matches!(decision, Decision::Promote { .. }) {
+                self.abandon_prepare();
+            }
             let acted = match decision {
                 Decision::Stay | Decision::Admit { .. } => {
                     if !parked {
@@ -803,7 +816,13 @@ impl Session {
                     false
                 }
                 Decision::Promote { .. } if forced_hold && !parked => {
+                    self.abandon_prepare();
                     self.settle_standby(Some(b.bytes));
+                    return Ok(Between::Stay);
+                }
+                // Memory came back: load the destination in the background and stay on this
+                // rung until it is ready.
+                Decision::Promote { to } if !parked && !self.promote_ready(to)? => {
                     return Ok(Between::Stay);
                 }
                 Decision::Demote { to } | Decision::Promote { to } => {

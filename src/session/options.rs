@@ -134,6 +134,11 @@ pub struct SessionOptions {
     /// holds them beside the current rung. On by default; off, every switch loads its
     /// destination on the spot.
     pub standby: bool,
+    /// Prepare a switch up in the background ([`super::prepare`]): when the policy moves up to
+    /// a rung that is neither loaded nor on standby, load it on a thread of its own while the
+    /// answer goes on on the current rung, and switch at the first token after the load
+    /// finished. On by default; off, the switch up loads its destination on the spot.
+    pub prepare_up: bool,
 }
 
 /// The head re-read of a default Molt switch: ChatML's opening (`<|im_start|>user\n`, three
@@ -160,6 +165,7 @@ impl Default for SessionOptions {
             token_recompute: Some(TokenRecompute::default_size()),
             park_deadline: None,
             standby: true,
+            prepare_up: true,
         }
     }
 }

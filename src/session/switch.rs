@@ -256,6 +256,7 @@ impl Session {
         } else {
             self.switch_load_first(from, to, last)?
         };
+        let prepared = self.take_prepared();
         let dst = self.rungs[to].as_ref().expect("destination is loaded");
         let n_tokens = self.history.len() as u64 + 1;
         let (n_params, n_layer, n_embd) = (
@@ -279,6 +280,8 @@ impl Session {
                 flops,
                 load_parts,
                 from_standby,
+                prepared_ms: prepared.map_or(0.0, |p| p.ms),
+                prepared_tokens: prepared.map_or(0, |p| p.tokens),
                 ..timings
             },
             flops_reprefill,

@@ -153,6 +153,13 @@ impl Renderer {
         if s.timings.load_ms >= 0.5 {
             let _ = write!(line, " · mapped {} in {:.0} ms", s.to, s.timings.load_ms);
         }
+        if s.timings.prepared_ms > 0.0 {
+            let _ = write!(
+                line,
+                " · {} loaded in the background in {:.0} ms over {} token(s)",
+                s.to, s.timings.prepared_ms, s.timings.prepared_tokens
+            );
+        }
         let line = if self.color {
             format!("{BOLD}{line}{RESET}\n")
         } else {
