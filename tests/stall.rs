@@ -231,20 +231,6 @@ fn bench_stall_quick_writes_the_schema() {
     );
 }
 
-/// Budgets for the tiny ladder: `low` holds only the smallest rung with a full window, `high`
-/// every rung twice over (past the policy's promotion margin).
-fn low_high(s: &Session) -> (u64, u64) {
-    let n = s.ladder().rungs.len();
-    let n_ctx = u64::from(common::cfg().n_ctx);
-    let costs = s.rung_costs();
-    let full = |c: &molt::sched::RungCost| c.resident_bytes() + c.kv_bytes(n_ctx);
-    let low = full(&costs[n - 2])
-        .saturating_sub(1)
-        .max(full(&costs[n - 1]));
-    let high = costs.iter().map(full).max().unwrap() * 2 + s.options().policy.hysteresis_bytes;
-    (low, high)
-}
-
 #[test]
 fn a_switch_up_loads_its_destination_in_the_background_while_the_answer_goes_on() {
     let l = common::tiny_ladder();
@@ -257,7 +243,7 @@ fn a_switch_up_loads_its_destination_in_the_background_while_the_answer_goes_on(
         };
         let mut s =
             Session::with_options(l.clone(), common::cfg(), l.rungs[0].name(), opts).unwrap();
-        let (low, high) = low_high(&s);
+        let (low, high) = molt::bench::reliability::sawtooth_budgets(&s);
         // Down before token 2, memory back before token 6.
         let trace = molt::pressure::Trace::parse(&format!(
             r#"{{"name":"dip","unit":"B","clock":"token","initial":{high},"events":[{{"at":2,"budget":{low}}},{{"at":6,"budget":{high}}}]}}"#

@@ -328,6 +328,31 @@ pub fn slope(points: &[(f64, f64)]) -> f64 {
     if sxx == 0.0 { 0.0 } else { sxy / sxx }
 }
 
+/// The two budgets of a sawtooth over `session`'s ladder (at least two rungs): `low` holds
+/// only the smallest rung with a full window, `high` every rung past the policy's promotion
+/// margin. Costs are the session's as measured so far.
+#[must_use]
+pub fn sawtooth_budgets(session: &Session) -> (u64, u64) {
+    let n = session.ladder().rungs.len();
+    let n_ctx = u64::from(session.config().n_ctx);
+    let costs = session.rung_costs();
+    let full = |c: &crate::sched::RungCost| c.resident_bytes() + c.kv_bytes(n_ctx);
+    // Just below what the next rung up needs: as much room as the smallest rung can be given
+    // while it is the only one that fits (its measured footprint may exceed the model's).
+    let low = full(&costs[n.saturating_sub(2)])
+        .saturating_sub(1)
+        .max(full(&costs[n - 1]));
+    // Room for every rung past the policy's promotion margin, so each high leg promotes.
+    let high = costs
+        .iter()
+        .map(full)
+        .max()
+        .unwrap_or(0)
+        .saturating_mul(2)
+        .saturating_add(session.options().policy.hysteresis_bytes);
+    (low, high)
+}
+
 /// Runs answers on `session` under a [`Sawtooth`] between its home rung and its smallest rung
 /// until `opts.switches` switches are made, sampling the resident set and open descriptors
 /// after every answer; `progress(switches, sample)` is called after each. The first tenth of
@@ -353,22 +378,7 @@ pub fn run_soak(
         session.ensure_loaded(i)?;
         session.unload(i);
     }
-    let n_ctx = u64::from(session.config().n_ctx);
-    let costs = session.rung_costs();
-    let full = |c: &crate::sched::RungCost| c.resident_bytes() + c.kv_bytes(n_ctx);
-    // Just below what the next rung up needs: as much room as the smallest rung can be given
-    // while it is the only one that fits (its measured footprint may exceed the model's).
-    let low = full(&costs[n - 2])
-        .saturating_sub(1)
-        .max(full(&costs[n - 1]));
-    // Room for every rung past the policy's promotion margin, so each high leg promotes.
-    let high = costs
-        .iter()
-        .map(full)
-        .max()
-        .unwrap_or(0)
-        .saturating_mul(2)
-        .saturating_add(session.options().policy.hysteresis_bytes);
+    let (low, high) = sawtooth_budgets(session);
     session.set_budget_source(Some(Box::new(Sawtooth {
         high,
         low,
