@@ -161,8 +161,8 @@ fn log(recorder: &Recorder, kind: &str, message: &str, detail: serde_json::Value
 }
 
 impl Conversations {
-    /// A store over `dir` (`None`: nothing is written; conversations other than the one in the
-    /// engine are kept in RAM), for a ladder of `rungs` (name, sha256). The directory's state
+    /// A store over `dir` (`None`: nothing is written, and a conversation displaced from the
+    /// engine is re-read from its messages when it comes back), for a ladder of `rungs` (name, sha256). The directory's state
     /// files are read now: each valid one is a hibernated conversation; a refused one is
     /// named in a log line and removed.
     #[must_use]
@@ -455,10 +455,11 @@ impl Conversations {
                 return;
             }
         };
+        // Without a state directory a displaced conversation is dropped, as before
+        // conversations were kept: holding every one's cache in RAM would grow without bound.
         let Some(dir) = &self.dir else {
-            c.bytes = file.blob.len() as u64;
-            c.state = ConversationState::Parked;
-            c.in_ram = Some(file);
+            c.state = ConversationState::Dropped;
+            c.bytes = 0;
             return;
         };
         drop(s);
