@@ -607,7 +607,7 @@ impl Conversations {
                 )
             })
             .collect();
-        v.sort_by(|a, b| b.0.cmp(&a.0));
+        v.sort_by_key(|c| std::cmp::Reverse(c.0));
         v.into_iter().map(|(_, c)| c).collect()
     }
 }
