@@ -25,6 +25,23 @@ use molt::server::client;
 use molt::state::StateFile;
 use serde_json::{Value, json};
 
+/// With `MOLT_RELIABILITY_RECORD=FILE`, appends this fault's outcome as a JSON line (as
+/// `tests/faults.rs` does, for `molt-run bench --reliability`); called only after the test's
+/// assertions held.
+fn record(site: &str, outcome: &str) {
+    use std::io::Write;
+    let Some(path) = std::env::var_os("MOLT_RELIABILITY_RECORD") else {
+        return;
+    };
+    let row = json!({"site": site, "outcome": outcome, "lost": false});
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .expect("record file");
+    writeln!(f, "{row}").expect("record");
+}
+
 /// A `molt-run serve` child.
 struct Served {
     child: Child,
@@ -415,6 +432,10 @@ fn kill_during_a_state_file_write_leaves_nothing_taken_for_valid() {
         assert_eq!(cached(&r), 0);
         assert_eq!(r["molt"]["conversation"]["new"], true);
         s.kill();
+        record(
+            "state_write (kill -9 while a conversation's state file is written)",
+            "process killed with the file half written before its rename; the restart removed the temporary, no state file was taken from it, and the conversation was re-read from its messages",
+        );
     });
 }
 
@@ -454,5 +475,9 @@ fn a_full_disk_keeps_the_conversation_in_ram_and_says_why() {
         assert!(cached(&r) > 0, "{r}");
         assert_eq!(r["molt"]["conversation"]["new"], false);
         s.kill();
+        record(
+            "state_disk_full (ENOSPC while hibernating a conversation)",
+            "the conversation stayed in RAM (parked) with a log line saying the disk is full, and its next turn resumed from RAM",
+        );
     });
 }
