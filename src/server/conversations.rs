@@ -162,9 +162,9 @@ fn log(recorder: &Recorder, kind: &str, message: &str, detail: serde_json::Value
 
 impl Conversations {
     /// A store over `dir` (`None`: nothing is written, and a conversation displaced from the
-    /// engine is re-read from its messages when it comes back), for a ladder of `rungs` (name, sha256). The directory's state
-    /// files are read now: each valid one is a hibernated conversation; a refused one is
-    /// named in a log line and removed.
+    /// engine is re-read from its messages when it comes back), for a ladder of `rungs` (name,
+    /// sha256). The directory's state files are read now: each valid one is a hibernated
+    /// conversation; a refused one is named in a log line and removed.
     #[must_use]
     pub fn open(
         dir: Option<StateDir>,

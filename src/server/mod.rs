@@ -100,8 +100,8 @@ pub struct ServerConfig {
     /// posted after a few tokens must find the answer still running).
     pub token_pace: Option<Duration>,
     /// Where conversations are hibernated (`None`: nowhere; a conversation displaced from the
-    /// engine is re-read from its messages when it comes back). The binary defaults it to the per-user data
-    /// directory; an unwritable directory is a startup error naming it.
+    /// engine is re-read from its messages when it comes back). The binary defaults it to the
+    /// per-user data directory; an unwritable directory is a startup error naming it.
     pub state_dir: Option<PathBuf>,
     /// Bound on the state directory's files, MiB (oldest evicted first).
     pub state_max_mib: u64,
