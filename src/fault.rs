@@ -34,16 +34,25 @@ pub enum Site {
     Write,
     /// The hog child, when it reaches a target (`hog_exit`): it kills itself (SIGKILL).
     HogExit,
+    /// Writing a conversation's state file (`state_write`): as [`Site::Write`], the process is
+    /// killed with the temporary file half written, before the rename. A site of its own so a
+    /// test can aim at the state file whatever other files the run writes first.
+    StateWrite,
+    /// Writing a conversation's state file (`state_disk_full`): the write fails with ENOSPC,
+    /// as on a full disk; the process lives on.
+    StateDiskFull,
 }
 
 impl Site {
     /// Every site, in the order reports list them.
-    pub const ALL: [Site; 5] = [
+    pub const ALL: [Site; 7] = [
         Site::SwitchLoad,
         Site::KvImport,
         Site::AnchorRead,
         Site::Write,
         Site::HogExit,
+        Site::StateWrite,
+        Site::StateDiskFull,
     ];
 
     /// The site's name in `MOLT_FAULT`.
@@ -55,6 +64,8 @@ impl Site {
             Site::AnchorRead => "anchor_read",
             Site::Write => "write",
             Site::HogExit => "hog_exit",
+            Site::StateWrite => "state_write",
+            Site::StateDiskFull => "state_disk_full",
         }
     }
 
@@ -65,6 +76,8 @@ impl Site {
             Site::AnchorRead => 2,
             Site::Write => 3,
             Site::HogExit => 4,
+            Site::StateWrite => 5,
+            Site::StateDiskFull => 6,
         }
     }
 }
@@ -72,7 +85,7 @@ impl Site {
 /// A `MOLT_FAULT` value that does not parse.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error(
-    "MOLT_FAULT {text:?}: {reason} (expected site:nth[,site:nth…], sites: switch_load, kv_import, anchor_read, write, hog_exit)"
+    "MOLT_FAULT {text:?}: {reason} (expected site:nth[,site:nth…], sites: switch_load, kv_import, anchor_read, write, hog_exit, state_write, state_disk_full)"
 )]
 pub struct FaultSpecError {
     /// The value as given.
@@ -84,7 +97,7 @@ pub struct FaultSpecError {
 /// Which pass of each site fails (0: never).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Plan {
-    nth: [u64; 5],
+    nth: [u64; 7],
 }
 
 impl Plan {
@@ -131,7 +144,7 @@ impl Plan {
 /// Fast path: false while no plan is armed, so an unarmed site costs one atomic load.
 static ARMED: AtomicBool = AtomicBool::new(false);
 static PLAN: Mutex<Option<Plan>> = Mutex::new(None);
-static PASSES: [AtomicU64; 5] = [const { AtomicU64::new(0) }; 5];
+static PASSES: [AtomicU64; 7] = [const { AtomicU64::new(0) }; 7];
 static FROM_ENV: std::sync::Once = std::sync::Once::new();
 
 fn load_env() {
@@ -197,7 +210,12 @@ pub fn detail(site: Site) -> String {
 /// about to rename into place) to half its length and kills the process with SIGKILL — no
 /// destructor, no cleanup, exactly what `kill -9` mid-write leaves behind. Otherwise nothing.
 pub fn die_mid_write(partial: &Path) {
-    if !hit(Site::Write) {
+    die_mid_write_at(Site::Write, partial);
+}
+
+/// [`die_mid_write`] counted on `site` instead of [`Site::Write`].
+pub fn die_mid_write_at(site: Site, partial: &Path) {
+    if !hit(site) {
         return;
     }
     if let Ok(f) = std::fs::OpenOptions::new().write(true).open(partial)
@@ -208,10 +226,18 @@ pub fn die_mid_write(partial: &Path) {
     }
     eprintln!(
         "molt: {} while writing {}: killing the process",
-        detail(Site::Write),
+        detail(site),
         partial.display()
     );
     kill_self();
+}
+
+/// Serialises in-process tests that [`arm`] a plan: the plan and counters are global.
+#[cfg(test)]
+pub(crate) fn test_lock() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Kills this process with SIGKILL (nothing runs after it).
@@ -233,7 +259,7 @@ mod tests {
         assert_eq!(
             Plan::parse("kv_import:2, write").unwrap(),
             Plan {
-                nth: [0, 2, 0, 1, 0]
+                nth: [0, 2, 0, 1, 0, 0, 0]
             }
         );
         assert!(

@@ -39,6 +39,7 @@ pub mod routes;
 pub mod sched;
 pub mod server;
 pub mod session;
+pub mod state;
 pub mod tenants;
 pub mod tiny;
 pub mod train;

@@ -307,3 +307,77 @@ fn summary_lines_parse() {
         (57, "big → small", Some(12), 25, 0, "stopped")
     );
 }
+
+/// Runs a piped chat script in `home`; stdout and stderr.
+fn piped(home: &Path, script: &str, extra: &[&str]) -> (String, String) {
+    let mut cmd = chat(home, 8, extra);
+    let out = assert_cmd::Command::from_std({
+        cmd.stdin(std::process::Stdio::piped());
+        cmd
+    })
+    .write_stdin(script.to_string())
+    .timeout(Duration::from_secs(120))
+    .output()
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    (stdout, stderr)
+}
+
+#[test]
+fn resume_wakes_the_saved_conversation_and_status_says_where_its_cache_lives() {
+    let home = tempfile::tempdir().unwrap();
+    let state = home.path().join(".local/share/molt/state/chat.molt-state");
+    let (stdout, stderr) = piped(home.path(), "The door code is 4711.\n/status\n", &[]);
+    assert!(state.exists(), "saved in the per-user data directory");
+    assert!(
+        stdout.contains(&format!("cache RAM on big · saved to {}", state.display())),
+        "{stdout}"
+    );
+    assert!(stderr.contains("conversation saved to"), "{stderr}");
+    // Without --resume the saved conversation is not read: the first answer caches nothing.
+    // With it, the second run starts from the file: its first prompt is partly cached.
+    let (stdout, _) = piped(
+        home.path(),
+        "What is the door code?\n/status\n",
+        &["--resume"],
+    );
+    assert!(
+        stdout.contains(&format!(
+            "resumed conversation \"chat\" from {}",
+            state.display()
+        )),
+        "{stdout}"
+    );
+    let line = stdout
+        .lines()
+        .find_map(|l| {
+            l.find('[')
+                .map(|i| &l[i..])
+                .filter(|t| t.contains(" cached)"))
+        })
+        .expect("a summary line");
+    let cached: usize = line
+        .split("prompt ")
+        .nth(1)
+        .and_then(|r| r.split(" (").nth(1))
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"));
+    assert!(cached > 0, "the woken cache was used: {line}");
+    assert!(stdout.contains("2 messages"), "{stdout}");
+    // A damaged file is refused by name, and the chat starts afresh.
+    let mut b = std::fs::read(&state).unwrap();
+    let n = b.len();
+    b[n - 50] ^= 1;
+    std::fs::write(&state, &b).unwrap();
+    let (stdout, _) = piped(home.path(), "/status\n", &["--resume"]);
+    assert!(
+        stdout.contains(&format!(
+            "refused state file {} is corrupt",
+            state.display()
+        )),
+        "{stdout}"
+    );
+}

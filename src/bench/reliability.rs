@@ -5,7 +5,8 @@
 //! - `fuzz`: one row per fuzz target, from `results/fuzz.json` — recorded from the `cargo fuzz`
 //!   runs (executions, seconds, crashes found, crashes still open);
 //! - `faults`: one row per injected fault, from `results/faults.jsonl` — written by
-//!   `tests/faults.rs` with `MOLT_RELIABILITY_RECORD` set, only after a scenario's checks held;
+//!   `tests/faults.rs` and `tests/restart.rs` with `MOLT_RELIABILITY_RECORD` set, only after a
+//!   scenario's checks held;
 //! - `soak`: one row per ladder, from `results/soak.json` — written by [`run_soak`] (`molt-run
 //!   bench --soak` on any ladder; `tests/soak.rs` on the tiny one);
 //! - `probes`: the hostile-client probes of issue 20, from `benches/reliability/probes.json`.

@@ -169,6 +169,7 @@ impl CompletionRequest {
             sampling,
             logprobs: self.logprobs.map(|k| k as usize),
             user: self.user,
+            conversation: super::conversations::ConversationAsk::default(),
         })
     }
 }

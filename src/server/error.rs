@@ -48,6 +48,9 @@ pub enum ServerError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// The state directory cannot be used.
+    #[error(transparent)]
+    StateDir(#[from] crate::state::StateDirError),
     /// The initial budget setting is invalid.
     #[error("budget: {0}")]
     Budget(String),

@@ -24,6 +24,7 @@ mod budget;
 pub mod client;
 pub mod completions;
 mod control;
+pub mod conversations;
 mod error;
 mod limits;
 pub mod openai;
@@ -98,6 +99,12 @@ pub struct ServerConfig {
     /// decodes). For demos on fast hardware and for clients that act mid-answer (a budget cut
     /// posted after a few tokens must find the answer still running).
     pub token_pace: Option<Duration>,
+    /// Where conversations are hibernated (`None`: nowhere; a conversation displaced from the
+    /// engine is re-read from its messages when it comes back). The binary defaults it to the
+    /// per-user data directory; an unwritable directory is a startup error naming it.
+    pub state_dir: Option<PathBuf>,
+    /// Bound on the state directory's files, MiB (oldest evicted first).
+    pub state_max_mib: u64,
 }
 
 impl Default for ServerConfig {
@@ -124,6 +131,8 @@ impl Default for ServerConfig {
             insecure_no_auth: false,
             memory_ceiling: None,
             token_pace: None,
+            state_dir: None,
+            state_max_mib: crate::state::DEFAULT_MAX_MIB,
         }
     }
 }
@@ -190,7 +199,23 @@ impl Server {
             )?,
             None => Recorder::off(),
         };
+        let state_dir = config
+            .state_dir
+            .as_deref()
+            .map(|d| crate::state::StateDir::open(d, config.state_max_mib))
+            .transpose()?;
+        let conversations = conversations::Conversations::open(
+            state_dir,
+            ladder
+                .rungs
+                .iter()
+                .map(|r| (r.name().to_string(), r.sha256.clone()))
+                .collect(),
+            config.context.n_ctx,
+            &recorder,
+        );
         let shared = Arc::new(Shared {
+            conversations,
             queue: Queue::new(config.queue_capacity),
             budget: ServerBudget::unlimited(),
             recorder,

@@ -14,6 +14,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::conversations::{Class, ConversationAsk};
 use crate::engine::ChatMessage;
 use crate::session::{Prompt, StopReason, Summary, SwitchInfo, TokenLogprobs};
 
@@ -96,6 +97,16 @@ pub struct MoltRequest {
     /// tests and benchmarks that need a switch at a known point).
     #[serde(default)]
     pub force_switch: Option<ForceSwitch>,
+    /// Continue this kept conversation (an unknown id starts a new one, and the response says
+    /// so). Without it, a request continues the kept conversation its messages extend.
+    #[serde(default)]
+    pub conversation: Option<String>,
+    /// `foreground` (default) or `background`: recorded with the conversation.
+    #[serde(default)]
+    pub class: Option<Class>,
+    /// Priority among conversations of a class (higher first); recorded.
+    #[serde(default)]
+    pub priority: Option<i32>,
 }
 
 /// A forced switch.
@@ -320,6 +331,9 @@ pub struct ValidRequest {
     pub logprobs: Option<usize>,
     /// The client's end-user id, for the record.
     pub user: Option<String>,
+    /// Which conversation it continues, and its class (`molt.conversation`, `class`,
+    /// `priority`).
+    pub conversation: ConversationAsk,
 }
 
 impl ChatRequest {
@@ -403,7 +417,13 @@ impl ChatRequest {
             "the last message must have role \"user\"".to_string(),
             "messages",
         ))?;
-        let force_switch = self.molt.and_then(|m| m.force_switch).map(|f| (f.at, f.to));
+        let molt = self.molt.unwrap_or_default();
+        let conversation = ConversationAsk {
+            id: molt.conversation,
+            class: molt.class,
+            priority: molt.priority,
+        };
+        let force_switch = molt.force_switch.map(|f| (f.at, f.to));
         Ok(ValidRequest {
             history,
             prompt: Prompt::User(last.content),
@@ -417,6 +437,7 @@ impl ChatRequest {
             sampling,
             logprobs,
             user: self.user,
+            conversation,
         })
     }
 }
@@ -430,9 +451,30 @@ pub struct Usage {
     pub completion_tokens: usize,
     /// Their sum.
     pub total_tokens: usize,
+    /// How many prompt tokens came from a kept cache (OpenAI's `cached_tokens`): the rest were
+    /// read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+/// OpenAI's breakdown of the prompt tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens taken from a kept cache (the engine's, or a hibernated conversation's
+    /// state file) instead of being read.
+    pub cached_tokens: usize,
 }
 
 impl Usage {
+    /// With `cached` of the prompt tokens taken from a kept cache.
+    #[must_use]
+    pub fn with_cached(mut self, cached: usize) -> Self {
+        self.prompt_tokens_details = Some(PromptTokensDetails {
+            cached_tokens: cached,
+        });
+        self
+    }
+
     /// From a prompt and completion count.
     #[must_use]
     pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
@@ -440,6 +482,7 @@ impl Usage {
             prompt_tokens,
             completion_tokens,
             total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details: None,
         }
     }
 }
@@ -560,6 +603,21 @@ pub struct SummaryWire {
     /// chunk, and the largest gap between two token chunks), ms.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream: Option<StreamTiming>,
+    /// The conversation this answer continued or started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conversation: Option<ConversationWire>,
+}
+
+/// The conversation an answer belongs to, on the wire.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConversationWire {
+    /// Its id (send it back as `molt.conversation` to continue it explicitly).
+    pub id: String,
+    /// True when this request started it.
+    pub new: bool,
+    /// Why a new one was started for the id the request named.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
 }
 
 /// Latencies measured at the HTTP stream.
@@ -590,6 +648,7 @@ impl SummaryWire {
             stop: s.stop,
             killed: s.killed,
             stream: None,
+            conversation: None,
         }
     }
 }

@@ -33,8 +33,8 @@ use super::completions::{CompletionRequest, text_completion};
 use super::control::{Pace, Penalties, RequestControl, StopFilter};
 use super::error::ApiError;
 use super::openai::{
-    ChatCompletion, ChatRequest, Choice, ChoiceLogprobs, MessageOut, SummaryWire, TokenLogprob,
-    Usage, ValidRequest, finish_reason, mib,
+    ChatCompletion, ChatRequest, Choice, ChoiceLogprobs, ConversationWire, MessageOut, SummaryWire,
+    TokenLogprob, Usage, ValidRequest, finish_reason, mib,
 };
 use super::stream::{CancelGuard, ChunkStream, Chunks};
 use super::worker::{EngineStatus, Job, Shared, Update, rss_bytes};
@@ -150,6 +150,8 @@ fn parse_body<T: serde::de::DeserializeOwned>(
 struct Prepared {
     req: ValidRequest,
     prompt_tokens: usize,
+    /// The prompt as the engine will read it (a chat's whole rendered conversation).
+    tokens: Vec<crate::engine::Token>,
     opts: GenerateOptions,
     control: RequestControl,
 }
@@ -236,18 +238,17 @@ async fn prepare(
     let tokenizer = Arc::clone(&st.tokenizer);
     let mut conv = req.history.clone();
     let prompt = req.prompt.clone();
-    let prompt_tokens = tokio::task::spawn_blocking(move || match prompt {
-        Prompt::Standalone(text) | Prompt::Text(text) => {
-            tokenizer.tokenize(&text, false).map(|t| t.len())
-        }
+    let tokens = tokio::task::spawn_blocking(move || match prompt {
+        Prompt::Standalone(text) | Prompt::Text(text) => tokenizer.tokenize(&text, false),
         Prompt::User(last) => {
             conv.push(ChatMessage::new("user", &last));
-            tokenizer.tokenize_chat(&conv, true).map(|t| t.len())
+            tokenizer.tokenize_chat(&conv, true)
         }
     })
     .await
     .map_err(|e| ApiError::internal(format!("tokenizer task: {e}")))?
     .map_err(|e| ApiError::invalid(format!("cannot render the prompt: {e}")))?;
+    let prompt_tokens = tokens.len();
     let n_ctx = st.settings.n_ctx as usize;
     let room = n_ctx.saturating_sub(prompt_tokens);
     let max_tokens = req
@@ -294,6 +295,7 @@ async fn prepare(
     Ok(Prepared {
         req,
         prompt_tokens,
+        tokens,
         opts,
         control,
     })
@@ -396,7 +398,16 @@ async fn answer(st: AppState, endpoint: Endpoint, body: Result<Bytes, BytesRejec
         "frequency_penalty": p.req.sampling.frequency_penalty,
         "repeat_penalty": p.req.sampling.repeat_penalty,
     });
+    // A chat belongs to a conversation; a text completion to none.
+    let conversation = (endpoint == Endpoint::Chat)
+        .then(|| shared.conversations.resolve(&p.req.conversation, p.tokens));
+    let conversation_wire = conversation.as_ref().map(|c| ConversationWire {
+        id: c.id.clone(),
+        new: c.new,
+        note: c.note.clone(),
+    });
     let job = Job {
+        conversation,
         id: id.clone(),
         history: p.req.history,
         prompt: p.req.prompt,
@@ -410,6 +421,7 @@ async fn answer(st: AppState, endpoint: Endpoint, body: Result<Bytes, BytesRejec
     shared.recorder.service(&id, "received", received_record);
     let busy = shared.engine().running.is_some();
     let position = match shared.queue.push(job, |left| {
+        shared.conversations.unqueue(left.conversation.as_ref());
         shared.counters.cancelled.fetch_add(1, Ordering::Relaxed);
         shared.recorder.service(
             &left.id,
@@ -418,7 +430,8 @@ async fn answer(st: AppState, endpoint: Endpoint, body: Result<Bytes, BytesRejec
         );
     }) {
         Ok(n) => n,
-        Err(_) => {
+        Err(job) => {
+            shared.conversations.unqueue(job.conversation.as_ref());
             shared
                 .counters
                 .rejected_queue_full
@@ -447,9 +460,10 @@ async fn answer(st: AppState, endpoint: Endpoint, body: Result<Bytes, BytesRejec
         created: unix_s(),
         model: st.settings.model.clone(),
     };
-    if stream {
+    let mut response = if stream {
         let mut s = ChunkStream::new(rx, chunks.clone(), include_usage, guard, received);
         s.text_completion(endpoint == Endpoint::Text);
+        s.conversation(conversation_wire.clone());
         if busy || position > 1 {
             s.queued(position);
         }
@@ -457,8 +471,28 @@ async fn answer(st: AppState, endpoint: Endpoint, body: Result<Bytes, BytesRejec
             .keep_alive(KeepAlive::new().interval(st.settings.keep_alive))
             .into_response()
     } else {
-        collect(rx, chunks, guard, endpoint, want_logprobs).await
+        collect(
+            rx,
+            chunks,
+            guard,
+            endpoint,
+            want_logprobs,
+            conversation_wire.clone(),
+        )
+        .await
+    };
+    // The conversation is known before the first byte, so a streaming client gets it too.
+    if let Some(c) = conversation_wire {
+        let h = response.headers_mut();
+        if let Ok(v) = axum::http::HeaderValue::from_str(&c.id) {
+            h.insert("x-molt-conversation", v);
+        }
+        h.insert(
+            "x-molt-conversation-new",
+            axum::http::HeaderValue::from_static(if c.new { "true" } else { "false" }),
+        );
     }
+    response
 }
 
 /// Waits for a whole answer. If the client leaves first, the handler's future is dropped and
@@ -469,12 +503,15 @@ async fn collect(
     mut guard: CancelGuard,
     endpoint: Endpoint,
     want_logprobs: bool,
+    conversation: Option<ConversationWire>,
 ) -> Response {
     let mut queue_ms = 0.0;
+    let mut reused = 0;
     let mut logprobs: Option<ChoiceLogprobs> = None;
     while let Some(u) = rx.recv().await {
         match u {
             Update::Admitted { queue_ms: q } => queue_ms = q,
+            Update::Session(Event::Start { reused_tokens, .. }) => reused = reused_tokens,
             Update::Session(Event::Token {
                 logprobs: Some(l),
                 rung,
@@ -500,8 +537,11 @@ async fn collect(
                         logprobs: logprobs.or_else(|| want_logprobs.then(ChoiceLogprobs::default)),
                         finish_reason: finish_reason(g.stop).into(),
                     }],
-                    usage: Usage::new(g.prompt_tokens, g.tokens.len()),
-                    molt: SummaryWire::new(&g.summary(), queue_ms),
+                    usage: Usage::new(g.prompt_tokens, g.tokens.len()).with_cached(reused),
+                    molt: SummaryWire {
+                        conversation,
+                        ..SummaryWire::new(&g.summary(), queue_ms)
+                    },
                 };
                 return match endpoint {
                     Endpoint::Chat => Json(body).into_response(),
@@ -596,6 +636,10 @@ struct Status {
     counters: CountersView,
     engine: EngineStatus,
     budget: BudgetReport,
+    /// Where hibernated conversations are written (absent: kept in RAM only).
+    state_dir: Option<String>,
+    /// Kept conversations, most recently used first.
+    conversations: Vec<super::conversations::ConversationView>,
 }
 
 #[derive(Serialize)]
@@ -641,5 +685,11 @@ async fn status(State(st): State<AppState>) -> Json<Status> {
         },
         engine: st.shared.engine().clone(),
         budget: st.shared.budget.report(),
+        state_dir: st
+            .shared
+            .conversations
+            .dir()
+            .map(|d| d.path().display().to_string()),
+        conversations: st.shared.conversations.view(),
     })
 }

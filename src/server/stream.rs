@@ -24,8 +24,8 @@ use tokio::sync::mpsc;
 
 use super::error::ApiError;
 use super::openai::{
-    ChatChunk, ChoiceLogprobs, ChunkChoice, Delta, MoltEvent, StreamTiming, SummaryWire,
-    SwitchWire, TokenLogprob, Usage, finish_reason, mib,
+    ChatChunk, ChoiceLogprobs, ChunkChoice, ConversationWire, Delta, MoltEvent, StreamTiming,
+    SummaryWire, SwitchWire, TokenLogprob, Usage, finish_reason, mib,
 };
 use super::worker::{Shared, Update};
 use crate::session::{Event, Generation};
@@ -163,6 +163,10 @@ pub struct ChunkStream {
     queue_ms: f64,
     /// Send chunks in `/v1/completions`' shape (`text_completion`).
     text: bool,
+    /// Prompt tokens the answer took from a kept cache (its start event's).
+    reused: usize,
+    /// The conversation, named in the summary.
+    conversation: Option<ConversationWire>,
 }
 
 fn data(chunk: &ChatChunk) -> sse::Event {
@@ -194,7 +198,14 @@ impl ChunkStream {
             sent_role: false,
             queue_ms: 0.0,
             text: false,
+            reused: 0,
+            conversation: None,
         }
+    }
+
+    /// Names the answer's conversation in its summary chunk.
+    pub fn conversation(&mut self, c: Option<ConversationWire>) {
+        self.conversation = c;
     }
 
     /// Sends chunks in `/v1/completions`' shape instead of a chat's.
@@ -259,6 +270,7 @@ impl ChunkStream {
                 prompt_tokens,
                 reused_tokens,
             }) => {
+                self.reused = reused_tokens;
                 let delta = self.role_delta(String::new());
                 let c = self.chunks.chunk(
                     Some(delta),
@@ -320,6 +332,7 @@ impl ChunkStream {
             self.push(&c);
         }
         let mut summary = SummaryWire::new(&g.summary(), self.queue_ms);
+        summary.conversation = self.conversation.take();
         summary.stream = self.first_token.map(|t| StreamTiming {
             ttft_ms: t.duration_since(self.received).as_secs_f64() * 1e3,
             max_gap_ms: self.max_gap_ms,
@@ -334,7 +347,7 @@ impl ChunkStream {
         if self.include_usage {
             let mut u = self.chunks.chunk(None, None, None);
             u.choices.clear();
-            u.usage = Some(Usage::new(g.prompt_tokens, g.tokens.len()));
+            u.usage = Some(Usage::new(g.prompt_tokens, g.tokens.len()).with_cached(self.reused));
             self.push(&u);
         }
         self.guard.disarm();

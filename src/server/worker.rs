@@ -32,6 +32,7 @@ use tokio::sync::mpsc;
 
 use super::budget::ServerBudget;
 use super::control::RequestControl;
+use super::conversations::{Conversations, JobConversation};
 use super::error::ApiError;
 use super::openai::mib;
 use super::record::Recorder;
@@ -70,6 +71,8 @@ pub enum Update {
 
 /// One request for the engine.
 pub struct Job {
+    /// The conversation it continues or starts (`None`: a text completion).
+    pub conversation: Option<JobConversation>,
     /// Request id (`chatcmpl-…`).
     pub id: String,
     /// Earlier turns.
@@ -301,6 +304,8 @@ pub struct Shared {
     pub session_cancel: OnceLock<Arc<AtomicBool>>,
     /// How long a job may wait for memory.
     pub admission_timeout: Duration,
+    /// The kept conversations and their state files.
+    pub conversations: Conversations,
 }
 
 impl Shared {
@@ -437,6 +442,7 @@ pub fn run(mut session: Session, shared: &Shared) {
     let mut projected = false;
     while let Some(mut job) = shared.queue.pop() {
         if job.cancelled() {
+            shared.conversations.unqueue(job.conversation.as_ref());
             shared.counters.cancelled.fetch_add(1, Ordering::Relaxed);
             shared.recorder.service(
                 &job.id,
@@ -446,6 +452,12 @@ pub fn run(mut session: Session, shared: &Shared) {
             continue;
         }
         serve(&mut session, shared, &mut job, &cancel, &mut projected);
+    }
+    // Shutting down: the conversation in the engine goes to its state file like any other.
+    if let Some(id) = shared.conversations.live() {
+        shared
+            .conversations
+            .hibernate_live(&mut session, &id, &shared.recorder);
     }
 }
 
@@ -633,6 +645,21 @@ fn answer(
             return Some(Update::Failed(e));
         }
     }
+    let takeover =
+        shared
+            .conversations
+            .take_engine(session, job.conversation.as_ref(), &shared.recorder);
+    if takeover.hibernated.is_some() || takeover.woken_tokens > 0 {
+        // The session now holds a woken native cache, or nothing.
+        *projected = false;
+    }
+    if let Some(c) = &job.conversation {
+        shared.recorder.service(
+            &job.id,
+            "conversation",
+            serde_json::json!({"id": c.id, "new": c.new, "takeover": takeover}),
+        );
+    }
     if let Err(e) = choose_start(session, shared, job, projected) {
         let api = ApiError::from_session(&e);
         shared.counters.failed.fetch_add(1, Ordering::Relaxed);
@@ -664,6 +691,16 @@ fn answer(
             // Projected cells are kept when the session re-reads, before the next answer, the
             // ones its question looks at; otherwise the next request re-reads the conversation.
             *projected = !session.cache_is_trustworthy();
+            let kv = session
+                .rung_costs()
+                .get(session.current_index())
+                .map_or(0, |c| c.kv_bytes(session.history().len() as u64));
+            shared.conversations.after_answer(
+                session,
+                job.conversation.as_ref().map(|c| c.id.as_str()),
+                g.prompt_tokens,
+                kv,
+            );
             shared
                 .counters
                 .tokens
@@ -683,6 +720,7 @@ fn answer(
         Err(e) => {
             // What the cache holds after a failure mid-answer is unknown: start clean.
             *projected = true;
+            shared.conversations.drop_live(session);
             let api = ApiError::from_session(&e);
             shared.counters.failed.fetch_add(1, Ordering::Relaxed);
             shared.recorder.service(&job.id, "failed", api.json());

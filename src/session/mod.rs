@@ -10,6 +10,7 @@ mod control;
 mod error;
 mod events;
 mod footprint;
+mod hibernate;
 mod levers;
 pub mod migrate;
 mod native;

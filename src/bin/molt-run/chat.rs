@@ -101,6 +101,23 @@ pub struct Args {
     /// Colour tokens by rung: auto (a terminal, NO_COLOR unset), always, never.
     #[arg(long, value_enum, default_value_t = ColorArg::Auto)]
     pub color: ColorArg,
+    /// Continue the conversation saved by the last chat (its KV cache from its state file, so
+    /// nothing is re-read). The conversation is saved after each answer and on exit either way.
+    #[arg(long)]
+    pub resume: bool,
+    /// Where the conversation's state file is kept (default: the per-user data directory,
+    /// $XDG_DATA_HOME/molt/state).
+    #[arg(long, value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// The saved conversation's name: several can be kept side by side.
+    #[arg(long, default_value = "chat")]
+    pub conversation: String,
+    /// Bound on the state directory's files, MiB; past it the oldest are evicted.
+    #[arg(long, default_value_t = molt::state::DEFAULT_MAX_MIB)]
+    pub state_max_mib: u64,
+    /// Keep the conversation in RAM only: no state file is read or written.
+    #[arg(long, conflicts_with = "resume")]
+    pub no_state: bool,
 }
 
 /// `--color` values.
@@ -248,6 +265,23 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     if !names.contains(&start) {
         bail!("--rung {start}: the ladder has {}", names.join(", "));
     }
+    if !molt::state::valid_id(&a.conversation) {
+        bail!(
+            "--conversation {:?}: 1–64 letters, digits, - or _",
+            a.conversation
+        );
+    }
+    let state_dir = if a.no_state {
+        None
+    } else {
+        let d = match &a.state_dir {
+            Some(d) => d.clone(),
+            None => molt::state::default_state_dir().context(
+                "no per-user data directory for the state file (set HOME or XDG_DATA_HOME, or give --state-dir or --no-state)",
+            )?,
+        };
+        Some(molt::state::StateDir::open(&d, a.state_max_mib)?)
+    };
     let paths = ladder.rungs.iter().map(|r| r.path.clone()).collect();
     let stdout_tty = std::io::stdout().is_terminal();
     let interactive = std::io::stdin().is_terminal() && stdout_tty;
@@ -270,7 +304,27 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         .rung_mut(home)
         .and_then(|r| r.model().chat_template())
         .is_some();
-    let snapshot = Snapshot::of(&session);
+    let mut keeper = state_dir.map(|dir| worker::Keeper {
+        dir,
+        id: a.conversation.clone(),
+        first_turn_len: 0,
+        last: "nothing saved yet".into(),
+    });
+    let resumed = match keeper.as_mut() {
+        Some(k) if a.resume => Some(k.resume(&mut session)),
+        _ => None,
+    };
+    let mut snapshot = Snapshot::of(&session);
+    snapshot.cache = keeper.as_ref().map_or_else(
+        || "RAM only (--no-state)".into(),
+        |k| {
+            if session.history().is_empty() {
+                format!("empty · {}", k.last)
+            } else {
+                format!("RAM on {} · {}", session.current_rung(), k.last)
+            }
+        },
+    );
     let base: Box<dyn BudgetSource + Send> = match &a.trace {
         Some(p) => Box::new(TraceBudget::new(common::load_trace(
             p,
@@ -343,7 +397,10 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         &missing,
         a,
     );
-    let (jobs, reports, handle) = worker::spawn(session);
+    if let Some(line) = resumed {
+        chat.renderer.note(&line);
+    }
+    let (jobs, reports, handle) = worker::spawn(session, keeper);
     let result = chat.repl(&jobs, &reports);
     chat.input.save_history();
     drop(jobs);
@@ -693,6 +750,8 @@ impl Chat {
             fmt_bytes(anon),
             fmt_bytes(self.need(current, tokens.max(1))),
         );
+        // Where the conversation's cache lives: RAM, and the state file it was saved to.
+        let _ = write!(s, "\ncache {}", self.snapshot.cache);
         self.renderer.note(&s);
     }
 

@@ -73,6 +73,14 @@ pub struct Args {
     /// (0: as fast as the rung decodes). Makes a mid-answer switch visible on fast hardware.
     #[arg(long, default_value_t = 0)]
     pub pace_ms: u64,
+    /// Where conversations displaced from the engine are hibernated (their KV cache in a state
+    /// file), to be resumed later — after a restart too (default: the per-user data directory,
+    /// $XDG_DATA_HOME/molt/state).
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
+    /// Bound on the state directory's files, MiB; past it the oldest are evicted.
+    #[arg(long, default_value_t = molt::state::DEFAULT_MAX_MIB)]
+    pub state_max_mib: u64,
 }
 
 /// The key from --api-key or --api-key-file.
@@ -155,6 +163,13 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         }
         trace_dirs.insert(0, d.clone());
     }
+    let state_dir = match &a.state_dir {
+        Some(d) => d.clone(),
+        None => molt::state::default_state_dir()
+            .context("no per-user data directory for state files (set HOME or XDG_DATA_HOME, or give --state-dir)")?,
+    };
+    // Checked before any model loads: a flag mistake should cost nothing.
+    molt::state::StateDir::open(&state_dir, a.state_max_mib)?;
     let ladder = g.open_ladder()?;
     if let Some(r) = &a.rung
         && !ladder.rungs.iter().any(|x| x.name() == r)
@@ -181,8 +196,11 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         api_key,
         insecure_no_auth: a.insecure_no_auth,
         token_pace: (a.pace_ms > 0).then(|| Duration::from_millis(a.pace_ms)),
+        state_dir: Some(state_dir),
+        state_max_mib: a.state_max_mib,
         ..ServerConfig::default()
     };
+    let state_dir_shown = config.state_dir.clone().unwrap_or_default();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -215,6 +233,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
             "  budget: {}",
             server.budget().report().description
         );
+        eprintln!("  state files: {}", state_dir_shown.display());
         // The one line a script waits for.
         println!("molt serve: listening on http://{}", server.local_addr());
         server

@@ -4,6 +4,7 @@
 
 use molt::sched::RungCost;
 use molt::session::{Event, GenerateOptions, Generation, Prompt, Session};
+use molt::state::{Expect, StateDir, StateFile};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread::JoinHandle;
 
@@ -38,6 +39,8 @@ pub struct Snapshot {
     pub context_tokens: usize,
     /// Messages in the conversation.
     pub messages: usize,
+    /// Where the conversation's cache lives, for `/status`.
+    pub cache: String,
 }
 
 impl Snapshot {
@@ -49,12 +52,124 @@ impl Snapshot {
             costs: s.rung_costs(),
             context_tokens: s.history().len(),
             messages: s.conversation().len(),
+            cache: String::new(),
         }
     }
 }
 
+/// The chat's conversation kept on disk (`--state-dir`): hibernated after each answer and on
+/// exit, woken at start with `--resume`, removed by `/reset`.
+pub struct Keeper {
+    /// The directory.
+    pub dir: StateDir,
+    /// The conversation's name (its file is `<id>.molt-state`).
+    pub id: String,
+    /// The first prompt's length (what a later request must share with the file).
+    pub first_turn_len: usize,
+    /// What happened last, for `/status`.
+    pub last: String,
+}
+
+impl Keeper {
+    /// The conversation's file.
+    pub fn file(&self) -> std::path::PathBuf {
+        self.dir.file_of(&self.id)
+    }
+
+    /// Wakes the saved conversation into `session`: a line saying what happened.
+    pub fn resume(&mut self, session: &mut Session) -> String {
+        let path = self.file();
+        if !path.exists() {
+            self.last = format!("nothing saved at {} yet", path.display());
+            return format!(
+                "no saved conversation at {}; starting a new one",
+                path.display()
+            );
+        }
+        let rungs: Vec<(String, String)> = session
+            .ladder()
+            .rungs
+            .iter()
+            .map(|r| (r.name().to_string(), r.sha256.clone()))
+            .collect();
+        let expect = Expect {
+            rungs: &rungs,
+            n_ctx: session.config().n_ctx,
+            continues: None,
+        };
+        match StateFile::load(&path, &expect)
+            .map_err(|e| e.to_string())
+            .and_then(|f| {
+                session
+                    .wake(&f)
+                    .map_err(|e| format!("{}: {e}", path.display()))?;
+                Ok(f)
+            }) {
+            Ok(f) => {
+                self.first_turn_len = f.meta.first_turn_len;
+                self.last = format!("woken from {}", path.display());
+                format!(
+                    "resumed conversation {:?} from {}: {} messages, {} tokens cached on {} (none re-read)",
+                    self.id,
+                    path.display(),
+                    f.meta.messages.len(),
+                    f.meta.tokens.len(),
+                    f.meta.rung
+                )
+            }
+            Err(e) => {
+                self.last = format!("refused {e}");
+                format!("refused {e}; starting a new conversation")
+            }
+        }
+    }
+
+    /// Writes the session's conversation to its file.
+    pub fn save(&mut self, session: &mut Session) {
+        match session.hibernate(&self.id, self.first_turn_len) {
+            Ok(Some(f)) => match self.dir.write(&self.id, &f) {
+                Ok((n, evicted)) => {
+                    self.last = format!(
+                        "saved to {} ({} KiB, {} tokens)",
+                        self.file().display(),
+                        n >> 10,
+                        f.meta.tokens.len()
+                    );
+                    for e in evicted {
+                        eprintln!(
+                            "evicted {} ({} KiB): the state directory holds at most {} MiB",
+                            e.path.display(),
+                            e.bytes >> 10,
+                            self.dir.max_bytes() >> 20
+                        );
+                    }
+                }
+                Err(e) => {
+                    self.last = format!("not saved ({e}); RAM only");
+                    eprintln!("cannot save the conversation: {e}; it stays in RAM only");
+                }
+            },
+            Ok(None) => {
+                self.last =
+                    "not saved (the cache holds projected cells or is parked); RAM only".into();
+            }
+            Err(e) => self.last = format!("not saved ({e}); RAM only"),
+        }
+    }
+
+    fn describe(&self, s: &Session) -> String {
+        if s.history().is_empty() {
+            return format!("empty · {}", self.last);
+        }
+        format!("RAM on {} · {}", s.current_rung(), self.last)
+    }
+}
+
 /// Starts the thread; it ends when the job sender is dropped.
-pub fn spawn(mut session: Session) -> (Sender<Job>, Receiver<Report>, JoinHandle<()>) {
+pub fn spawn(
+    mut session: Session,
+    mut keeper: Option<Keeper>,
+) -> (Sender<Job>, Receiver<Report>, JoinHandle<()>) {
     let (job_tx, job_rx) = channel::<Job>();
     let (tx, rx) = channel::<Report>();
     let handle = std::thread::Builder::new()
@@ -68,13 +183,38 @@ pub fn spawn(mut session: Session) -> (Sender<Job>, Receiver<Report>, JoinHandle
                                 let _ = tx.send(Report::Event(e.clone()));
                             }
                         });
+                        if let (Ok(g), Some(k)) = (&r, keeper.as_mut()) {
+                            if k.first_turn_len == 0 {
+                                k.first_turn_len = g.prompt_tokens;
+                            }
+                            k.save(&mut session);
+                        }
                         let _ = tx.send(Report::Answered(r.map_err(|e| e.to_string())));
                     }
-                    Job::Reset => session.reset(),
+                    Job::Reset => {
+                        session.reset();
+                        if let Some(k) = keeper.as_mut() {
+                            k.dir.remove(&k.id);
+                            k.first_turn_len = 0;
+                            k.last = "reset: its file removed".into();
+                        }
+                    }
                 }
-                if tx.send(Report::Snapshot(Snapshot::of(&session))).is_err() {
+                let mut snap = Snapshot::of(&session);
+                snap.cache = keeper.as_ref().map_or_else(
+                    || "RAM only (no --state-dir)".into(),
+                    |k| k.describe(&session),
+                );
+                if tx.send(Report::Snapshot(snap)).is_err() {
                     break;
                 }
+            }
+            // On exit: what is in RAM goes to its file.
+            if let Some(k) = keeper.as_mut()
+                && !session.history().is_empty()
+            {
+                k.save(&mut session);
+                eprintln!("conversation {}", k.last);
             }
         })
         .expect("spawning the generation thread");

@@ -1,0 +1,112 @@
+//! Hibernation of a session's conversation: [`Session::hibernate`] turns what the session holds
+//! between answers — the cache's tokens, the pending token, the messages, llama.cpp's sequence
+//! state — into a [`StateFile`], and [`Session::wake`] puts one back, on the rung that wrote
+//! it, so the next answer re-reads only its new turn.
+//!
+//! Only a cache the session computed natively is hibernated: cells a switch projected carry no
+//! record of which positions they are once on disk, and a later answer built on them unaware
+//! has been seen to answer a conversation that never happened (see `choose_start` in the
+//! server). Such a conversation is re-read from its messages when it comes back instead.
+
+use super::{Session, SessionError};
+use crate::engine::EngineError;
+use crate::state::{StateFile, StateMeta, now_unix_ms};
+
+impl Session {
+    /// The conversation as a state file named `id`, or `None` when there is nothing worth
+    /// keeping: no cache, a parked cache (its weights are unmapped and its blob is the
+    /// parked rung's), or cells a switch projected.
+    ///
+    /// `first_turn_len` is the length of the conversation's first prompt: a later request must
+    /// share it to continue the file (see [`crate::state::Expect`]).
+    ///
+    /// # Errors
+    /// [`SessionError::Engine`] when llama.cpp fails to export the sequence.
+    pub fn hibernate(
+        &mut self,
+        id: &str,
+        first_turn_len: usize,
+    ) -> Result<Option<StateFile>, SessionError> {
+        if self.history.is_empty() || self.parked.is_some() || !self.projected.is_empty() {
+            return Ok(None);
+        }
+        let rung = self.current;
+        let info = self.ladder.rungs[rung].clone();
+        let n_ctx = self.config.n_ctx;
+        let live = self.live();
+        let blob = live
+            .ctx
+            .export_state()
+            .map_err(|source| SessionError::Engine {
+                rung: info.name().to_string(),
+                source,
+            })?;
+        let pos_start = u32::try_from(live.ctx.seq_pos_min().max(0)).unwrap_or(0);
+        Ok(Some(StateFile {
+            meta: StateMeta {
+                conversation: id.to_string(),
+                rung: info.name().to_string(),
+                rung_sha256: info.sha256.clone(),
+                n_ctx,
+                tokens: self.history.clone(),
+                pos_start,
+                pending: self.pending,
+                first_turn_len: first_turn_len.min(self.history.len()),
+                pinned: self.pinned.min(self.history.len()),
+                messages: self.conversation.clone(),
+                written_unix_ms: now_unix_ms(),
+            },
+            blob,
+        }))
+    }
+
+    /// Replaces whatever the session holds with `file`'s conversation, on the rung that wrote
+    /// it (loaded now if needed; the session's other rung is freed as in
+    /// [`Session::move_idle`]). The caller has checked the file ([`StateFile::check`]).
+    ///
+    /// # Errors
+    /// [`SessionError::UnknownRung`] for a rung above the session's home, a load failure, or
+    /// [`SessionError::Engine`] when llama.cpp refuses the blob or it does not hold the file's
+    /// tokens; the session is then left reset (empty), never half-restored.
+    pub fn wake(&mut self, file: &StateFile) -> Result<(), SessionError> {
+        let m = &file.meta;
+        let index = self
+            .ladder
+            .rungs
+            .iter()
+            .position(|r| r.name() == m.rung)
+            .ok_or_else(|| SessionError::UnknownRung(m.rung.clone()))?;
+        self.reset();
+        self.move_idle(index)?;
+        let name = m.rung.clone();
+        let live = self.live();
+        let imported = live.ctx.import_state(&file.blob).and_then(|()| {
+            let held = live.ctx.n_past();
+            let want = m.pos_start as usize + m.tokens.len();
+            if held == want {
+                Ok(())
+            } else {
+                Err(EngineError::State {
+                    op: "wake",
+                    detail: format!(
+                        "the blob holds positions up to {held}, the file's tokens end at {want}"
+                    ),
+                })
+            }
+        });
+        if let Err(source) = imported {
+            self.reset();
+            return Err(SessionError::Engine { rung: name, source });
+        }
+        self.history.clone_from(&m.tokens);
+        self.pending = m.pending;
+        self.pinned = m.pinned;
+        self.conversation.clone_from(&m.messages);
+        Ok(())
+    }
+
+    /// The token sampled last and not yet decoded (what a hibernated file must carry).
+    pub fn pending_token(&self) -> Option<crate::engine::Token> {
+        self.pending
+    }
+}

@@ -1,0 +1,483 @@
+//! Conversations that outlive the server: `molt-run serve` (the real binary, a child process)
+//! hosts three conversations, hibernating each to its state file when the next takes the
+//! engine; it is killed with SIGKILL mid-answer and started again on the same `--state-dir`;
+//! each conversation is continued with a question about its first turn, and the tokens it
+//! re-read are counted from what the server reports (`usage.prompt_tokens_details`). One
+//! resumed from its file re-reads none of what the file holds; one whose file was corrupted
+//! while the server was down is refused by name and re-read from its messages; the one that was
+//! in the engine when the process died is re-read from its messages. Nothing is lost.
+//!
+//! Also the faults on a state-file write: `kill -9` mid-write (nothing half-written is taken
+//! for a state file after the restart) and a full disk (the conversation stays in RAM).
+//!
+//! On the tiny ladder always; on the real ladder when it is fetched (`MOLT_REQUIRE_LADDER=1`
+//! makes its absence a failure), where each answer must also contain the fact its first turn
+//! gave.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use molt::server::client;
+use molt::state::StateFile;
+use serde_json::{Value, json};
+
+/// With `MOLT_RELIABILITY_RECORD=FILE`, appends this fault's outcome as a JSON line (as
+/// `tests/faults.rs` does, for `molt-run bench --reliability`); called only after the test's
+/// assertions held.
+fn record(site: &str, outcome: &str) {
+    use std::io::Write;
+    let Some(path) = std::env::var_os("MOLT_RELIABILITY_RECORD") else {
+        return;
+    };
+    let row = json!({"site": site, "outcome": outcome, "lost": false});
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .expect("record file");
+    writeln!(f, "{row}").expect("record");
+}
+
+/// A `molt-run serve` child.
+struct Served {
+    child: Child,
+    addr: SocketAddr,
+    stderr: PathBuf,
+}
+
+impl Served {
+    fn start(ladder: &Path, state: &Path, log: &Path, fault: Option<&str>, pace_ms: u64) -> Self {
+        let stderr = std::fs::File::create(log).unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_molt-run"));
+        cmd.env_remove("MOLT_FAULT")
+            .env_remove("MOLT_LADDER")
+            .arg("--ladder")
+            .arg(ladder)
+            .args([
+                "--threads",
+                "2",
+                "serve",
+                "--port",
+                "0",
+                "--max-tokens",
+                "24",
+            ])
+            .args(["--pace-ms", &pace_ms.to_string()])
+            .arg("--state-dir")
+            .arg(state)
+            .stdout(Stdio::piped())
+            .stderr(stderr);
+        if let Some(f) = fault {
+            cmd.env("MOLT_FAULT", f);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let addr = loop {
+            let line = lines
+                .next()
+                .unwrap_or_else(|| {
+                    panic!("server exited: {}", std::fs::read_to_string(log).unwrap())
+                })
+                .unwrap();
+            if let Some(a) = line.strip_prefix("molt serve: listening on http://") {
+                break a.parse().unwrap();
+            }
+        };
+        Self {
+            child,
+            addr,
+            stderr: log.to_path_buf(),
+        }
+    }
+
+    fn kill(mut self) {
+        self.child.kill().unwrap();
+        let _ = self.child.wait();
+    }
+
+    /// Waits for the process to end on its own (a fault killed it).
+    fn wait_killed(mut self) -> std::process::ExitStatus {
+        self.child.wait().unwrap()
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+}
+
+fn body(messages: &[Value], max_tokens: usize) -> Value {
+    json!({"messages": messages, "max_tokens": max_tokens, "temperature": 0})
+}
+
+/// A non-streamed answer: the response.
+async fn ask(addr: SocketAddr, messages: &[Value], max_tokens: usize) -> Value {
+    let r = client::post_json(addr, "/v1/chat/completions", &body(messages, max_tokens))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let mut v = r.json().unwrap();
+    v["header_conversation"] = json!(r.header("x-molt-conversation"));
+    v
+}
+
+async fn status(addr: SocketAddr) -> Value {
+    client::request(addr, "GET", "/v1/molt/status", None)
+        .await
+        .unwrap()
+        .json()
+        .unwrap()
+}
+
+fn conversation<'a>(status: &'a Value, id: &str) -> Option<&'a Value> {
+    status["conversations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["id"] == id)
+}
+
+fn cached(v: &Value) -> u64 {
+    v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .expect("cached_tokens reported")
+}
+
+/// The three first turns: a fact each, asked back after the restart.
+const FACTS: [(&str, &str, &str); 3] = [
+    (
+        "My cat is called Wilhelmina. Say hello to her.",
+        "What is my cat called?",
+        "Wilhelmina",
+    ),
+    (
+        "The staging server listens on port 6143. Acknowledge.",
+        "Which port does the staging server listen on?",
+        "6143",
+    ),
+    (
+        "Our project codename is Bluefinch. Remember it.",
+        "What is our project codename?",
+        "Bluefinch",
+    ),
+];
+
+/// The prompt tokens of `messages` as the server renders them.
+fn rendered(ladder: &molt::ladder::Ladder, messages: &[Value]) -> Vec<i32> {
+    let small = ladder.rungs.last().unwrap();
+    let m = molt::engine::Model::load_vocab_only(&small.path, small.name()).unwrap();
+    let msgs: Vec<_> = messages
+        .iter()
+        .map(|v| {
+            molt::engine::ChatMessage::new(
+                v["role"].as_str().unwrap(),
+                v["content"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    m.tokenize_chat(&msgs, true).unwrap()
+}
+
+fn restart_case(ladder_manifest: &Path, ladder: &molt::ladder::Ladder, real: bool) {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let d = tempfile::tempdir().unwrap();
+        let state = d.path().join("state");
+        let pace = if real { 0 } else { 40 };
+        let s = Served::start(ladder_manifest, &state, &d.path().join("1.log"), None, pace);
+        let mut convs: Vec<(String, Vec<Value>)> = Vec::new();
+        for (first, _, _) in FACTS {
+            let mut msgs = vec![json!({"role": "user", "content": first})];
+            let r = ask(s.addr, &msgs, 16).await;
+            let id = r["molt"]["conversation"]["id"].as_str().unwrap().to_string();
+            assert_eq!(r["molt"]["conversation"]["new"], true);
+            assert_eq!(r["header_conversation"], id.as_str());
+            msgs.push(json!({"role": "assistant", "content": r["choices"][0]["message"]["content"]}));
+            convs.push((id, msgs));
+        }
+        // The first two were hibernated when the next took the engine; the third is in it.
+        let st = status(s.addr).await;
+        for (i, (id, _)) in convs.iter().enumerate() {
+            let c = conversation(&st, id).unwrap_or_else(|| panic!("{id} not listed: {st}"));
+            let want = if i < 2 { "hibernated" } else { "parked" };
+            assert_eq!(c["state"], want, "{c}");
+            assert!(c["tokens"].as_u64().unwrap() > 0 && c["bytes"].as_u64().unwrap() > 0, "{c}");
+        }
+        let file_a = state.join(format!("{}.molt-state", convs[0].0));
+        let file_b = state.join(format!("{}.molt-state", convs[1].0));
+        assert!(file_a.exists() && file_b.exists());
+
+        // The third conversation's next turn, killed with SIGKILL after its first token.
+        let mut msgs_c = convs[2].1.clone();
+        msgs_c.push(json!({"role": "user", "content": "Tell me a long story about it."}));
+        let mut stream = client::stream(s.addr, "/v1/chat/completions", &{
+            let mut b = body(&msgs_c, 200);
+            b["stream"] = json!(true);
+            b
+        })
+        .await
+        .unwrap()
+        .unwrap();
+        loop {
+            let e = stream.next().await.unwrap().expect("a token before the end");
+            if e.data.contains("\"token\"") {
+                break;
+            }
+        }
+        s.kill();
+        drop(stream);
+
+        // While the server is down, B's file is damaged on disk.
+        let mut bytes = std::fs::read(&file_b).unwrap();
+        let at = bytes.len() - 100;
+        bytes[at] ^= 0x55;
+        std::fs::write(&file_b, &bytes).unwrap();
+        let file_a_held = StateFile::from_bytes(&file_a, &std::fs::read(&file_a).unwrap())
+            .unwrap()
+            .meta
+            .tokens;
+
+        let s = Served::start(ladder_manifest, &state, &d.path().join("2.log"), None, 0);
+        let log = s.log();
+        assert!(
+            log.contains(&file_b.display().to_string()) && log.contains("corrupt"),
+            "the refused file is named: {log}"
+        );
+        assert!(!file_b.exists(), "a refused file is removed");
+        let st = status(s.addr).await;
+        assert_eq!(conversation(&st, &convs[0].0).unwrap()["state"], "hibernated", "{st}");
+        assert!(conversation(&st, &convs[1].0).is_none(), "{st}");
+
+        let mut report = Vec::new();
+        for (i, ((id, msgs), (_, question, fact))) in convs.iter().zip(FACTS).enumerate() {
+            let mut m = msgs.clone();
+            m.push(json!({"role": "user", "content": question}));
+            let r = ask(s.addr, &m, 24).await;
+            let prompt = r["usage"]["prompt_tokens"].as_u64().unwrap();
+            let c = cached(&r);
+            let reread = prompt - c;
+            let answer = r["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+            let got = &r["molt"]["conversation"];
+            eprintln!(
+                "conversation {i}: {} prompt tokens, {c} from cache, {reread} re-read; answer {answer:?}",
+                prompt
+            );
+            report.push(json!({"conversation": i, "prompt_tokens": prompt, "cached": c, "reread": reread}));
+            match i {
+                0 => {
+                    // Resumed from its file: every token the file holds that the request
+                    // shares was taken from it, none re-read.
+                    assert_eq!(got["id"], id.as_str(), "continued by its tokens: {r}");
+                    assert_eq!(got["new"], false);
+                    let req = rendered(ladder, &m);
+                    let shared = file_a_held
+                        .iter()
+                        .zip(&req)
+                        .take_while(|(a, b)| a == b)
+                        .count() as u64;
+                    assert_eq!(c, shared.min(prompt - 1), "{r}");
+                    assert!(c > 0);
+                }
+                _ => {
+                    // B's file was refused, C's cache died with the process: both re-read.
+                    assert_eq!(c, 0, "{r}");
+                    assert_eq!(got["new"], true);
+                }
+            }
+            if real {
+                assert!(answer.contains(fact), "conversation {i} lost its fact: {answer:?}");
+            }
+        }
+        eprintln!("restart report: {}", Value::Array(report));
+        s.kill();
+    });
+}
+
+#[test]
+fn three_conversations_survive_a_sigkill_mid_answer_on_the_tiny_ladder() {
+    let l = common::tiny_ladder();
+    restart_case(&common::fixture_dir().join("tiny.toml"), l, false);
+}
+
+#[test]
+fn three_conversations_survive_a_sigkill_mid_answer_on_the_real_ladder() {
+    let Some(l) = common::real_ladder() else {
+        return;
+    };
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/qwen2.5-coder.toml");
+    restart_case(&manifest, l, true);
+}
+
+#[test]
+fn an_explicit_unknown_id_starts_a_new_conversation_and_says_so() {
+    let _ = common::tiny_ladder();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let d = tempfile::tempdir().unwrap();
+        let s = Served::start(
+            &common::fixture_dir().join("tiny.toml"),
+            &d.path().join("state"),
+            &d.path().join("1.log"),
+            None,
+            0,
+        );
+        let mut b = body(&[json!({"role": "user", "content": "Hello"})], 4);
+        b["molt"] = json!({"conversation": "never-seen", "class": "background", "priority": 3});
+        let r = client::post_json(s.addr, "/v1/chat/completions", &b)
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200);
+        assert_eq!(r.header("x-molt-conversation"), Some("never-seen"));
+        assert_eq!(r.header("x-molt-conversation-new"), Some("true"));
+        let v = r.json().unwrap();
+        let note = v["molt"]["conversation"]["note"].as_str().unwrap();
+        assert!(
+            note.contains("unknown conversation \"never-seen\""),
+            "{note}"
+        );
+        let st = status(s.addr).await;
+        let c = conversation(&st, "never-seen").unwrap();
+        assert_eq!(c["class"], "background");
+        assert_eq!(c["priority"], 3);
+        // Named again, it is the same conversation.
+        let r = client::post_json(s.addr, "/v1/chat/completions", &b)
+            .await
+            .unwrap();
+        assert_eq!(r.header("x-molt-conversation-new"), Some("false"));
+        s.kill();
+    });
+}
+
+#[test]
+fn a_state_directory_that_cannot_be_written_is_a_startup_error_naming_it() {
+    let _ = common::tiny_ladder();
+    let d = tempfile::tempdir().unwrap();
+    let plain = d.path().join("a-file");
+    std::fs::write(&plain, b"").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_molt-run"))
+        .env_remove("MOLT_FAULT")
+        .arg("--ladder")
+        .arg(common::fixture_dir().join("tiny.toml"))
+        .args(["serve", "--port", "0", "--state-dir"])
+        .arg(plain.join("state"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("a-file/state") && err.contains("not writable"),
+        "{err}"
+    );
+}
+
+/// Two first turns, the second displacing the first: the first one's hibernation is where a
+/// state-file fault strikes.
+async fn two_conversations(addr: SocketAddr) -> (Vec<Value>, Result<Value, String>) {
+    let a = vec![json!({"role": "user", "content": FACTS[0].0})];
+    let r = ask(addr, &a, 8).await;
+    let mut a2 = a.clone();
+    a2.push(json!({"role": "assistant", "content": r["choices"][0]["message"]["content"]}));
+    let b = vec![json!({"role": "user", "content": FACTS[1].0})];
+    let second = client::post_json(addr, "/v1/chat/completions", &body(&b, 8)).await;
+    let second = match second {
+        Ok(r) if r.status == 200 => Ok(r.json().unwrap()),
+        Ok(r) => Err(format!("status {}", r.status)),
+        Err(e) => Err(e.to_string()),
+    };
+    (a2, second)
+}
+
+#[test]
+fn kill_during_a_state_file_write_leaves_nothing_taken_for_valid() {
+    let _ = common::tiny_ladder();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let d = tempfile::tempdir().unwrap();
+        let state = d.path().join("state");
+        let ladder = common::fixture_dir().join("tiny.toml");
+        let s = Served::start(
+            &ladder,
+            &state,
+            &d.path().join("1.log"),
+            Some("state_write:1"),
+            0,
+        );
+        let (mut a, second) = two_conversations(s.addr).await;
+        assert!(second.is_err(), "the process died mid-write: {second:?}");
+        let code = s.wait_killed();
+        assert!(
+            std::os::unix::process::ExitStatusExt::signal(&code) == Some(9),
+            "{code:?}"
+        );
+        let names: Vec<String> = std::fs::read_dir(&state)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(
+            names.iter().any(|n| n.ends_with(".molt-state.tmp")),
+            "the half-written temporary is there: {names:?}"
+        );
+        assert!(
+            !names.iter().any(|n| n.ends_with(".molt-state")),
+            "{names:?}"
+        );
+        // Restarted: the temporary is cleared away and the conversation is re-read whole.
+        let s = Served::start(&ladder, &state, &d.path().join("2.log"), None, 0);
+        assert_eq!(std::fs::read_dir(&state).unwrap().count(), 0);
+        a.push(json!({"role": "user", "content": FACTS[0].1}));
+        let r = ask(s.addr, &a, 4).await;
+        assert_eq!(cached(&r), 0);
+        assert_eq!(r["molt"]["conversation"]["new"], true);
+        s.kill();
+        record(
+            "state_write (kill -9 while a conversation's state file is written)",
+            "process killed with the file half written before its rename; the restart removed the temporary, no state file was taken from it, and the conversation was re-read from its messages",
+        );
+    });
+}
+
+#[test]
+fn a_full_disk_keeps_the_conversation_in_ram_and_says_why() {
+    let _ = common::tiny_ladder();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let d = tempfile::tempdir().unwrap();
+        let state = d.path().join("state");
+        let ladder = common::fixture_dir().join("tiny.toml");
+        let s = Served::start(
+            &ladder,
+            &state,
+            &d.path().join("1.log"),
+            Some("state_disk_full:1"),
+            0,
+        );
+        let (mut a, second) = two_conversations(s.addr).await;
+        second.unwrap();
+        let log = s.log();
+        assert!(
+            log.contains("disk is full") && log.contains("stays in RAM"),
+            "{log}"
+        );
+        let st = status(s.addr).await;
+        let parked: Vec<_> = st["conversations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|c| c["state"] == "parked")
+            .collect();
+        assert_eq!(parked.len(), 2, "the displaced one is parked in RAM: {st}");
+        // Continued, it resumes from RAM: its first turn is not read again.
+        a.push(json!({"role": "user", "content": FACTS[0].1}));
+        let r = ask(s.addr, &a, 4).await;
+        assert!(cached(&r) > 0, "{r}");
+        assert_eq!(r["molt"]["conversation"]["new"], false);
+        s.kill();
+        record(
+            "state_disk_full (ENOSPC while hibernating a conversation)",
+            "the conversation stayed in RAM (parked) with a log line saying the disk is full, and its next turn resumed from RAM",
+        );
+    });
+}
