@@ -39,6 +39,15 @@ pub fn partial_path(path: &Path) -> PathBuf {
 /// # Errors
 /// The I/O error of the step that failed.
 pub fn write(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    write_at(crate::fault::Site::Write, path, bytes)
+}
+
+/// [`write`] whose kill-mid-write fault is counted on `site` (a writer with a fault site of
+/// its own, such as the state files of hibernated conversations).
+///
+/// # Errors
+/// The I/O error of the step that failed.
+pub fn write_at(site: crate::fault::Site, path: &Path, bytes: &[u8]) -> io::Result<()> {
     let partial = partial_path(path);
     let written = (|| {
         let mut f = File::create(&partial)?;
@@ -49,7 +58,7 @@ pub fn write(path: &Path, bytes: &[u8]) -> io::Result<()> {
         let _ = fs::remove_file(&partial);
         return Err(e);
     }
-    commit(&partial, path)
+    commit_at(site, &partial, path)
 }
 
 /// Puts a finished partial file in place: flushes it (another writer — llama.cpp's quantize,
@@ -61,9 +70,17 @@ pub fn write(path: &Path, bytes: &[u8]) -> io::Result<()> {
 /// # Errors
 /// The I/O error of the step that failed.
 pub fn commit(partial: &Path, path: &Path) -> io::Result<()> {
+    commit_at(crate::fault::Site::Write, partial, path)
+}
+
+/// [`commit`] whose kill-mid-write fault is counted on `site`.
+///
+/// # Errors
+/// The I/O error of the step that failed.
+pub fn commit_at(site: crate::fault::Site, partial: &Path, path: &Path) -> io::Result<()> {
     let result = (|| {
         File::open(partial)?.sync_all()?;
-        crate::fault::die_mid_write(partial);
+        crate::fault::die_mid_write_at(site, partial);
         fs::rename(partial, path)?;
         sync_dir(path)
     })();

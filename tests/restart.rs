@@ -417,7 +417,9 @@ fn kill_during_a_state_file_write_leaves_nothing_taken_for_valid() {
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();
         assert!(
-            names.iter().any(|n| n.ends_with(".molt-state.tmp")),
+            names
+                .iter()
+                .any(|n| n.contains(".molt-state.") && n.ends_with(".partial")),
             "the half-written temporary is there: {names:?}"
         );
         assert!(

@@ -96,14 +96,9 @@ impl StateDir {
         let probe = path.join(format!(".probe-{}", std::process::id()));
         std::fs::write(&probe, b"").map_err(bad)?;
         let _ = std::fs::remove_file(&probe);
-        if let Ok(rd) = std::fs::read_dir(path) {
-            for e in rd.flatten() {
-                let name = e.file_name();
-                let name = name.to_string_lossy();
-                if name.ends_with(&format!(".{EXTENSION}.tmp")) {
-                    let _ = std::fs::remove_file(e.path());
-                }
-            }
+        // Partial files of writers killed mid-write (a live writer's are left alone).
+        for stale in crate::durable::sweep_stale(path).unwrap_or_default() {
+            eprintln!("removed {} (left by an interrupted write)", stale.display());
         }
         Ok(Self {
             path: path.to_path_buf(),
@@ -266,7 +261,8 @@ mod tests {
     #[test]
     fn leftover_temporaries_are_removed_on_open() {
         let d = tempfile::tempdir().unwrap();
-        let tmp = d.path().join(format!("a.{EXTENSION}.tmp"));
+        // A writer that died (a process id above any pid_max).
+        let tmp = d.path().join(format!("a.{EXTENSION}.999999999-0.partial"));
         std::fs::write(&tmp, b"half").unwrap();
         let dir = StateDir::open(d.path(), 1).unwrap();
         assert!(!tmp.exists());

@@ -27,9 +27,9 @@
 //! its server checks only that the blob imports — which is why `test_slot_save.py`'s cases
 //! are the model here but its format is not.
 //!
-//! Writes are atomic: a temporary file in the same directory, fsync, rename, fsync of the
-//! directory. A process killed mid-write leaves a `.tmp` file that no reader takes for a state
-//! file, and that the next [`StateDir::open`] removes.
+//! Writes go through [`crate::durable`]: a partial file in the same directory, fsync, rename,
+//! fsync of the directory. A process killed mid-write leaves a `.partial` file that no reader
+//! takes for a state file, and that the next [`StateDir::open`] removes.
 
 mod dir;
 
@@ -37,7 +37,6 @@ pub use dir::{
     DEFAULT_MAX_MIB, Entry, Evicted, StateDir, StateDirError, default_state_dir, valid_id,
 };
 
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -374,45 +373,12 @@ impl StateFile {
         let bytes = self
             .to_bytes()
             .map_err(|e| io(std::io::Error::other(e.to_string())))?;
-        let tmp = tmp_path(path);
-        let written = (|| -> std::io::Result<()> {
-            if crate::fault::hit(crate::fault::Site::StateDiskFull) {
-                return Err(std::io::Error::from_raw_os_error(libc::ENOSPC));
-            }
-            let mut f = std::fs::File::create(&tmp)?;
-            f.write_all(&bytes)?;
-            f.sync_all()?;
-            Ok(())
-        })();
-        if let Err(e) = written {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(io(e));
+        if crate::fault::hit(crate::fault::Site::StateDiskFull) {
+            return Err(io(std::io::Error::from_raw_os_error(libc::ENOSPC)));
         }
-        crate::fault::die_mid_write_at(crate::fault::Site::StateWrite, &tmp);
-        std::fs::rename(&tmp, path).map_err(|e| {
-            let _ = std::fs::remove_file(&tmp);
-            io(e)
-        })?;
-        if let Some(dir) = path.parent() {
-            // The rename is durable only once the directory entry is.
-            let d = if dir.as_os_str().is_empty() {
-                Path::new(".")
-            } else {
-                dir
-            };
-            std::fs::File::open(d)
-                .and_then(|f| f.sync_all())
-                .map_err(io)?;
-        }
+        crate::durable::write_at(crate::fault::Site::StateWrite, path, &bytes).map_err(io)?;
         Ok(bytes.len() as u64)
     }
-}
-
-/// The temporary name a write uses before its rename.
-fn tmp_path(path: &Path) -> PathBuf {
-    let mut name = path.file_name().unwrap_or_default().to_os_string();
-    name.push(".tmp");
-    path.with_file_name(name)
 }
 
 fn short(sha: &str) -> &str {
@@ -472,7 +438,11 @@ mod tests {
         let f = sample();
         let n = f.write_atomic(&path).unwrap();
         assert_eq!(n, std::fs::metadata(&path).unwrap().len());
-        assert!(!tmp_path(&path).exists());
+        assert_eq!(
+            std::fs::read_dir(dir.path()).unwrap().count(),
+            1,
+            "no partial file is left"
+        );
         let r = rungs();
         let req = [1, 2, 3, 4, 5, 6, 7, 8];
         assert_eq!(StateFile::load(&path, &expect(&r, Some(&req))).unwrap(), f);
@@ -596,6 +566,7 @@ mod tests {
         let e = sample().write_atomic(&path).unwrap_err();
         crate::fault::arm(None);
         assert!(e.is_disk_full(), "{e}");
-        assert!(!path.exists() && !tmp_path(&path).exists());
+        assert!(!path.exists());
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
     }
 }
