@@ -190,6 +190,45 @@ pub fn pool_recall(doc: &RecallDoc, file: &str, route: &str) -> Vec<PooledRecall
         .collect()
 }
 
+fn read_recall_files(files: &[PathBuf]) -> Result<Vec<(String, RecallDoc)>, BenchError> {
+    let mut out = Vec::new();
+    for f in files {
+        let bytes = std::fs::read(f).map_err(|source| BenchError::Io {
+            path: f.clone(),
+            source,
+        })?;
+        let doc: RecallDoc = serde_json::from_slice(&bytes).map_err(|e| BenchError::Json {
+            path: f.clone(),
+            message: e.to_string(),
+        })?;
+        out.push((f.display().to_string(), doc));
+    }
+    Ok(out)
+}
+
+/// Pools `files` into `doc` again (each rung's `recall`, and the options' file list): for a
+/// recall run that finished after the precision run.
+///
+/// # Errors
+/// [`BenchError::Io`] / [`BenchError::Json`] for a recall file that cannot be read.
+pub fn repool(doc: &mut PrecisionDoc, files: &[PathBuf]) -> Result<(), BenchError> {
+    let docs = read_recall_files(files)?;
+    let largest = doc
+        .rungs
+        .first()
+        .map(|r| r.rung.clone())
+        .unwrap_or_default();
+    for r in &mut doc.rungs {
+        let route = format!("{largest}→{}", r.rung);
+        r.recall = docs
+            .iter()
+            .flat_map(|(f, d)| pool_recall(d, f, &route))
+            .collect();
+    }
+    doc.options.recall_files = files.to_vec();
+    Ok(())
+}
+
 /// Greedy answer of `live` to `prompt` (chat template applied): the prompt's tokens and up to
 /// `max` answer tokens.
 fn answer(
@@ -256,18 +295,7 @@ pub fn run(
                 || opts.rungs.iter().any(|n| n == ladder.rungs[i].name())
         })
         .collect();
-    let mut recall_docs = Vec::new();
-    for f in &opts.recall_files {
-        let bytes = std::fs::read(f).map_err(|source| BenchError::Io {
-            path: f.clone(),
-            source,
-        })?;
-        let doc: RecallDoc = serde_json::from_slice(&bytes).map_err(|e| BenchError::Json {
-            path: f.clone(),
-            message: e.to_string(),
-        })?;
-        recall_docs.push((f.display().to_string(), doc));
-    }
+    let recall_docs = read_recall_files(&opts.recall_files)?;
 
     // Footprint: the same code as `bench --footprint`, at one length, on a ladder of the
     // chosen rungs only.

@@ -768,6 +768,34 @@ pub fn resummarise(doc: &mut RecallDoc, items: &[RecallItem]) {
     doc.rows = summarise(&ran, &doc.answers, &kinds, &doc.options);
 }
 
+/// A document from the answers an interrupted run left in its partial file (written after
+/// every item), summarised as a finished run's would be; `kinds` names each route's kind.
+#[must_use]
+pub fn from_partial(
+    items_file: &str,
+    items: &[RecallItem],
+    answers: Vec<RecallAnswer>,
+    kinds: &BTreeMap<String, RouteKind>,
+    options: RecallOptions,
+) -> RecallDoc {
+    let ran: Vec<RecallItem> = items
+        .iter()
+        .filter(|i| answers.iter().any(|a| a.id == i.id))
+        .cloned()
+        .collect();
+    let rows = summarise(&ran, &answers, kinds, &options);
+    RecallDoc {
+        items_file: items_file.to_string(),
+        n_items: ran.len(),
+        problems: Vec::new(),
+        options,
+        rows,
+        answers,
+        seconds: 0.0,
+        run: serde_json::Value::Null,
+    }
+}
+
 /// Rows from the answers: per arm × route × length × switch point, recall beside the native
 /// destination's on the same items and the re-prefill's cost at the same points.
 fn summarise(

@@ -145,6 +145,10 @@ pub struct Args {
     /// fitted diagonal maps: how a precision rung without fitted maps is measured.
     #[arg(long)]
     pub recall_identity: bool,
+    /// Summarise the answers an interrupted recall run left in its partial file (the options
+    /// are this command line's) into `<out-dir>/recall.json`; nothing is re-measured.
+    #[arg(long, value_name = "FILE")]
+    pub recall_from_partial: Option<PathBuf>,
     /// The precision-rung benchmark: per rung, file size, the policy's footprint, prefill and
     /// decode speed, its own answers to the conditions prompts judged by the largest rung, and
     /// recall after a switch to it read from --precision-recall files
@@ -161,6 +165,10 @@ pub struct Args {
     /// Context length the precision benchmark reads the footprint at.
     #[arg(long, default_value_t = 1024)]
     pub precision_context: usize,
+    /// Pool the --precision-recall files into this precision_rungs.json again (after a recall
+    /// run finished), and write it back; nothing is re-measured.
+    #[arg(long, value_name = "FILE")]
+    pub precision_repool: Option<PathBuf>,
     /// The soak: switches in one process under a sawtooth budget (home rung / smallest rung),
     /// the resident set and open descriptors sampled after every answer; the ladder's row of
     /// results/soak.json is replaced.
@@ -188,6 +196,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         && !a.soak
         && !a.reliability
         && !a.precision
+        && a.precision_repool.is_none()
         && a.conditions.is_none()
     {
         bail!(
@@ -221,7 +230,13 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     if a.speed {
         run_speed(g, a)?;
     }
-    if a.precision {
+    if let Some(path) = &a.precision_repool {
+        let mut doc: molt::bench::precision::PrecisionDoc =
+            serde_json::from_slice(&std::fs::read(path)?)?;
+        molt::bench::precision::repool(&mut doc, &a.precision_recall)?;
+        std::fs::write(path, serde_json::to_string_pretty(&doc)?)?;
+        eprintln!("re-pooled the recall of {}", path.display());
+    } else if a.precision {
         run_precision(g, a)?;
     }
     if a.stall {
@@ -536,6 +551,30 @@ fn run_recall(g: &GlobalArgs, a: &Args) -> Result<()> {
         partial: Some(a.out_dir.join("recall.partial.json")),
     };
     std::fs::create_dir_all(&a.out_dir)?;
+    if let Some(path) = &a.recall_from_partial {
+        let answers: Vec<recall::RecallAnswer> = serde_json::from_slice(&std::fs::read(path)?)?;
+        let kinds = opts
+            .routes
+            .iter()
+            .map(|&(s, d)| {
+                (
+                    format!("{}→{}", ladder.rungs[s].name(), ladder.rungs[d].name()),
+                    molt::routes::route_kind(
+                        &molt::routes::binding(&ladder.rungs[s]),
+                        &molt::routes::binding(&ladder.rungs[d]),
+                    ),
+                )
+            })
+            .collect();
+        let doc = recall::from_partial(
+            &a.recall_items.display().to_string(),
+            &items,
+            answers,
+            &kinds,
+            opts,
+        );
+        return write_result(&a.out_dir, "recall.json", &doc);
+    }
     let info = RunInfo::now();
     let t0 = std::time::Instant::now();
     let (rows, answers) = recall::run(
