@@ -10,6 +10,8 @@
 //! - [`footprint`]: what each rung occupies per context length, measured by the OS beside the
 //!   policy's model, and what parking gives back.
 //! - [`speed`]: prefill/decode tok/s per rung, Molt's engine beside plain llama.cpp.
+//! - [`precision`]: the candidates for precision rungs — size, footprint, speed, their own
+//!   answers judged by the largest rung, recall after a switch to them.
 //! - [`stall`]: the gap a user sees at a switch, every route, warm and cold page cache.
 //! - [`reliability`]: the soak (switches in one process, RSS and descriptor slopes) and
 //!   `results/reliability.json` (fuzz, faults, soak, probes).
@@ -21,6 +23,7 @@ pub mod figures;
 pub mod footprint;
 pub mod metrics;
 pub mod page;
+pub mod precision;
 pub mod qos;
 pub mod recall;
 pub mod reliability;

@@ -15,6 +15,7 @@ use super::recall::RecallDoc;
 use super::speed::Rate;
 use crate::routes::RouteKind;
 
+mod precision;
 mod recall;
 mod reliability;
 mod speed;
@@ -502,6 +503,8 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
     let resid: Option<ResidualDoc> = optional(&dir.join("projector_residuals.json"))?;
     let qos: Option<QosDoc> = optional(&dir.join("qos.json"))?;
     let recall: Option<RecallDoc> = optional(&dir.join("recall.json"))?;
+    let precision_doc: Option<super::precision::PrecisionDoc> =
+        optional(&dir.join("precision_rungs.json"))?;
     let stall_doc: Option<super::stall::StallDoc> = optional(&dir.join("switch_stall.json"))?;
     let reliability: Option<super::reliability::Reliability> =
         optional(&dir.join("reliability.json"))?;
@@ -525,6 +528,11 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
         if qos.is_some() { ", `qos.json`" } else { "" },
         if recall.is_some() {
             ", `recall.json`"
+        } else {
+            ""
+        },
+        if precision_doc.is_some() {
+            ", `precision_rungs.json`"
         } else {
             ""
         },
@@ -705,6 +713,9 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
     }
     if let Some(doc) = &recall {
         s.push_str(&recall::section(doc, figures, &opts.figures_rel_results));
+    }
+    if let Some(doc) = &precision_doc {
+        s.push_str(&precision::section(doc));
     }
     if let Some(doc) = &stall_doc {
         s.push_str(&stall::section(doc, figures, &opts.figures_rel_results));

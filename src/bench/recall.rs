@@ -308,9 +308,18 @@ pub struct RecallOptions {
     /// Run the precision routes on every `n`-th item only (1: all): their destination reads
     /// cost twice a size route's.
     pub precision_every: usize,
+    /// Projector family on precision routes: [`Variant::Auto`] (the fitted diagonal maps, as a
+    /// session uses) or [`Variant::Identity`] (the cache carried unchanged, which needs no
+    /// fitting: how a precision rung without fitted maps is measured).
+    #[serde(default = "auto_variant")]
+    pub precision_variant: Variant,
     /// Where the answers so far are written after every item (`None`: nowhere).
     #[serde(skip)]
     pub partial: Option<std::path::PathBuf>,
+}
+
+fn auto_variant() -> Variant {
+    Variant::Auto
 }
 
 /// One item's answer in one arm.
@@ -545,6 +554,7 @@ pub fn run(
     opts: &RecallOptions,
     progress: &mut dyn FnMut(&str),
 ) -> Result<(Vec<RecallRow>, Vec<RecallAnswer>), BenchError> {
+    let mut precision_routes = Routes::new(ladder, projector_dirs.clone(), opts.precision_variant);
     let mut routes = Routes::new(ladder, projector_dirs, Variant::Auto);
     let window = TokenRecompute::attention(0.1).window;
     let mut answers: Vec<RecallAnswer> = Vec::new();
@@ -606,9 +616,11 @@ pub fn run(
                 };
                 let dst = dsts.get_mut(&d).expect("loaded above");
                 let dst_name = dst.name().to_string();
-                let projector = routes
-                    .get(s, d)
-                    .map_err(crate::session::SessionError::from)?;
+                let projector = match kind {
+                    RouteKind::Size => routes.get(s, d),
+                    RouteKind::Precision => precision_routes.get(s, d),
+                }
+                .map_err(crate::session::SessionError::from)?;
                 let anchor = routes.anchor(d).ok().flatten();
                 let n_past = read.tokens.len() + read.before.len().saturating_sub(1);
                 let mut history = read.tokens.clone();
@@ -754,6 +766,34 @@ pub fn resummarise(doc: &mut RecallDoc, items: &[RecallItem]) {
         .cloned()
         .collect();
     doc.rows = summarise(&ran, &doc.answers, &kinds, &doc.options);
+}
+
+/// A document from the answers an interrupted run left in its partial file (written after
+/// every item), summarised as a finished run's would be; `kinds` names each route's kind.
+#[must_use]
+pub fn from_partial(
+    items_file: &str,
+    items: &[RecallItem],
+    answers: Vec<RecallAnswer>,
+    kinds: &BTreeMap<String, RouteKind>,
+    options: RecallOptions,
+) -> RecallDoc {
+    let ran: Vec<RecallItem> = items
+        .iter()
+        .filter(|i| answers.iter().any(|a| a.id == i.id))
+        .cloned()
+        .collect();
+    let rows = summarise(&ran, &answers, kinds, &options);
+    RecallDoc {
+        items_file: items_file.to_string(),
+        n_items: ran.len(),
+        problems: Vec::new(),
+        options,
+        rows,
+        answers,
+        seconds: 0.0,
+        run: serde_json::Value::Null,
+    }
 }
 
 /// Rows from the answers: per arm × route × length × switch point, recall beside the native

@@ -31,7 +31,7 @@ pub use grammar::{Grammar, GrammarError, JSON_GRAMMAR};
 pub use logs::recent_llama_errors;
 pub use model::{ChatMessage, Model, ModelOptions};
 pub use partial::PartialForward;
-pub use quantize::{QuantType, quantize};
+pub use quantize::{QuantType, UnknownQuantType, quantize};
 pub use sampling::{Sampler, SamplingParams, argmax, log_softmax, softmax};
 pub use tap::AttentionCapture;
 pub use text::Utf8Stream;

@@ -5,25 +5,60 @@ use super::{EngineError, backend, recent_llama_errors};
 use std::ffi::CString;
 use std::path::Path;
 
-/// Target quantization types Molt offers for a precision rung.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+/// Target quantization types Molt offers for a precision rung: the ones llama.cpp's quantize
+/// API builds from an already-quantized model *without* an importance matrix. The IQ2, IQ1
+/// and IQ3_XXS/IQ3_XS types are left out on purpose: llama.cpp refuses them without one
+/// ("Missing importance matrix for tensor … in a very low-bit quantization").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum QuantType {
     /// 2-bit K-quant (llama.cpp `Q2_K`): the smallest type that still gives coherent text.
     #[serde(rename = "Q2_K")]
     Q2K,
-    /// 3-bit K-quant, small variant (`Q3_K_S`).
+    /// 3-bit K-quant, small variant (`Q3_K_S`): every matrix at 3 bits.
     #[serde(rename = "Q3_K_S")]
     Q3KS,
+    /// 3-bit K-quant, medium (`Q3_K_M`): attention V and the first FFN-down layers at 4-5 bits.
+    #[serde(rename = "Q3_K_M")]
+    Q3KM,
+    /// 3-bit K-quant, large (`Q3_K_L`): as `Q3_K_M` with those tensors at 5 bits.
+    #[serde(rename = "Q3_K_L")]
+    Q3KL,
+    /// 3.44-bit i-quant (`IQ3_S`), lattice codebooks; needs no importance matrix.
+    #[serde(rename = "IQ3_S")]
+    IQ3S,
+    /// 3.66-bit i-quant mix (`IQ3_M`): `IQ3_S` with attention and early FFN-down tensors higher.
+    #[serde(rename = "IQ3_M")]
+    IQ3M,
+    /// 4.25-bit i-quant (`IQ4_XS`).
+    #[serde(rename = "IQ4_XS")]
+    IQ4XS,
     /// 8-bit (`Q8_0`), used for tiny test models whose rows are too short for K-quants.
     #[serde(rename = "Q8_0")]
     Q8_0,
 }
 
 impl QuantType {
+    /// Every type, in the order the manifest's error message lists them.
+    pub const ALL: [Self; 8] = [
+        Self::Q2K,
+        Self::Q3KS,
+        Self::Q3KM,
+        Self::Q3KL,
+        Self::IQ3S,
+        Self::IQ3M,
+        Self::IQ4XS,
+        Self::Q8_0,
+    ];
+
     fn ftype(self) -> llama_cpp_sys_2::llama_ftype {
         match self {
             Self::Q2K => llama_cpp_sys_2::LLAMA_FTYPE_MOSTLY_Q2_K,
             Self::Q3KS => llama_cpp_sys_2::LLAMA_FTYPE_MOSTLY_Q3_K_S,
+            Self::Q3KM => llama_cpp_sys_2::LLAMA_FTYPE_MOSTLY_Q3_K_M,
+            Self::Q3KL => llama_cpp_sys_2::LLAMA_FTYPE_MOSTLY_Q3_K_L,
+            Self::IQ3S => llama_cpp_sys_2::LLAMA_FTYPE_MOSTLY_IQ3_S,
+            Self::IQ3M => llama_cpp_sys_2::LLAMA_FTYPE_MOSTLY_IQ3_M,
+            Self::IQ4XS => llama_cpp_sys_2::LLAMA_FTYPE_MOSTLY_IQ4_XS,
             Self::Q8_0 => llama_cpp_sys_2::LLAMA_FTYPE_MOSTLY_Q8_0,
         }
     }
@@ -33,8 +68,39 @@ impl QuantType {
         match self {
             Self::Q2K => "Q2_K",
             Self::Q3KS => "Q3_K_S",
+            Self::Q3KM => "Q3_K_M",
+            Self::Q3KL => "Q3_K_L",
+            Self::IQ3S => "IQ3_S",
+            Self::IQ3M => "IQ3_M",
+            Self::IQ4XS => "IQ4_XS",
             Self::Q8_0 => "Q8_0",
         }
+    }
+}
+
+/// A quantization type name Molt does not build (a typo, or a type that needs an importance
+/// matrix).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown quantization type {given:?}; accepted: {}", QuantType::ALL.map(QuantType::name).join(", "))]
+pub struct UnknownQuantType {
+    /// The name as given.
+    pub given: String,
+}
+
+impl std::str::FromStr for QuantType {
+    type Err = UnknownQuantType;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|t| t.name().eq_ignore_ascii_case(s))
+            .ok_or_else(|| UnknownQuantType { given: s.into() })
+    }
+}
+
+impl std::fmt::Display for QuantType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
     }
 }
 
@@ -75,4 +141,22 @@ pub fn quantize(src: &Path, dst: &Path, ty: QuantType, threads: u32) -> Result<(
         path: dst.display().to_string(),
         source,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_unknown_names_list_the_accepted_ones() {
+        for t in QuantType::ALL {
+            assert_eq!(t.name().parse::<QuantType>(), Ok(t));
+            assert_eq!(t.name().to_lowercase().parse::<QuantType>(), Ok(t));
+        }
+        let e = "IQ3_XXS".parse::<QuantType>().unwrap_err().to_string();
+        assert!(
+            e.contains("IQ3_XXS") && e.contains("Q3_K_M") && e.contains("IQ3_S"),
+            "{e}"
+        );
+    }
 }

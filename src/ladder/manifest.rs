@@ -245,6 +245,23 @@ source = { requantize = { from = "a", type = "Q8_0" } }
     }
 
     #[test]
+    fn an_unknown_quant_type_is_refused_naming_the_accepted_ones() {
+        let bad = GOOD.replace("type = \"Q8_0\"", "type = \"IQ2_XXS\"");
+        let e = Manifest::parse(&bad, Path::new("t.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("IQ2_XXS"), "{e}");
+        for t in crate::engine::QuantType::ALL {
+            assert!(e.contains(t.name()), "{} missing from: {e}", t.name());
+        }
+        for t in crate::engine::QuantType::ALL {
+            let ok = GOOD.replace("Q8_0", t.name());
+            let m = Manifest::parse(&ok, Path::new("t.toml")).unwrap();
+            assert!(matches!(m.rungs[1].source, Source::Requantize { qtype, .. } if qtype == t));
+        }
+    }
+
+    #[test]
     fn part_names_expand() {
         assert_eq!(Source::part_package("x-part{n}", 7), "x-part7");
         assert_eq!(

@@ -352,4 +352,46 @@ mod tests {
         );
         assert!(decide_one(&tenant().with_rung(7), 1, &ladder(), &policy).is_err());
     }
+
+    /// The shipped ladder's shape: the 1.5B at Q4_K_M, two precision rungs of the same weights
+    /// (Q3_K_M, Q2_K) and the 0.5B (other geometry: half the KV per token). Costs as
+    /// `bench --precision` measured them, rounded to MiB.
+    fn precision_ladder() -> Vec<RungCost> {
+        vec![
+            RungCost::new("tier0", 1066 * MIB, MIB / 36, 300 * MIB),
+            RungCost::new("q3km", 824 * MIB, MIB / 36, 300 * MIB),
+            RungCost::new("q2k", 718 * MIB, MIB / 36, 300 * MIB),
+            RungCost::new("small", 469 * MIB, MIB / 85, 150 * MIB),
+        ]
+    }
+
+    #[test]
+    fn a_precision_rung_that_fits_is_taken_before_the_smaller_family() {
+        // The size route (to the 0.5B) loses facts a precision route keeps, so the smaller
+        // family is taken only when no rung of the largest one fits running: at every budget
+        // from tier0's need down to the 0.5B's, the decision is the largest 1.5B rung that
+        // fits, and the 0.5B exactly when none does.
+        let rungs = precision_ladder();
+        let t = TenantView::new(1, TenantClass::Foreground).with_context(1024, 32);
+        let policy = Policy::default();
+        let needs: Vec<u64> = rungs
+            .iter()
+            .map(|r| u64::try_from(need(r, false, t.context_tokens)).expect("small"))
+            .collect();
+        let mut seen = [false; 4];
+        let sweep = (needs[3]..needs[0]).step_by(usize::try_from(MIB).expect("fits"));
+        for budget in sweep.chain([needs[0]]) {
+            let d = decide_one(&t, budget, &rungs, &policy).expect("valid");
+            let rung = match d {
+                Decision::Stay => 0,
+                Decision::Demote { to } => to,
+                other => panic!("budget {budget}: unexpected {other:?}"),
+            };
+            let largest_fitting = (0..3).find(|&r| needs[r] <= budget);
+            let expected = largest_fitting.unwrap_or(3);
+            assert_eq!(rung, expected, "budget {} MiB", budget / MIB);
+            seen[rung] = true;
+        }
+        assert_eq!(seen, [true; 4], "the sweep crosses every rung");
+    }
 }

@@ -622,6 +622,7 @@ pub(crate) fn sample_doc() -> RecallDoc {
             max_tokens_mid: 96,
             mid_switch_at: 12,
             precision_every: 2,
+            precision_variant: crate::routes::Variant::Auto,
             partial: None,
         },
         rows: all,

@@ -150,6 +150,34 @@ pub struct Args {
     /// Run only the first N items of every context length and switch point.
     #[arg(long)]
     pub recall_sample: Option<usize>,
+    /// On precision routes, carry the cache unchanged (the identity projector) instead of the
+    /// fitted diagonal maps: how a precision rung without fitted maps is measured.
+    #[arg(long)]
+    pub recall_identity: bool,
+    /// Summarise the answers an interrupted recall run left in its partial file (the options
+    /// are this command line's) into `<out-dir>/recall.json`; nothing is re-measured.
+    #[arg(long, value_name = "FILE")]
+    pub recall_from_partial: Option<PathBuf>,
+    /// The precision-rung benchmark: per rung, file size, the policy's footprint, prefill and
+    /// decode speed, its own answers to the conditions prompts judged by the largest rung, and
+    /// recall after a switch to it read from --precision-recall files
+    /// (results/precision_rungs.json).
+    #[arg(long)]
+    pub precision: bool,
+    /// Rungs the precision benchmark measures (comma-separated; default: every rung; the
+    /// largest is always measured, as the reference).
+    #[arg(long, value_delimiter = ',')]
+    pub precision_rungs: Vec<String>,
+    /// `bench --recall` outputs whose `tier0→<rung>` rows the precision benchmark pools.
+    #[arg(long, value_delimiter = ',')]
+    pub precision_recall: Vec<PathBuf>,
+    /// Context length the precision benchmark reads the footprint at.
+    #[arg(long, default_value_t = 1024)]
+    pub precision_context: usize,
+    /// Pool the --precision-recall files into this precision_rungs.json again (after a recall
+    /// run finished), and write it back; nothing is re-measured.
+    #[arg(long, value_name = "FILE")]
+    pub precision_repool: Option<PathBuf>,
     /// The soak: switches in one process under a sawtooth budget (home rung / smallest rung),
     /// the resident set and open descriptors sampled after every answer; the ladder's row of
     /// results/soak.json is replaced.
@@ -176,10 +204,12 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         && !a.stall
         && !a.soak
         && !a.reliability
+        && !a.precision
+        && a.precision_repool.is_none()
         && a.conditions.is_none()
     {
         bail!(
-            "nothing to run: pass --conditions all, --cost-sweep, --speed, --footprint, --recall, --stall, --qos, --soak and/or --reliability"
+            "nothing to run: pass --conditions all, --cost-sweep, --speed, --footprint, --recall, --precision, --stall, --qos, --soak and/or --reliability"
         );
     }
     if a.stall && (a.stall_lengths.is_empty() || a.stall_lengths.contains(&0)) {
@@ -208,6 +238,15 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     }
     if a.speed {
         run_speed(g, a)?;
+    }
+    if let Some(path) = &a.precision_repool {
+        let mut doc: molt::bench::precision::PrecisionDoc =
+            serde_json::from_slice(&std::fs::read(path)?)?;
+        molt::bench::precision::repool(&mut doc, &a.precision_recall)?;
+        std::fs::write(path, serde_json::to_string_pretty(&doc)?)?;
+        eprintln!("re-pooled the recall of {}", path.display());
+    } else if a.precision {
+        run_precision(g, a)?;
     }
     if a.stall {
         run_stall(g, a)?;
@@ -513,9 +552,38 @@ fn run_recall(g: &GlobalArgs, a: &Args) -> Result<()> {
         max_tokens_mid: 80,
         mid_switch_at: 12,
         precision_every: a.recall_precision_every,
+        precision_variant: if a.recall_identity {
+            molt::routes::Variant::Identity
+        } else {
+            molt::routes::Variant::Auto
+        },
         partial: Some(a.out_dir.join("recall.partial.json")),
     };
     std::fs::create_dir_all(&a.out_dir)?;
+    if let Some(path) = &a.recall_from_partial {
+        let answers: Vec<recall::RecallAnswer> = serde_json::from_slice(&std::fs::read(path)?)?;
+        let kinds = opts
+            .routes
+            .iter()
+            .map(|&(s, d)| {
+                (
+                    format!("{}→{}", ladder.rungs[s].name(), ladder.rungs[d].name()),
+                    molt::routes::route_kind(
+                        &molt::routes::binding(&ladder.rungs[s]),
+                        &molt::routes::binding(&ladder.rungs[d]),
+                    ),
+                )
+            })
+            .collect();
+        let doc = recall::from_partial(
+            &a.recall_items.display().to_string(),
+            &items,
+            answers,
+            &kinds,
+            opts,
+        );
+        return write_result(&a.out_dir, "recall.json", &doc);
+    }
     let info = RunInfo::now();
     let t0 = std::time::Instant::now();
     let (rows, answers) = recall::run(
@@ -563,6 +631,67 @@ fn run_recall(g: &GlobalArgs, a: &Args) -> Result<()> {
     write_result(&a.out_dir, name, &doc)?;
     let _ = std::fs::remove_file(a.out_dir.join("recall.partial.json"));
     Ok(())
+}
+
+fn run_precision(g: &GlobalArgs, a: &Args) -> Result<()> {
+    use molt::bench::precision;
+    let ladder = g.open_ladder()?;
+    let mut config = g.context_config()?;
+    config.n_ctx = config
+        .n_ctx
+        .max(u32::try_from(a.precision_context + 64).unwrap_or(u32::MAX));
+    let mut prompts = molt::bench::conditions::load_prompts(&a.prompts_file)?;
+    if let Some(n) = a.prompts {
+        prompts.truncate(n.max(1));
+    }
+    let opts = precision::PrecisionOptions {
+        rungs: a.precision_rungs.clone(),
+        prompts,
+        answer_tokens: a.max_tokens,
+        footprint_tokens: a.precision_context,
+        prefill_tokens: a.prefill_tokens,
+        decode_tokens: a.decode_tokens,
+        threads: config.n_threads,
+        recall_files: a.precision_recall.clone(),
+    };
+    let doc = precision::run(&ladder, config, &opts, &mut |s| eprintln!("{s}"))?;
+    println!(
+        "{:<8} {:<18} {:>8} {:>9} {:>8} {:>8} {:>8} {:>7} {:>6}  recall (arm: n/items, dst)",
+        "rung", "type", "file MiB", "model MiB", "pf tok/s", "dc tok/s", "dc ×", "judge", "agree"
+    );
+    for r in &doc.rungs {
+        #[allow(clippy::cast_precision_loss)]
+        let mib = |b: u64| b as f64 / 1_048_576.0;
+        let recall: Vec<String> = r
+            .recall
+            .iter()
+            .map(|p| {
+                format!(
+                    "{}{}: {}/{} dst {:.2}",
+                    p.arm,
+                    if p.default { "*" } else { "" },
+                    p.recalled,
+                    p.items,
+                    p.destination_recall
+                )
+            })
+            .collect();
+        println!(
+            "{:<8} {:<18} {:>8.1} {:>9.1} {:>8.1} {:>8.2} {:>8.2} {:>7} {:>6.2}  {}",
+            r.rung,
+            r.file_type,
+            mib(r.file_bytes),
+            mib(r.modelled_bytes),
+            r.prefill_tps,
+            r.decode_tps,
+            r.decode_vs_largest,
+            r.judge_ppl
+                .map_or_else(|| "-".into(), |p| format!("{p:.3}")),
+            r.agreement,
+            recall.join("; ")
+        );
+    }
+    write_result(&a.out_dir, "precision_rungs.json", &doc)
 }
 
 fn run_speed(g: &GlobalArgs, a: &Args) -> Result<()> {
