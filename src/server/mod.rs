@@ -20,6 +20,7 @@
 //! why); others wait in a bounded queue that answers 503 when full.
 
 mod auth;
+mod batch;
 mod budget;
 pub mod client;
 pub mod completions;
@@ -98,6 +99,10 @@ pub struct ServerConfig {
     /// decodes). For demos on fast hardware and for clients that act mid-answer (a budget cut
     /// posted after a few tokens must find the answer still running).
     pub token_pace: Option<Duration>,
+    /// Answers decoded together (continuous batching, one sequence each in one context of the
+    /// current rung); 1 answers one request at a time, the session's own loop (`serve
+    /// --serial`), which also keeps a conversation's cache between its requests.
+    pub parallel: usize,
 }
 
 impl Default for ServerConfig {
@@ -124,6 +129,7 @@ impl Default for ServerConfig {
             insecure_no_auth: false,
             memory_ceiling: None,
             token_pace: None,
+            parallel: 1,
         }
     }
 }
@@ -220,6 +226,7 @@ impl Server {
             let context = config.context;
             let opts = config.session.clone();
             let measure = config.measure_rungs;
+            let parallel = config.parallel;
             std::thread::Builder::new()
                 .name("molt-engine".into())
                 .spawn(move || {
@@ -237,7 +244,11 @@ impl Server {
                     session.set_budget_source(Some(Box::new(shared.budget.clone())));
                     worker::publish(&shared, &mut session, None, true);
                     let _ = ready_tx.send(Ok(()));
-                    worker::run(session, &shared);
+                    if parallel > 1 {
+                        batch::run(session, &shared, parallel);
+                    } else {
+                        worker::run(session, &shared);
+                    }
                 })
                 .map_err(|_| ServerError::EngineGone)?
         };

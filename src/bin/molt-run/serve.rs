@@ -52,6 +52,16 @@ pub struct Args {
     /// Requests that may wait for the engine; one more gets 503.
     #[arg(long, default_value_t = 8)]
     pub queue: usize,
+    /// Answers decoded together (continuous batching): each running request is a sequence of
+    /// one context on the current rung, and all advance in one decode per step. They share
+    /// the context window (--ctx), and the budget counts every one's cache.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub parallel: u16,
+    /// Answer one request at a time (the loop before continuous batching, kept for
+    /// comparison; it also keeps a conversation's cache between requests). Same as
+    /// --parallel 1.
+    #[arg(long, conflicts_with = "parallel")]
+    pub serial: bool,
     /// Seconds a request may wait for memory before it fails with 503.
     #[arg(long, default_value_t = 120)]
     pub admission_timeout_s: u64,
@@ -181,6 +191,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         api_key,
         insecure_no_auth: a.insecure_no_auth,
         token_pace: (a.pace_ms > 0).then(|| Duration::from_millis(a.pace_ms)),
+        parallel: if a.serial { 1 } else { usize::from(a.parallel) },
         ..ServerConfig::default()
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
