@@ -183,7 +183,9 @@ pub fn run(mut session: Session, shared: &Shared, slots: usize) {
     let mut tenants: Vec<Tenant> = Vec::new();
     let mut last_budget: Option<u64> = None;
     loop {
-        drop_departed(shared, &mut engine, &mut tenants);
+        if drop_departed(shared, &mut engine, &mut tenants) {
+            publish_batch(shared, &l, &engine, &tenants);
+        }
         if tenants.is_empty() {
             let Some(job) = shared.queue.pop() else {
                 return;
@@ -302,8 +304,9 @@ fn publish_batch(shared: &Shared, l: &Ladders, engine: &Engine, tenants: &[Tenan
     });
 }
 
-/// Removes tenants whose clients have gone; the others go on.
-fn drop_departed(shared: &Shared, engine: &mut Engine, tenants: &mut Vec<Tenant>) {
+/// Removes tenants whose clients have gone; the others go on. True when one left.
+fn drop_departed(shared: &Shared, engine: &mut Engine, tenants: &mut Vec<Tenant>) -> bool {
+    let before = tenants.len();
     let mut i = 0;
     while i < tenants.len() {
         if tenants[i].job.cancelled() {
@@ -313,6 +316,7 @@ fn drop_departed(shared: &Shared, engine: &mut Engine, tenants: &mut Vec<Tenant>
             i += 1;
         }
     }
+    tenants.len() != before
 }
 
 /// The prompt of a job as tokens of `model`.
