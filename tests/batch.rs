@@ -296,3 +296,50 @@ fn one_sequence_moves_to_another_context_alone() {
     assert!(dst.import_seq(2, b"not a state").is_err());
     assert_eq!(dst.n_past(2), Some(0));
 }
+
+#[test]
+fn a_shared_prefix_answers_as_one_read_in_full() {
+    let m = model();
+    let ps = prompts(&m);
+    // Two prompts that begin alike: the second takes the first's cells for the common part.
+    let head = &ps[2][..12];
+    let mut second = head.to_vec();
+    second.extend_from_slice(&ps[1]);
+    let want = alone(&m, &second);
+    let mut ctx = BatchContext::new(Arc::clone(&m), config(), 2).expect("batch context");
+    let a = ctx.add_seq().expect("a");
+    let b = ctx.add_seq().expect("b");
+    ctx.step(&[SeqChunk {
+        seq: a,
+        tokens: &ps[2],
+        logits: false,
+    }])
+    .expect("first prompt");
+    assert!(ctx.share_prefix(a, a, 4).is_err(), "not into itself");
+    assert!(
+        ctx.share_prefix(a, b, ps[2].len() + 1).is_err(),
+        "not past what a holds"
+    );
+    ctx.share_prefix(a, b, head.len()).expect("share");
+    assert_eq!(ctx.n_past(b), Some(head.len()));
+    ctx.step(&[SeqChunk {
+        seq: b,
+        tokens: &second[head.len()..],
+        logits: true,
+    }])
+    .expect("rest");
+    // The donor leaves: the shared cells stay for b.
+    ctx.remove_seq(a);
+    let mut out = vec![argmax(ctx.logits(b).expect("logits"))];
+    while out.len() < ANSWER {
+        let t = [*out.last().expect("token")];
+        ctx.step(&[SeqChunk {
+            seq: b,
+            tokens: &t,
+            logits: true,
+        }])
+        .expect("step");
+        out.push(argmax(ctx.logits(b).expect("logits")));
+    }
+    assert_eq!(out, want, "sharing the head changes nothing");
+}

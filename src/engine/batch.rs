@@ -161,7 +161,8 @@ impl BatchContext {
         self.seqs.iter().filter(|s| s.is_some()).count()
     }
 
-    /// Positions held by all sequences together (cells in use).
+    /// Positions held by all sequences together: the cells in use, counting a cell shared by
+    /// several sequences ([`BatchContext::share_prefix`]) once for each (an upper bound).
     pub fn cells_used(&self) -> usize {
         self.seqs.iter().flatten().sum()
     }
@@ -211,6 +212,40 @@ impl BatchContext {
         }
         self.seqs[seq as usize] = None;
         self.outputs[seq as usize] = None;
+    }
+
+    /// Gives the empty sequence `dst` the first `n` positions of `src` without decoding them:
+    /// in the unified cache a shared cell is a second sequence tag on it, not a copy, and it
+    /// stays as long as either sequence holds it. For prompts that begin alike (a chat
+    /// template's system prompt): a newcomer reads only what differs.
+    ///
+    /// # Errors
+    /// [`EngineError::OutOfRange`] when either sequence is not in use, `dst` is not empty, or
+    /// `src` holds fewer than `n` positions.
+    pub fn share_prefix(&mut self, src: SeqId, dst: SeqId, n: usize) -> Result<(), EngineError> {
+        let held = self.check(src)?;
+        if self.check(dst)? != 0 || src == dst {
+            return Err(EngineError::OutOfRange {
+                what: "sequence to share into (must be another, empty one)",
+                value: u64::from(dst),
+            });
+        }
+        if n > held {
+            return Err(EngineError::OutOfRange {
+                what: "shared prefix (longer than the source holds)",
+                value: n as u64,
+            });
+        }
+        let (s, d, p1) = (
+            to_i32("sequence", src as usize)?,
+            to_i32("sequence", dst as usize)?,
+            to_i32("position", n)?,
+        );
+        // SAFETY: live context; both ids are below n_seq_max and in use, and [0, n) is held
+        // by `src` (checked above); copying tags cells, it allocates nothing.
+        unsafe { llama_cpp_sys_2::llama_memory_seq_cp(self.mem(), s, d, 0, p1) };
+        self.seqs[dst as usize] = Some(n);
+        Ok(())
     }
 
     /// Removes positions `[from, n_past)` of `seq` (rewinds it to `from`).

@@ -81,6 +81,8 @@ struct Tenant {
     /// Tokens in the sequence's cache, in order (re-read when a switch cannot project).
     cached: Vec<Token>,
     prompt_tokens: usize,
+    /// Prompt tokens taken from another sequence's cells instead of being read.
+    reused: usize,
     started: bool,
     stalled: bool,
     sampler: Sampler,
@@ -372,6 +374,7 @@ fn admit(shared: &Shared, engine: &mut Engine, l: &Ladders, job: Job) -> Option<
         seq,
         sampler: Sampler::new(job.opts.sampling),
         prompt_tokens: tokens.len(),
+        reused: 0,
         feed: tokens,
         fed: 0,
         cached: Vec::new(),
@@ -717,6 +720,7 @@ fn step(shared: &Shared, l: &Ladders, engine: &mut Engine, tenants: &mut Vec<Ten
             i += 1;
         }
     }
+    share_prefixes(engine, tenants);
     let mut prefilling = false;
     let mut plan: Vec<(usize, usize)> = Vec::new();
     for (k, t) in tenants.iter().enumerate() {
@@ -785,6 +789,44 @@ fn step(shared: &Shared, l: &Ladders, engine: &mut Engine, tenants: &mut Vec<Ten
     }
 }
 
+/// A newcomer whose prompt begins as a running tenant's cache does (the chat template and its
+/// system prompt, a shared document) takes those cells instead of reading them: llama.cpp's
+/// server reuses a slot's own earlier prompt, and the unified cache lets a sequence share
+/// another's cells outright. At least the prompt's last token is still decoded (its logits
+/// start the answer).
+fn share_prefixes(engine: &mut Engine, tenants: &mut [Tenant]) {
+    for k in 0..tenants.len() {
+        let t = &tenants[k];
+        if t.fed != 0 || !t.cached.is_empty() || t.started || t.feed.len() < 2 {
+            continue;
+        }
+        let best = tenants
+            .iter()
+            .enumerate()
+            .filter(|&(j, _)| j != k)
+            .map(|(j, d)| {
+                let n = d
+                    .cached
+                    .iter()
+                    .zip(&t.feed)
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                (n.min(t.feed.len() - 1), j)
+            })
+            .max();
+        let Some((n, j)) = best.filter(|&(n, _)| n > 0) else {
+            continue;
+        };
+        let (src, dst) = (tenants[j].seq, tenants[k].seq);
+        if engine.ctx.share_prefix(src, dst, n).is_ok() {
+            let t = &mut tenants[k];
+            t.cached = t.feed[..n].to_vec();
+            t.fed = n;
+            t.reused = n;
+        }
+    }
+}
+
 /// Samples the tenant's next token and streams it; `Some` when its answer is complete.
 fn sample(
     shared: &Shared,
@@ -804,7 +846,7 @@ fn sample(
             Event::Start {
                 rung: rung.to_string(),
                 prompt_tokens: t.prompt_tokens,
-                reused_tokens: 0,
+                reused_tokens: t.reused,
             },
         );
     }
