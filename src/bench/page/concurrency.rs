@@ -30,6 +30,9 @@ pub struct ConcurrencyDoc {
     /// See `load_avg_1m_start`.
     #[serde(default)]
     pub load_avg_1m_end: Option<f64>,
+    /// How the file was put together, when its rows come from more than one run.
+    #[serde(default)]
+    pub note: Option<String>,
 }
 
 /// One server in one cell.
@@ -132,6 +135,9 @@ pub fn section(doc: &ConcurrencyDoc) -> String {
         opt(doc.load_avg_1m_start, 1),
         opt(doc.load_avg_1m_end, 1),
     );
+    if let Some(note) = &doc.note {
+        let _ = writeln!(s, "Rows: {note}; each row's load average is its own.\n");
+    }
     let goals = doc.goals();
     if !goals.is_empty() {
         let _ = writeln!(s, "Goals at {GOAL_STREAMS} streams:\n");
@@ -202,6 +208,7 @@ mod tests {
             n_ctx_total: None,
             load_avg_1m_start: None,
             load_avg_1m_end: None,
+            note: None,
         };
         let met: Vec<bool> = doc.goals().iter().map(|g| g.2).collect();
         // 9.0 < 0.9 × 10.5; above serial; 1000 × 3 > 2500.
