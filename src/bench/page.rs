@@ -15,6 +15,7 @@ use super::recall::RecallDoc;
 use super::speed::Rate;
 use crate::routes::RouteKind;
 
+mod concurrency;
 mod precision;
 mod recall;
 mod reliability;
@@ -509,6 +510,8 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
     let reliability: Option<super::reliability::Reliability> =
         optional(&dir.join("reliability.json"))?;
     let speed_doc: Option<super::speed::SpeedDoc> = optional(&dir.join("speed.json"))?;
+    let concurrency: Option<concurrency::ConcurrencyDoc> =
+        optional(&dir.join("serve_concurrency.json"))?;
     let fig = |name: &str| figures.written.iter().find(|f| f.name == name);
     let mut s = String::new();
     let _ = writeln!(s, "# Molt — results\n");
@@ -522,6 +525,7 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
         (stall_doc.is_some(), "switch_stall.json"),
         (reliability.is_some(), "reliability.json"),
         (speed_doc.is_some(), "speed.json"),
+        (concurrency.is_some(), "serve_concurrency.json"),
     ]
     .iter()
     .filter(|(present, _)| *present)
@@ -730,6 +734,9 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
     }
     if let Some(doc) = &speed_doc {
         s.push_str(&speed::section(doc));
+    }
+    if let Some(doc) = &concurrency {
+        s.push_str(&concurrency::section(doc));
     }
     if let Some(doc) = &reliability {
         s.push_str(&reliability::section(doc));

@@ -9,7 +9,7 @@ use std::sync::Arc;
 /// llama.cpp's name for a cache element type. The KV mirror's [`CacheType`] is the one list
 /// of cache types, since only the types it can read can be transplanted (quantized caches are
 /// Hadamard-rotated by llama.cpp and refused by the mirror).
-fn ggml_type(t: CacheType) -> llama_cpp_sys_2::ggml_type {
+pub(super) fn ggml_type(t: CacheType) -> llama_cpp_sys_2::ggml_type {
     match t {
         CacheType::F16 => llama_cpp_sys_2::GGML_TYPE_F16,
         CacheType::F32 => llama_cpp_sys_2::GGML_TYPE_F32,

@@ -14,6 +14,7 @@
 //! streaming, and [`PartialForward`] (a rung's last k blocks run over hidden states: top-k
 //! recompute).
 
+mod batch;
 mod chat;
 mod context;
 mod grammar;
@@ -26,6 +27,7 @@ pub mod system;
 pub mod tap;
 mod text;
 
+pub use batch::{BatchContext, SeqChunk, SeqId};
 pub use context::{Context, ContextConfig, DEFAULT_N_UBATCH, Span};
 pub use grammar::{Grammar, GrammarError, JSON_GRAMMAR};
 pub use logs::recent_llama_errors;

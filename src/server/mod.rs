@@ -20,6 +20,7 @@
 //! why); others wait in a bounded queue that answers 503 when full.
 
 mod auth;
+mod batch;
 mod budget;
 pub mod client;
 pub mod completions;
@@ -105,6 +106,10 @@ pub struct ServerConfig {
     pub state_dir: Option<PathBuf>,
     /// Bound on the state directory's files, MiB (oldest evicted first).
     pub state_max_mib: u64,
+    /// Answers decoded together (continuous batching, one sequence each in one context of the
+    /// current rung); 1 answers one request at a time, the session's own loop (`serve
+    /// --serial`), which also keeps a conversation's cache between its requests.
+    pub parallel: usize,
 }
 
 impl Default for ServerConfig {
@@ -133,6 +138,7 @@ impl Default for ServerConfig {
             token_pace: None,
             state_dir: None,
             state_max_mib: crate::state::DEFAULT_MAX_MIB,
+            parallel: 1,
         }
     }
 }
@@ -245,6 +251,7 @@ impl Server {
             let context = config.context;
             let opts = config.session.clone();
             let measure = config.measure_rungs;
+            let parallel = config.parallel;
             std::thread::Builder::new()
                 .name("molt-engine".into())
                 .spawn(move || {
@@ -262,7 +269,11 @@ impl Server {
                     session.set_budget_source(Some(Box::new(shared.budget.clone())));
                     worker::publish(&shared, &mut session, None, true);
                     let _ = ready_tx.send(Ok(()));
-                    worker::run(session, &shared);
+                    if parallel > 1 {
+                        batch::run(session, &shared, parallel);
+                    } else {
+                        worker::run(session, &shared);
+                    }
                 })
                 .map_err(|_| ServerError::EngineGone)?
         };

@@ -94,11 +94,11 @@ pub struct Job {
 }
 
 impl Job {
-    fn send(&self, u: Update) -> bool {
+    pub(super) fn send(&self, u: Update) -> bool {
         self.tx.send(u).is_ok()
     }
 
-    fn cancelled(&self) -> bool {
+    pub(super) fn cancelled(&self) -> bool {
         self.cancel.load(Ordering::SeqCst) || self.tx.is_closed()
     }
 }
@@ -180,7 +180,7 @@ impl Queue {
 
     /// Takes the first waiting job that `fits` accepts, without waiting: what the engine
     /// answers while an earlier job is deferred for memory.
-    fn take_first(&self, fits: impl Fn(&Job) -> bool) -> Option<Job> {
+    pub(super) fn take_first(&self, fits: impl Fn(&Job) -> bool) -> Option<Job> {
         let mut g = self.lock();
         let i = g.jobs.iter().position(|j| !j.cancelled() && fits(j))?;
         g.jobs.remove(i)

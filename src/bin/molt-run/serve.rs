@@ -52,6 +52,17 @@ pub struct Args {
     /// Requests that may wait for the engine; one more gets 503.
     #[arg(long, default_value_t = 8)]
     pub queue: usize,
+    /// Answers decoded together (continuous batching, opt-in): each running request is a
+    /// sequence of one context on the current rung, and all advance in one decode per step.
+    /// They share the context window (--n-ctx), and the budget counts every one's cache. The
+    /// batched loop does not yet keep or hibernate conversations, park, or honour the park
+    /// deadline; 1 (the default) answers one request at a time with all of those.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub parallel: u16,
+    /// Answer one request at a time (the default; it keeps and hibernates conversations,
+    /// parks and honours the park deadline). Same as --parallel 1.
+    #[arg(long, conflicts_with = "parallel")]
+    pub serial: bool,
     /// Seconds a request may wait for memory before it fails with 503.
     #[arg(long, default_value_t = 120)]
     pub admission_timeout_s: u64,
@@ -198,6 +209,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         token_pace: (a.pace_ms > 0).then(|| Duration::from_millis(a.pace_ms)),
         state_dir: Some(state_dir),
         state_max_mib: a.state_max_mib,
+        parallel: if a.serial { 1 } else { usize::from(a.parallel) },
         ..ServerConfig::default()
     };
     let state_dir_shown = config.state_dir.clone().unwrap_or_default();

@@ -1,0 +1,233 @@
+//! Continuous batching in the service (tiny ladder, real sockets): two streams run at once —
+//! the second's first token arrives while the first is still answering — and each gives the
+//! text it gives alone; a budget cut mid-answer carries both to the smaller rung, each stream
+//! with its own switch event; a client that hangs up leaves, and the other answer goes on.
+
+mod common;
+#[path = "common/server.rs"]
+mod harness;
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use harness::{serial, start};
+use molt::server::client::{self, EventStream};
+use serde_json::{Value, json};
+
+fn chat(content: &str, max_tokens: usize, stream: bool) -> Value {
+    json!({
+        "model": "tiny",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    })
+}
+
+const FIRST: &str = "the scheduler parks the weights of a background job";
+const SECOND: &str = "a budget cut moves every answer to a smaller rung";
+
+async fn status(addr: SocketAddr) -> Value {
+    let r = client::request(addr, "GET", "/v1/molt/status", None)
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+    r.json().unwrap()
+}
+
+fn molt_kind(v: &Value) -> &str {
+    v["molt"]["event"].as_str().unwrap_or("")
+}
+
+/// One event of a stream with when it arrived; `None` at the end.
+async fn next(s: &mut EventStream) -> Option<(Instant, Value)> {
+    let ev = tokio::time::timeout(Duration::from_secs(60), s.next())
+        .await
+        .expect("stream stalls")
+        .unwrap()?;
+    Some((Instant::now(), ev.json().unwrap_or(Value::String(ev.data))))
+}
+
+async fn open(addr: SocketAddr, body: &Value) -> EventStream {
+    client::stream(addr, "/v1/chat/completions", body)
+        .await
+        .unwrap()
+        .map_err(|r| String::from_utf8_lossy(&r.body).into_owned())
+        .unwrap()
+}
+
+/// Reads until `n` token events have arrived.
+async fn until_tokens(s: &mut EventStream, n: usize) -> Vec<(Instant, Value)> {
+    let mut out = Vec::new();
+    while out.iter().filter(|(_, e)| molt_kind(e) == "token").count() < n {
+        out.push(next(s).await.expect("stream ended early"));
+    }
+    out
+}
+
+async fn drain(s: &mut EventStream, mut into: Vec<(Instant, Value)>) -> Vec<(Instant, Value)> {
+    while let Some(e) = next(s).await {
+        into.push(e);
+    }
+    into
+}
+
+/// The streamed text.
+fn text(events: &[(Instant, Value)]) -> String {
+    events
+        .iter()
+        .filter_map(|(_, e)| e["choices"][0]["delta"]["content"].as_str())
+        .collect()
+}
+
+fn tokens(events: &[(Instant, Value)]) -> Vec<(u64, String)> {
+    events
+        .iter()
+        .filter(|(_, e)| molt_kind(e) == "token")
+        .map(|(_, e)| {
+            (
+                e["molt"]["index"].as_u64().unwrap(),
+                e["molt"]["rung"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+async fn alone(addr: SocketAddr, body: &Value) -> String {
+    let mut s = open(addr, body).await;
+    text(&drain(&mut s, Vec::new()).await)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_streams_run_at_once_and_answer_as_alone() {
+    let _serial = serial().await;
+    let srv = start(|c| c.parallel = 2).await;
+    let addr = srv.addr;
+    // Long enough that the first is still answering when the second arrives; both fit the
+    // shared window (1024 cells) together.
+    let (a, b) = (chat(FIRST, 600, true), chat(SECOND, 24, true));
+    let want_a = alone(addr, &a).await;
+    let want_b = alone(addr, &b).await;
+    let mut sa = open(addr, &a).await;
+    let head_a = until_tokens(&mut sa, 1).await;
+    let mut sb = open(addr, &b).await;
+    let (ea, eb) = tokio::join!(drain(&mut sa, head_a), drain(&mut sb, Vec::new()));
+    let last_a = ea.iter().rfind(|(_, e)| molt_kind(e) == "token").unwrap().0;
+    let first_b = eb.iter().find(|(_, e)| molt_kind(e) == "token").unwrap().0;
+    assert!(
+        first_b < last_a,
+        "the second answer's first token came after the first answer's last: served one at a time"
+    );
+    assert_eq!(text(&ea), want_a, "first answer, batched vs alone");
+    assert_eq!(text(&eb), want_b, "second answer, batched vs alone");
+    let st = status(addr).await;
+    assert_eq!(st["counters"]["completed"], 4);
+    srv.shutdown().await;
+}
+
+/// A budget in MiB that holds the small rung with a full context but neither larger rung
+/// (from the costs the engine publishes).
+async fn small_only_budget(addr: SocketAddr) -> f64 {
+    let s = status(addr).await;
+    let rungs = s["engine"]["rungs"].as_array().unwrap();
+    let get = |name: &str, key: &str| {
+        rungs.iter().find(|r| r["name"] == name).unwrap()[key]
+            .as_f64()
+            .unwrap()
+    };
+    let cut = get("big-q8", "resident_mib").min(get("big", "resident_mib")) - 0.1;
+    assert!(get("small", "full_context_mib") + 0.5 < cut, "{rungs:?}");
+    cut
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_budget_cut_mid_answer_carries_every_running_answer() {
+    let _serial = serial().await;
+    let srv = start(|c| c.parallel = 2).await;
+    let addr = srv.addr;
+    let cut = small_only_budget(addr).await;
+    let mut sa = open(addr, &chat(FIRST, 400, true)).await;
+    let head_a = until_tokens(&mut sa, 1).await;
+    let mut sb = open(addr, &chat(SECOND, 400, true)).await;
+    let head_b = until_tokens(&mut sb, 4).await;
+    let r = client::post_json(addr, "/v1/molt/budget", &json!({"mib": cut}))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+    let (ea, eb) = tokio::join!(drain(&mut sa, head_a), drain(&mut sb, head_b));
+    for (name, events) in [("first", &ea), ("second", &eb)] {
+        let switches: Vec<&Value> = events
+            .iter()
+            .filter(|(_, e)| molt_kind(e) == "switch")
+            .map(|(_, e)| &e["molt"])
+            .collect();
+        assert_eq!(switches.len(), 1, "{name}: one switch each: {switches:?}");
+        let sw = switches[0];
+        assert_eq!(
+            (sw["from"].as_str(), sw["to"].as_str()),
+            (Some("big"), Some("small"))
+        );
+        assert_eq!(sw["method"], "molt", "{name}: the cache was carried: {sw}");
+        let at = sw["at_token"].as_u64().unwrap();
+        let toks = tokens(events);
+        assert!(
+            toks.len() as u64 > at,
+            "{name}: tokens continue after the switch"
+        );
+        for (i, r) in &toks {
+            assert_eq!(
+                r,
+                if *i < at { "big" } else { "small" },
+                "{name}: token {i}"
+            );
+        }
+        let summary = events
+            .iter()
+            .find(|(_, e)| molt_kind(e) == "summary")
+            .map(|(_, e)| &e["molt"])
+            .unwrap();
+        assert_eq!(summary["rungs_used"], json!(["big", "small"]));
+    }
+    let st = status(addr).await;
+    assert_eq!(st["engine"]["current_rung"], "small");
+    assert_eq!(st["counters"]["switches"], 2);
+    srv.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_hangs_up_leaves_and_the_other_answer_goes_on() {
+    let _serial = serial().await;
+    let srv = start(|c| c.parallel = 2).await;
+    let addr = srv.addr;
+    let a = chat(FIRST, 300, true);
+    let want_a = alone(addr, &a).await;
+    let mut sa = open(addr, &a).await;
+    let head_a = until_tokens(&mut sa, 1).await;
+    let mut sb = open(addr, &chat(SECOND, 600, true)).await;
+    let _ = until_tokens(&mut sb, 3).await;
+    drop(sb);
+    let ea = drain(&mut sa, head_a).await;
+    assert_eq!(text(&ea), want_a, "the other answer is unchanged");
+    let n_a = tokens(&ea).len() as u64;
+    let t0 = Instant::now();
+    loop {
+        let st = status(addr).await;
+        if st["counters"]["cancelled"] == 1 && st["engine"]["running"].is_null() {
+            assert!(
+                st["counters"]["tokens"].as_u64().unwrap() < 2 * n_a + 600,
+                "the hung-up answer stopped early: {st}"
+            );
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "no cancellation: {st}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Its sequence is free again: the next request is answered.
+    let r = client::post_json(addr, "/v1/chat/completions", &chat(SECOND, 8, false))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+    srv.shutdown().await;
+}
