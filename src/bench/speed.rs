@@ -255,6 +255,9 @@ impl Setting {
 pub struct Peer {
     /// The program.
     pub bin: PathBuf,
+    /// What `scripts/llama-tools.sh` recorded of the build (its `SOURCE` file beside the
+    /// binaries): a build from an sdist has no git commit for llama-bench to report.
+    pub source: Option<String>,
 }
 
 /// One test of a llama-bench JSON report (the fields read).
@@ -282,8 +285,17 @@ impl Peer {
     /// The peer at `bin`, if that file exists.
     #[must_use]
     pub fn at(bin: &Path) -> Option<Self> {
+        // The script's output directory holds SOURCE; the binary may be its link there or the
+        // file under build/bin.
+        let source = bin
+            .ancestors()
+            .skip(1)
+            .take(3)
+            .find_map(|d| std::fs::read_to_string(d.join("SOURCE")).ok())
+            .and_then(|s| s.lines().next().map(str::to_owned));
         bin.is_file().then(|| Self {
             bin: bin.to_path_buf(),
+            source,
         })
     }
 
@@ -324,8 +336,14 @@ impl Peer {
                     .join(" / ")
             ));
         }
-        parse_peer(&String::from_utf8_lossy(&out.stdout))
-            .map_err(|e| format!("{}: {e}", self.bin.display()))
+        let mut run = parse_peer(&String::from_utf8_lossy(&out.stdout))
+            .map_err(|e| format!("{}: {e}", self.bin.display()))?;
+        if let Some(source) = &self.source
+            && run.name.contains("unknown")
+        {
+            run.name = format!("llama-bench of {source}");
+        }
+        Ok(run)
     }
 }
 

@@ -127,7 +127,7 @@ pub fn section(doc: &ConcurrencyDoc) -> String {
     let _ = writeln!(s, "\n## Several streams at once\n");
     let _ = writeln!(
         s,
-        "`molt-run serve` decodes every running answer in one `llama_decode` per step (continuous batching, `--parallel N`); `--serial` is the one-answer-at-a-time loop it replaced; `llama-server -np N` is llama.cpp's own server on the same GGUF. Every server its own process with the same decode threads ({}) and total context ({} tokens), {} tokens per answer, {} rounds per server and cell, the servers taking turns round by round. Load average {} at the start, {} at the end (2 cores shared with other work: absolute numbers are low, the comparison is side by side). From `cargo bench --bench serve_concurrency`.\n",
+        "`molt-run serve --parallel N` decodes every running answer in one `llama_decode` per step (continuous batching, opt-in); `--serial` (the default) answers one request at a time; `llama-server -np N` is llama.cpp's own server on the same GGUF. Every server its own process with the same decode threads ({}) and total context ({} tokens), {} tokens per answer, {} rounds per server and cell, the servers taking turns round by round. Load average {} at the start, {} at the end (2 cores shared with other work: absolute numbers are low, the comparison is side by side). From `cargo bench --bench serve_concurrency`.\n",
         doc.threads.map_or("–".into(), |t| t.to_string()),
         doc.n_ctx_total.map_or("–".into(), |t| t.to_string()),
         doc.max_tokens.map_or("–".into(), |t| t.to_string()),
