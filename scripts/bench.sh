@@ -28,6 +28,9 @@ fi
 arms=A,B,C,D,D-no-sandwich,D-no-remap,D-truncate,D-no-diagonal,D-dense,D-per-head,D-topk2,D-topk4,D-topk6,D-tail8,D-no-head,D-refill32
 $run bench --conditions "$arms" --reps "$reps" "${prompts[@]}"
 $run bench --cost-sweep --reps "$reps" --tails 8,32
+# llama.cpp's own llama-bench as the speed peer (same sources and flags); without it --speed
+# still compares against the llama-cpp-2 safe API and says the peer is absent.
+scripts/llama-tools.sh >/dev/null || echo "== llama-tools did not build: bench --speed runs without its peer" >&2
 $run bench --speed --reps "$reps"
 $run bench --footprint
 $run bench --qos
