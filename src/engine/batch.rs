@@ -96,39 +96,10 @@ impl BatchContext {
                 value: 0,
             });
         }
-        let threads = to_i32("n_threads", config.n_threads as usize)?;
-        // SAFETY: plain-data default parameters.
-        let mut p = unsafe { llama_cpp_sys_2::llama_context_default_params() };
-        p.n_ctx = config.n_ctx;
-        p.n_batch = config.n_batch.min(config.n_ctx);
-        // As in `Context::new`: micro-batches of at most 128 tokens keep the compute buffer
-        // (sized for every token asking for logits) small under a memory budget.
-        p.n_ubatch = p.n_batch.min(128);
-        p.n_seq_max = max_seqs;
-        p.kv_unified = true;
-        p.n_threads = threads;
-        p.n_threads_batch = threads;
-        // The same layout as every other context of the ladder, so that a sequence's exported
-        // state is interchangeable with a single-sequence context's (see `ContextConfig`).
-        p.flash_attn_type = llama_cpp_sys_2::LLAMA_FLASH_ATTN_TYPE_DISABLED;
-        p.type_k = super::context::ggml_type(config.cache_type);
-        p.type_v = super::context::ggml_type(config.cache_type);
-        p.no_perf = true;
-        let _ = recent_llama_errors();
-        let _ = super::logs::take_buffer_sizes();
-        // SAFETY: the model pointer is alive (we hold an Arc); params by value.
-        let raw = unsafe { llama_cpp_sys_2::llama_init_from_model(model.as_ptr(), p) };
-        let ptr = std::ptr::NonNull::new(raw).ok_or_else(|| EngineError::ContextFailed {
-            model: model.name().to_string(),
-            n_ctx: config.n_ctx,
-            detail: recent_llama_errors(),
-        })?;
-        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-        let reserved_bytes = super::logs::take_buffer_sizes()
-            .iter()
-            .filter(|(what, _)| !what.contains("model") && !what.contains("Mapped"))
-            .map(|(_, mib)| (mib * 1_048_576.0) as u64)
-            .sum();
+        // The same parameters as every other context of the ladder, so that a sequence's
+        // exported state is interchangeable with a single-sequence context's.
+        let p = super::context::ladder_params(&config, max_seqs)?;
+        let (ptr, reserved_bytes) = super::context::init_context(&model, p, config.n_ctx)?;
         let n = max_seqs as usize;
         Ok(Self {
             ptr,

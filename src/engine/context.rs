@@ -143,6 +143,68 @@ impl<'a> Span<'a> {
     }
 }
 
+/// The llama.cpp parameters of every context of a ladder — [`Context`] and
+/// [`super::BatchContext`] alike — with `n_seq_max` sequences in one unified cache: the same
+/// window, micro-batch, threads, cache type and layout (flash attention off), so a sequence's
+/// exported state is interchangeable between them.
+///
+/// # Errors
+/// [`EngineError::OutOfRange`] for more threads than an `i32`.
+pub(super) fn ladder_params(
+    config: &ContextConfig,
+    n_seq_max: u32,
+) -> Result<llama_cpp_sys_2::llama_context_params, EngineError> {
+    let threads = i32::try_from(config.n_threads).map_err(|_| EngineError::OutOfRange {
+        what: "n_threads",
+        value: u64::from(config.n_threads),
+    })?;
+    // SAFETY: plain-data default parameters.
+    let mut p = unsafe { llama_cpp_sys_2::llama_context_default_params() };
+    p.n_ctx = config.n_ctx;
+    p.n_batch = config.n_batch.min(config.n_ctx);
+    // The compute buffer is reserved for the worst case of a micro-batch whose every token
+    // asks for logits (see `ContextConfig::n_ubatch`); prompts still go in n_batch chunks,
+    // which llama.cpp splits into micro-batches.
+    p.n_ubatch = config.n_ubatch.clamp(1, p.n_batch.max(1));
+    p.n_seq_max = n_seq_max;
+    p.kv_unified = true;
+    p.n_threads = threads;
+    p.n_threads_batch = threads;
+    p.flash_attn_type = llama_cpp_sys_2::LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    p.type_k = ggml_type(config.cache_type);
+    p.type_v = ggml_type(config.cache_type);
+    p.no_perf = true;
+    Ok(p)
+}
+
+/// Creates the llama.cpp context of `p` over `model`; returns it with the bytes llama.cpp
+/// reported reserving for its KV, compute and output buffers (0 if its log did not say).
+///
+/// # Errors
+/// [`EngineError::ContextFailed`] with llama.cpp's own words.
+pub(super) fn init_context(
+    model: &Model,
+    p: llama_cpp_sys_2::llama_context_params,
+    n_ctx: u32,
+) -> Result<(std::ptr::NonNull<llama_cpp_sys_2::llama_context>, u64), EngineError> {
+    let _ = recent_llama_errors();
+    let _ = super::logs::take_buffer_sizes();
+    // SAFETY: the model pointer is alive (the caller holds it); params by value.
+    let raw = unsafe { llama_cpp_sys_2::llama_init_from_model(model.as_ptr(), p) };
+    let ptr = std::ptr::NonNull::new(raw).ok_or_else(|| EngineError::ContextFailed {
+        model: model.name().to_string(),
+        n_ctx,
+        detail: recent_llama_errors(),
+    })?;
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let reserved_bytes = super::logs::take_buffer_sizes()
+        .iter()
+        .filter(|(what, _)| !what.contains("model") && !what.contains("Mapped"))
+        .map(|(_, mib)| (mib * 1_048_576.0) as u64)
+        .sum();
+    Ok((ptr, reserved_bytes))
+}
+
 impl Context {
     /// Creates a context over `model`.
     ///
@@ -150,30 +212,11 @@ impl Context {
     /// [`EngineError::ContextFailed`] if llama.cpp cannot allocate it; [`EngineError::OutOfRange`]
     /// for absurd sizes.
     pub fn new(model: Arc<Model>, config: ContextConfig) -> Result<Self, EngineError> {
-        let threads = i32::try_from(config.n_threads).map_err(|_| EngineError::OutOfRange {
-            what: "n_threads",
-            value: u64::from(config.n_threads),
-        })?;
-        // SAFETY: plain-data default parameters.
-        let mut p = unsafe { llama_cpp_sys_2::llama_context_default_params() };
-        p.n_ctx = config.n_ctx;
-        p.n_batch = config.n_batch.min(config.n_ctx);
-        // The compute buffer is reserved for the worst case of a micro-batch whose every token
-        // asks for logits (see `ContextConfig::n_ubatch`); prompts still go in n_batch chunks,
-        // which llama.cpp splits into micro-batches.
-        p.n_ubatch = config.n_ubatch.clamp(1, p.n_batch.max(1));
         // Sequence 0 is the conversation; the others are scratch sequences of selective token
         // recompute (see [`Context::recompute_spans`]). One unified cache holds them all, so a
         // scratch sequence shares sequence 0's cells (a copy is a tag, not a copy of data) and
         // sequence 0 keeps the whole window.
-        p.n_seq_max = SCRATCH_SEQS + 1;
-        p.kv_unified = true;
-        p.n_threads = threads;
-        p.n_threads_batch = threads;
-        p.flash_attn_type = llama_cpp_sys_2::LLAMA_FLASH_ATTN_TYPE_DISABLED;
-        p.type_k = ggml_type(config.cache_type);
-        p.type_v = ggml_type(config.cache_type);
-        p.no_perf = true;
+        let mut p = ladder_params(&config, SCRATCH_SEQS + 1)?;
         let tap = (config.attention_tap || config.hidden_tap).then(tap::new_tap);
         if let Some(t) = &tap {
             // The callback only ever takes a shared reference to the RefCell (interior
@@ -182,22 +225,8 @@ impl Context {
             p.cb_eval = Some(tap::callback);
             p.cb_eval_user_data = std::ptr::from_ref(&**t).cast_mut().cast();
         }
-        let _ = recent_llama_errors();
-        let _ = super::logs::take_buffer_sizes();
-        // SAFETY: the model pointer is alive (we hold an Arc); params by value.
-        let raw = unsafe { llama_cpp_sys_2::llama_init_from_model(model.as_ptr(), p) };
-        let ptr = std::ptr::NonNull::new(raw).ok_or_else(|| EngineError::ContextFailed {
-            model: model.name().to_string(),
-            n_ctx: config.n_ctx,
-            detail: recent_llama_errors(),
-        })?;
+        let (ptr, reserved_bytes) = init_context(&model, p, config.n_ctx)?;
         let n_vocab = model.n_vocab();
-        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-        let reserved_bytes = super::logs::take_buffer_sizes()
-            .iter()
-            .filter(|(what, _)| !what.contains("model") && !what.contains("Mapped"))
-            .map(|(_, mib)| (mib * 1_048_576.0) as u64)
-            .sum();
         Ok(Self {
             ptr,
             model,
