@@ -250,3 +250,54 @@ fn a_size_switch_with_token_recompute_reports_what_it_reread() {
     // Off: nothing re-read.
     assert_eq!(run(None, 2).timings.recomputed, 0);
 }
+
+/// The recall benchmark's background-refill arm: whatever the live cache held, once the refill
+/// has caught up the answer goes on exactly as it would on a native cache of the same text.
+#[test]
+fn a_refill_that_caught_up_continues_as_the_native_cache_does() {
+    let l = common::tiny_ladder();
+    let info = &l.rungs[2];
+    let model = Model::load(&info.path, info.name(), ModelOptions::default()).unwrap();
+    let toks = model.tokenize(TEXT, false).unwrap();
+    let (history, last) = (&toks[..toks.len() - 1], toks[toks.len() - 1]);
+    // The live cache holds other text at the history's positions (a stand-in for projected
+    // cells), then the newest token.
+    let mut live = Context::new(model.clone(), common::cfg_long()).unwrap();
+    let other: Vec<_> = history.iter().rev().copied().collect();
+    live.decode(&other).unwrap();
+    live.decode(&[last]).unwrap();
+    let mut out = vec![last];
+    let (ms, took_over) = molt::bench::recall::continue_refilling(
+        &mut live,
+        common::cfg_long(),
+        history,
+        &mut out,
+        40,
+        8,
+    )
+    .unwrap();
+    let k = took_over.expect("caught up inside 40 tokens");
+    assert!(ms > 0.0);
+    // Seven new history tokens a step (eight read, one more written): a few steps.
+    assert!(
+        k > 2 && k <= 2 + history.len() / 7,
+        "took over before answer token {k}"
+    );
+    assert!(k < out.len(), "the answer went on after the take-over");
+    // A native cache of the history and the answer up to the take-over continues the same.
+    let mut native = Context::new(model, common::cfg_long()).unwrap();
+    native.decode(history).unwrap();
+    native.decode(&out[..k]).unwrap();
+    let mut again = out[..k].to_vec();
+    while again.len() < out.len() {
+        let t = molt::engine::argmax(native.logits());
+        again.push(t);
+        if again.len() < out.len() {
+            native.decode(&[t]).unwrap();
+        }
+    }
+    assert_eq!(
+        again, out,
+        "after the take-over the answer is the native cache's"
+    );
+}

@@ -166,6 +166,11 @@ pub enum ArmMethod {
         tail: usize,
         /// Selective token recompute.
         recompute: Option<TokenRecompute>,
+        /// Background refill: history tokens the destination re-reads natively in a context
+        /// of its own between every two answer tokens, taking over the live cache once caught
+        /// up (0: off), as [`SessionOptions::refill_chunk`].
+        #[serde(default)]
+        refill: usize,
     },
 }
 
@@ -181,12 +186,23 @@ pub struct Arm {
 
 impl Arm {
     fn transplant(name: &str, head: usize, tail: usize, recompute: Option<TokenRecompute>) -> Self {
+        Self::refilled(name, head, tail, recompute, 0)
+    }
+
+    fn refilled(
+        name: &str,
+        head: usize,
+        tail: usize,
+        recompute: Option<TokenRecompute>,
+        refill: usize,
+    ) -> Self {
         Self {
             name: name.into(),
             method: ArmMethod::Transplant {
                 head,
                 tail,
                 recompute,
+                refill,
             },
         }
     }
@@ -201,7 +217,13 @@ impl Arm {
                 head,
                 tail,
                 recompute: r,
-            } => head == d.head_reread && tail == d.tail_recompute && r == recompute,
+                refill,
+            } => {
+                head == d.head_reread
+                    && tail == d.tail_recompute
+                    && r == recompute
+                    && refill == d.refill_chunk
+            }
             _ => false,
         }
     }
@@ -281,6 +303,23 @@ pub fn default_arms(names: &[String]) -> Vec<Arm> {
                 ..sent_floor(0.10, 64)
             }),
         ),
+        // The default switch, then the history re-read natively behind the answer: the
+        // projection's error lasts until the refill catches up (a re-prefill's compute,
+        // spread over the next tokens instead of stalling the first).
+        Arm::refilled(
+            "sent-r10-m64+refill64",
+            h,
+            0,
+            Some(sent_floor(0.10, 64)),
+            64,
+        ),
+        Arm::refilled(
+            "sent-r10-m64+refill256",
+            h,
+            0,
+            Some(sent_floor(0.10, 64)),
+            256,
+        ),
     ];
     if names.is_empty() {
         return all;
@@ -346,6 +385,19 @@ pub struct RecallAnswer {
     /// Their text, span by span (what the selection chose), before the always-read question.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub reread: Vec<String>,
+    /// A background refill's time, ms, spread over the answer's tokens after the switch (not
+    /// in `cost_ms`, the stall before the next token).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub refill_ms: f64,
+    /// The answer token before which the refill took over the live cache (`None`: it did not
+    /// catch up before the answer ended, or no refill).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refill_at: Option<usize>,
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)]
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
 }
 
 /// A `{median, min, max}` summary.
@@ -409,6 +461,10 @@ pub struct RecallRow {
     pub reprefill_ms: Spread,
     /// Positions re-read by selective recompute, median.
     pub recomputed: f64,
+    /// A background refill's time, ms, spread over the tokens after the switch (arms with a
+    /// refill only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refill_ms: Option<Spread>,
 }
 
 /// `results/recall.json`.
@@ -476,6 +532,76 @@ fn continue_greedy(
         }
     }
     Ok(())
+}
+
+/// Greedy continuation with a background refill behind it, as a session's
+/// [`SessionOptions::refill_chunk`] runs one: `history` is what the destination's cache holds
+/// before the answer token `out.last()` (just decoded on `ctx`, its logits ready). Between every
+/// two answer tokens a context of the destination's own re-reads the next `chunk` history
+/// tokens; once it has caught up, its cache replaces the live one and the newest token is
+/// decoded on it. Returns the refill's time, ms, and the answer token before which it took over
+/// (`None`: the answer ended first).
+pub fn continue_refilling(
+    ctx: &mut Context,
+    config: ContextConfig,
+    history: &[Token],
+    out: &mut Vec<Token>,
+    max: usize,
+    chunk: usize,
+) -> Result<(f64, Option<usize>), BenchError> {
+    let name = ctx.model().name().to_string();
+    let mut full: Vec<Token> = history.to_vec();
+    full.extend(out.last().copied());
+    let mut refill: Option<Context> = None;
+    let mut done = 0;
+    let mut ms = 0.0;
+    let mut took_over = None;
+    while out.len() < max {
+        let t = argmax(ctx.logits());
+        if ctx.model().is_eog(t) {
+            break;
+        }
+        out.push(t);
+        full.push(t);
+        if out.len() >= max {
+            break;
+        }
+        if took_over.is_none() {
+            let t0 = Instant::now();
+            let r = match refill.as_mut() {
+                Some(r) => r,
+                None => refill.insert(
+                    Context::new(
+                        ctx.model().clone(),
+                        ContextConfig {
+                            n_batch: u32::try_from(chunk).unwrap_or(u32::MAX).max(1),
+                            attention_tap: false,
+                            hidden_tap: false,
+                            ..config
+                        },
+                    )
+                    .map_err(engine(&name))?,
+                ),
+            };
+            // Everything but the newest token, which the live context decodes next.
+            let target = full.len() - 1;
+            let end = (done + chunk).min(target);
+            if end > done {
+                r.decode(&full[done..end]).map_err(engine(&name))?;
+                done = end;
+            }
+            if done >= target {
+                let blob = r.export_state().map_err(engine(&name))?;
+                refill = None;
+                ctx.clear();
+                ctx.import_state(&blob).map_err(engine(&name))?;
+                took_over = Some(out.len());
+            }
+            ms += t0.elapsed().as_secs_f64() * 1e3;
+        }
+        ctx.decode(&[t]).map_err(engine(&name))?;
+    }
+    Ok((ms, took_over))
 }
 
 /// What the source hands every arm of one item.
@@ -588,7 +714,8 @@ pub fn run(
                           sw: usize,
                           cost: f64,
                           rc,
-                          reread: Vec<String>| {
+                          reread: Vec<String>,
+                          refill: Option<(f64, Option<usize>)>| {
                 let text = src.ctx.model().detokenize(toks);
                 RecallAnswer {
                     id: item.id.clone(),
@@ -601,6 +728,8 @@ pub fn run(
                     cost_ms: cost,
                     recomputed: rc,
                     reread,
+                    refill_ms: refill.map_or(0.0, |r| r.0),
+                    refill_at: refill.and_then(|r| r.1),
                 }
             };
             for &(_, d) in opts.routes.iter().filter(|r| r.0 == s) {
@@ -627,6 +756,7 @@ pub fn run(
                 history.extend_from_slice(&read.before[..read.before.len().saturating_sub(1)]);
                 for arm in arms {
                     let mut reread = Vec::new();
+                    let mut refilled = None;
                     let (toks, sw, cost, rc) = match arm.method {
                         ArmMethod::NativeSource => (read.native.clone(), 0, 0.0, 0),
                         ArmMethod::NativeDestination => {
@@ -649,6 +779,7 @@ pub fn run(
                             head,
                             tail,
                             recompute,
+                            refill,
                         } => {
                             let last = *read.before.last().expect("switch after a token");
                             let h = head.min(n_past);
@@ -706,11 +837,24 @@ pub fn run(
                                 last,
                             )?;
                             let mut out = read.before.clone();
-                            continue_greedy(&mut dst.ctx, &mut out, max, &dst_name)?;
+                            if refill > 0 {
+                                refilled = Some(continue_refilling(
+                                    &mut dst.ctx,
+                                    config,
+                                    &history,
+                                    &mut out,
+                                    max,
+                                    refill,
+                                )?);
+                            } else {
+                                continue_greedy(&mut dst.ctx, &mut out, max, &dst_name)?;
+                            }
                             (out, switch_at, t.cost_ms, t.recomputed)
                         }
                     };
-                    answers.push(answer(&arm.name, &route, &toks, sw, cost, rc, reread));
+                    answers.push(answer(
+                        &arm.name, &route, &toks, sw, cost, rc, reread, refilled,
+                    ));
                 }
             }
             if !sources.is_empty() {
@@ -723,6 +867,7 @@ pub fn run(
                     0.0,
                     0,
                     Vec::new(),
+                    None,
                 ));
             }
             if let Some(path) = &opts.partial {
@@ -863,6 +1008,11 @@ fn summarise(
                         cost_ms: Spread::of(&costs),
                         reprefill_ms: Spread::of(&re),
                         recomputed: Spread::of(&rc).median,
+                        refill_ms:
+                            matches!(arm.method, ArmMethod::Transplant { refill, .. } if refill > 0)
+                                .then(|| {
+                                    Spread::of(&v.iter().map(|a| a.refill_ms).collect::<Vec<_>>())
+                                }),
                     });
                 }
             }

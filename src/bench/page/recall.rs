@@ -237,6 +237,7 @@ fn reread(doc: &RecallDoc, x: &RecallSummary) -> String {
             head,
             tail,
             recompute,
+            refill,
         } => {
             let mut parts = Vec::new();
             if head > 0 {
@@ -253,6 +254,11 @@ fn reread(doc: &RecallDoc, x: &RecallSummary) -> String {
                         SelectRule::Attention => "by attention",
                         SelectRule::Random => "at random",
                     }
+                ));
+            }
+            if refill > 0 {
+                parts.push(format!(
+                    "then all behind the answer, {refill} tokens a step"
                 ));
             }
             if parts.is_empty() {
