@@ -202,7 +202,7 @@ fn restart_case(ladder_manifest: &Path, ladder: &molt::ladder::Ladder, real: boo
         let st = status(s.addr).await;
         for (i, (id, _)) in convs.iter().enumerate() {
             let c = conversation(&st, id).unwrap_or_else(|| panic!("{id} not listed: {st}"));
-            let want = if i < 2 { "hibernated" } else { "parked" };
+            let want = if i < 2 { "hibernated" } else { "kept" };
             assert_eq!(c["state"], want, "{c}");
             assert!(c["tokens"].as_u64().unwrap() > 0 && c["bytes"].as_u64().unwrap() > 0, "{c}");
         }
@@ -464,13 +464,13 @@ fn a_full_disk_keeps_the_conversation_in_ram_and_says_why() {
             "{log}"
         );
         let st = status(s.addr).await;
-        let parked: Vec<_> = st["conversations"]
+        let kept: Vec<_> = st["conversations"]
             .as_array()
             .unwrap()
             .iter()
-            .filter(|c| c["state"] == "parked")
+            .filter(|c| c["state"] == "kept")
             .collect();
-        assert_eq!(parked.len(), 2, "the displaced one is parked in RAM: {st}");
+        assert_eq!(kept.len(), 2, "the displaced one is kept in RAM: {st}");
         // Continued, it resumes from RAM: its first turn is not read again.
         a.push(json!({"role": "user", "content": FACTS[0].1}));
         let r = ask(s.addr, &a, 4).await;

@@ -41,8 +41,8 @@ pub enum ConversationState {
     /// Being answered.
     Running,
     /// Idle in RAM: in the engine's session, or its exported cache held because the state file
-    /// could not be written.
-    Parked,
+    /// could not be written. (Not "parked": a parked session has released its weights.)
+    Kept,
     /// In its state file; costs no RAM.
     Hibernated,
     /// A request for it is waiting for the engine.
@@ -501,7 +501,7 @@ impl Conversations {
             }
             Err(e) => {
                 if let Some(c) = s.convs.get_mut(id) {
-                    c.state = ConversationState::Parked;
+                    c.state = ConversationState::Kept;
                     c.bytes = file.blob.len() as u64;
                     c.in_ram = Some(file);
                 }
@@ -542,7 +542,7 @@ impl Conversations {
             if c.first_turn_len == 0 {
                 c.first_turn_len = prompt_tokens;
             }
-            c.state = ConversationState::Parked;
+            c.state = ConversationState::Kept;
             c.bytes = kv_bytes;
         }
     }

@@ -98,7 +98,13 @@ pub(super) fn section(doc: &PrecisionDoc) -> String {
     }
     let _ = writeln!(
         s,
-        "\nRecall after a switch is the session's default switch on a precision route (the head re-read of 4 positions over the carried cache); `identity` means the cache was carried unchanged (no fitted map: how a rung without fitted maps is measured), `auto` the fitted diagonal maps. The samples are small (see the items column): one answer moves a rung's recall by an eighth or more."
+        "\nRecall after a switch is the session's default switch on a precision route (the head re-read of 4 positions over the carried cache); `identity` means the cache was carried unchanged (no fitted map: how a rung without fitted maps is measured), `auto` the fitted diagonal maps. The samples are small: each recall cell reads answers right / items, and with n items one answer moves it by 1/n{}.",
+        doc.rungs
+            .iter()
+            .flat_map(|r| r.recall.iter().map(|p| p.items))
+            .filter(|&n| n > 0)
+            .max()
+            .map_or_else(String::new, |n| format!(" (here by 1/{n} at best)"))
     );
     s
 }
