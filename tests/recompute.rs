@@ -301,3 +301,38 @@ fn a_refill_that_caught_up_continues_as_the_native_cache_does() {
         "after the take-over the answer is the native cache's"
     );
 }
+
+/// The residual rule's scores: a size route's maps there and back lose a share of every
+/// position's cells, unevenly (something to choose by); the identity there and back loses
+/// nothing.
+#[test]
+fn the_residual_rule_scores_what_the_maps_lose() {
+    use molt::transplant::project::identity_projector;
+    use molt::transplant::select::residual_scores;
+    let l = common::tiny_ladder();
+    let mut routes = Routes::new(l, vec![common::tiny_projectors().clone()], Variant::Auto);
+    let (forward, back) = (routes.get(0, 2).unwrap(), routes.get(2, 0).unwrap());
+    let ms = Model::load(&l.rungs[0].path, "big", ModelOptions::default()).unwrap();
+    let mut src = Context::new(ms.clone(), common::cfg_long()).unwrap();
+    let toks = ms.tokenize(TEXT, false).unwrap();
+    src.decode(&toks).unwrap();
+    let blob = src.export_state().unwrap();
+    let (_, stream) = KvSnapshot::parse_single_stream(&blob).unwrap();
+
+    let scores = residual_scores(&stream, &forward, &back).unwrap();
+    assert_eq!(scores.len(), toks.len(), "one score per position");
+    assert!(
+        scores.iter().all(|s| s.is_finite() && *s > 1e-3),
+        "{scores:?}"
+    );
+    let (lo, hi) = scores
+        .iter()
+        .fold((f32::MAX, f32::MIN), |(a, b), &s| (a.min(s), b.max(s)));
+    assert!(hi > lo * 1.2, "uneven across positions: {lo} .. {hi}");
+
+    let id = identity_projector(&forward.src);
+    let none = residual_scores(&stream, &id, &id).unwrap();
+    assert!(none.iter().all(|s| *s < 1e-4), "{none:?}");
+    // Maps that do not fit the cache are refused, not scored.
+    assert!(residual_scores(&stream, &back, &forward).is_err());
+}

@@ -29,7 +29,9 @@ use crate::ladder::Ladder;
 use crate::routes::{RouteKind, Routes, Variant, route_kind};
 use crate::session::migrate::{self, Exported, Reread};
 use crate::session::{DEFAULT_HEAD_REREAD, LiveRung, SessionOptions};
-use crate::transplant::select::{SelectRule, TokenRecompute, Unit, select_spans, sentence_ends};
+use crate::transplant::select::{
+    SelectRule, TokenRecompute, Unit, residual_scores, select_spans, sentence_ends,
+};
 
 /// Where the switch falls in the answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -300,6 +302,17 @@ pub fn default_arms(names: &[String]) -> Vec<Arm> {
             0,
             Some(TokenRecompute {
                 rule: SelectRule::Random,
+                ..sent_floor(0.10, 64)
+            }),
+        ),
+        // The default's shape, chosen by what the maps lose instead of what the question
+        // reads: the selection rule's ablation.
+        Arm::transplant(
+            "resid-sent-r10-m64",
+            h,
+            0,
+            Some(TokenRecompute {
+                rule: SelectRule::Residual,
                 ..sent_floor(0.10, 64)
             }),
         ),
@@ -604,6 +617,22 @@ pub fn continue_refilling(
     Ok((ms, took_over))
 }
 
+/// [`SelectRule::Residual`]'s scores for a source state: the route's maps there and back.
+fn residual_of(
+    blob: &[u8],
+    forward: &crate::transplant::projector::Projector,
+    routes: &mut Routes,
+    (s, d): (usize, usize),
+) -> Result<Vec<f32>, BenchError> {
+    let back = routes
+        .get(d, s)
+        .map_err(crate::session::SessionError::from)?;
+    let (_, stream) = crate::kv::KvSnapshot::parse_single_stream(blob)
+        .map_err(|e| BenchError::Config(format!("the source's exported state: {e}")))?;
+    residual_scores(&stream, forward, &back)
+        .map_err(|e| BenchError::Config(format!("residual scores: {e}")))
+}
+
 /// What the source hands every arm of one item.
 struct SourceRead {
     tokens: Vec<Token>,
@@ -754,6 +783,9 @@ pub fn run(
                 let n_past = read.tokens.len() + read.before.len().saturating_sub(1);
                 let mut history = read.tokens.clone();
                 history.extend_from_slice(&read.before[..read.before.len().saturating_sub(1)]);
+                // The round-trip residual of this item's source cache, for the arms that
+                // select by it (computed once per route).
+                let mut residual: Option<Vec<f32>> = None;
                 for arm in arms {
                     let mut reread = Vec::new();
                     let mut refilled = None;
@@ -784,10 +816,17 @@ pub fn run(
                             let last = *read.before.last().expect("switch after a token");
                             let h = head.min(n_past);
                             let tl = tail.min(n_past - h);
+                            if recompute.is_some_and(|r| r.rule == SelectRule::Residual)
+                                && residual.is_none()
+                            {
+                                residual =
+                                    Some(residual_of(&read.blob, &projector, &mut routes, (s, d))?);
+                            }
                             let ranges = recompute.map_or_else(Vec::new, |r| {
                                 let scores: &[f32] = match r.rule {
                                     SelectRule::Attention => &read.mass,
                                     SelectRule::Random => &[],
+                                    SelectRule::Residual => residual.as_deref().unwrap_or(&[]),
                                 };
                                 let always = read.tokens.len().saturating_sub(r.window);
                                 let ends = if r.unit == Unit::Sentence {

@@ -43,6 +43,11 @@ pub enum SessionError {
     /// No such rung.
     #[error("no rung named {0:?} in this ladder")]
     UnknownRung(String),
+    /// A selection rule only the recall benchmark measures.
+    #[error(
+        "selective token recompute by {0} is an ablation `bench --recall` measures; a session selects by attention (the default) or at random"
+    )]
+    RuleNotInSessions(&'static str),
     /// No projector for a route the session needed.
     #[error(transparent)]
     Route(#[from] RouteError),

@@ -116,6 +116,11 @@ impl Session {
         start: &str,
         opts: SessionOptions,
     ) -> Result<Self, SessionError> {
+        if let Some(t) = opts.token_recompute
+            && t.rule == SelectRule::Residual
+        {
+            return Err(SessionError::RuleNotInSessions(t.rule.name()));
+        }
         config.hidden_tap |= opts.topk_recompute.is_some();
         config.attention_tap |= opts
             .token_recompute

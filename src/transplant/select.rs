@@ -9,10 +9,21 @@
 //! over the history, as SnapKV and H2O pick by pooled attention mass ([`SelectRule::Attention`]),
 //! with neighbours taken so a multi-token fact comes whole. [`SelectRule::Random`] picks as
 //! many positions by chance: the control that says whether the attention picks well.
+//! [`SelectRule::Residual`] picks the positions the route's maps lose most of (their cells'
+//! round trip through the maps, [`residual_scores`]): the ablation that asks whether what
+//! the question reads matters more than what the projection damages.
 //!
-//! Main items: [`TokenRecompute`] (the setting), [`select_spans`] (the pure choice).
+//! Main items: [`TokenRecompute`] (the setting), [`select_spans`] (the pure choice),
+//! [`residual_scores`].
 
 use std::ops::Range;
+
+use ndarray::ArrayView2;
+
+use super::error::TransplantError;
+use super::project::project;
+use super::projector::Projector;
+use crate::kv::KvStream;
 
 /// How a switch chooses the positions it re-reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -22,6 +33,10 @@ pub enum SelectRule {
     Attention,
     /// At random (seeded): the control.
     Random,
+    /// By how much of each position's source cells the route's maps lose (the relative error
+    /// of a round trip source → destination → source, [`residual_scores`]). An ablation the
+    /// recall benchmark measures; a session selects by attention or at random.
+    Residual,
 }
 
 impl SelectRule {
@@ -31,6 +46,7 @@ impl SelectRule {
         match self {
             Self::Attention => "attention",
             Self::Random => "random",
+            Self::Residual => "residual",
         }
     }
 }
@@ -41,8 +57,9 @@ impl std::str::FromStr for SelectRule {
         match s {
             "attention" => Ok(Self::Attention),
             "random" => Ok(Self::Random),
+            "residual" => Ok(Self::Residual),
             other => Err(format!(
-                "unknown selection rule {other:?} (expected attention or random)"
+                "unknown selection rule {other:?} (expected attention, random or residual)"
             )),
         }
     }
@@ -204,6 +221,56 @@ impl TokenRecompute {
     }
 }
 
+/// [`SelectRule::Residual`]'s scores, indexed by position (0 where no cell is cached): for
+/// each cached position, the relative squared error of its cells after a round trip through
+/// the route's maps — `stream` (the source's exported cache) projected by `forward` onto the
+/// destination and by `back` (the reverse route) onto the source again — K and V, averaged
+/// over the source's layers. Positions whose cells the maps cannot carry score high.
+///
+/// # Errors
+/// A [`TransplantError`] if the maps do not fit the cache or each other.
+pub fn residual_scores(
+    stream: &KvStream,
+    forward: &Projector,
+    back: &Projector,
+) -> Result<Vec<f32>, TransplantError> {
+    let positions = stream.positions();
+    let src: Vec<(ArrayView2<'_, f32>, ArrayView2<'_, f32>)> = stream
+        .layers
+        .iter()
+        .map(|l| (l.k.view(), l.v.view()))
+        .collect();
+    let (dst, _) = project(forward, &src, &positions)?;
+    let dst_views: Vec<_> = dst.iter().map(|(k, v)| (k.view(), v.view())).collect();
+    let (again, _) = project(back, &dst_views, &positions)?;
+    let n = positions
+        .iter()
+        .map(|&p| usize::try_from(p).unwrap_or(0) + 1)
+        .max()
+        .unwrap_or(0);
+    let mut scores = vec![0.0f32; n];
+    let rel = |a: ArrayView2<'_, f32>, b: &ndarray::Array2<f32>, c: usize| {
+        let (mut err, mut norm) = (0.0f32, 0.0f32);
+        for (x, y) in a.row(c).iter().zip(b.row(c)) {
+            err += (x - y) * (x - y);
+            norm += x * x;
+        }
+        if norm > 0.0 { err / norm } else { 0.0 }
+    };
+    #[allow(clippy::cast_precision_loss)]
+    let layers = src.len().max(1) as f32;
+    for (c, &p) in positions.iter().enumerate() {
+        let Ok(p) = usize::try_from(p) else { continue };
+        let total: f32 = src
+            .iter()
+            .zip(&again)
+            .map(|((k, v), (k2, v2))| rel(*k, k2, c) + rel(*v, v2, c))
+            .sum();
+        scores[p] = total / (2.0 * layers);
+    }
+    Ok(scores)
+}
+
 /// Spans closer than this are merged (re-reading a gap of two costs less than another span's
 /// batch slot, and a fact split by it comes whole).
 const MERGE_GAP: usize = 2;
@@ -255,7 +322,7 @@ pub fn select_spans(
     let hi = hi_sel;
     let mut order: Vec<usize> = (lo..hi).collect();
     match setting.rule {
-        SelectRule::Attention => {
+        SelectRule::Attention | SelectRule::Residual => {
             let pooled: Vec<f32> = (lo..hi)
                 .map(|p| {
                     (p.saturating_sub(k).max(lo)..(p + k + 1).min(hi))
@@ -608,7 +675,8 @@ mod tests {
     fn rules_parse_by_name() {
         assert_eq!("attention".parse::<SelectRule>(), Ok(SelectRule::Attention));
         assert_eq!("random".parse::<SelectRule>(), Ok(SelectRule::Random));
-        assert!("residual".parse::<SelectRule>().is_err());
+        assert_eq!("residual".parse::<SelectRule>(), Ok(SelectRule::Residual));
+        assert!("mass".parse::<SelectRule>().is_err());
         for u in [Unit::Position, Unit::Sentence] {
             assert_eq!(u.name().parse::<Unit>(), Ok(u));
         }

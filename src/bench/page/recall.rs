@@ -253,6 +253,7 @@ fn reread(doc: &RecallDoc, x: &RecallSummary) -> String {
                     match r.rule {
                         SelectRule::Attention => "by attention",
                         SelectRule::Random => "at random",
+                        SelectRule::Residual => "by projection residual",
                     }
                 ));
             }
