@@ -139,6 +139,10 @@ fn verdict(doc: &RecallDoc, all: &[RecallSummary], route: &str) -> String {
     };
     let per_length = by_length(doc, route, &arm);
     let (lost, kept): (Vec<_>, Vec<_>) = per_length.iter().partition(|(_, x)| x.loses_facts());
+    // The re-prefill builds the destination's own cache at the same point: what a perfect
+    // carry would recall there (mid-answer it continues the source's preamble, which the
+    // native destination's own answer does not).
+    let reprefill = by_length(doc, route, "reprefill");
     let mut s = format!("- **{route}** ({kind} route), default switch `{arm}`: ");
     if lost.is_empty() {
         let pooled = all.iter().find(|x| x.route == route && x.arm == arm);
@@ -161,8 +165,14 @@ fn verdict(doc: &RecallDoc, all: &[RecallSummary], route: &str) -> String {
         let parts: Vec<String> = lost
             .iter()
             .map(|(n, x)| {
+                let re = reprefill
+                    .iter()
+                    .find(|(m, _)| m == n)
+                    .map_or_else(String::new, |(_, r)| {
+                        format!(" and the re-prefill's {:.2}", r.recall)
+                    });
                 format!(
-                    "at {n} tokens: recall {:.2} against the destination's {:.2} ({} answers), at a switch cost of {} ms, {} of the re-prefill's {} ms",
+                    "at {n} tokens: recall {:.2} against the destination's {:.2}{re} ({} answers), at a switch cost of {} ms, {} of the re-prefill's {} ms",
                     x.recall,
                     x.destination_recall,
                     x.items,
@@ -258,8 +268,18 @@ fn reread(doc: &RecallDoc, x: &RecallSummary) -> String {
                 ));
             }
             if refill > 0 {
+                let mut spread: Vec<f64> = doc
+                    .rows
+                    .iter()
+                    .filter(|r| r.arm == x.arm && r.route == x.route)
+                    .filter_map(|r| r.refill_ms.map(|m| m.median))
+                    .collect();
+                spread.sort_by(f64::total_cmp);
                 parts.push(format!(
-                    "then all behind the answer, {refill} tokens a step"
+                    "then all behind the answer, {refill} tokens a step{}",
+                    spread.get(spread.len() / 2).map_or_else(String::new, |m| format!(
+                        " ({m:.0} ms spread over the next tokens, median of the rows)"
+                    ))
                 ));
             }
             if parts.is_empty() {
