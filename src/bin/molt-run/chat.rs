@@ -289,6 +289,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     let opts = SessionOptions {
         strategy: a.strategy.into(),
         projector_dirs: routes::search_dirs(a.projectors.as_deref()),
+        speed: g.speed_policy(&ladder, &routes::search_dirs(a.projectors.as_deref())),
         ..SessionOptions::default()
     };
     let mut session = Session::with_options(ladder, config, &start, opts)?;
@@ -349,6 +350,11 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         .read_now()
         .context("reading the memory budget (use --trace FILE where /proc is unavailable)")?;
     session.set_budget_source(Some(Box::new(control.source())));
+    // The rung loaded before the budget was known; the speed policy chooses under it now.
+    session.retune_with(first.budget.bytes)?;
+    if let Some(setup) = session.rung_setup(session.current_index()) {
+        eprintln!("{}: {setup}", session.current_rung());
+    }
     let cancel = session.cancel_handle();
     let history = if a.no_history {
         None
