@@ -803,7 +803,7 @@ impl Chat {
                 .chain(std::iter::from_fn(|| reports.try_recv().ok()))
             {
                 match r {
-                    Report::Event(e) => self.on_event(e),
+                    Report::Event(e) => self.on_event(*e),
                     Report::Answered(Ok(g)) => {
                         let reused = self.live.as_ref().map_or(0, |l| l.reused);
                         self.renderer.summary(&g, reused);

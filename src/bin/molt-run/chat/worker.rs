@@ -19,7 +19,8 @@ pub enum Job {
 /// What the session says back.
 pub enum Report {
     /// An event of the answer being generated.
-    Event(Event),
+    /// Boxed: a switch's record is far larger than the other reports.
+    Event(Box<Event>),
     /// The answer ended (or failed before it began).
     Answered(Result<Generation, String>),
     /// The session's state after a job.
@@ -180,7 +181,7 @@ pub fn spawn(
                     Job::Answer(prompt, opts) => {
                         let r = session.generate(&prompt, &opts, &mut |e: &Event| {
                             if !matches!(e, Event::Done(_)) {
-                                let _ = tx.send(Report::Event(e.clone()));
+                                let _ = tx.send(Report::Event(Box::new(e.clone())));
                             }
                         });
                         if let (Ok(g), Some(k)) = (&r, keeper.as_mut()) {
