@@ -352,6 +352,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     session.set_budget_source(Some(Box::new(control.source())));
     // The rung loaded before the budget was known; the speed policy chooses under it now.
     session.retune_with(first.budget.bytes)?;
+    snapshot.setups = Snapshot::of(&session).setups;
     if let Some(setup) = session.rung_setup(session.current_index()) {
         eprintln!("{}: {setup}", session.current_rung());
     }
@@ -711,9 +712,10 @@ impl Chat {
             weights_resident += resident;
             let cached = file_resident_in_page_cache(&self.paths[i])
                 .map_or_else(|_| "?".to_string(), |p| fmt_bytes(p.resident_bytes));
+            let setup = self.snapshot.setups.get(i).copied().flatten();
             let _ = writeln!(
                 s,
-                "{} {:<10} {:<10} {:>9} {:>9} {:>11} {:>11}",
+                "{} {:<10} {:<10} {:>9} {:>9} {:>11} {:>11}{}",
                 if i == current { "▸" } else { " " },
                 name,
                 if loaded { "resident" } else { "unmapped" },
@@ -721,6 +723,7 @@ impl Chat {
                 fmt_bytes(resident),
                 cached,
                 fmt_bytes(self.need(i, tokens.max(1))),
+                setup.map(|u| format!("  {u}")).unwrap_or_default(),
             );
         }
         let budget = match self.reading() {

@@ -42,6 +42,8 @@ pub struct Snapshot {
     pub messages: usize,
     /// Where the conversation's cache lives, for `/status`.
     pub cache: String,
+    /// Each loaded rung's micro-batch and repack, and why.
+    pub setups: Vec<Option<molt::speed::RungSetup>>,
 }
 
 impl Snapshot {
@@ -54,6 +56,9 @@ impl Snapshot {
             context_tokens: s.history().len(),
             messages: s.conversation().len(),
             cache: String::new(),
+            setups: (0..s.ladder().rungs.len())
+                .map(|i| s.rung_setup(i))
+                .collect(),
         }
     }
 }
