@@ -17,6 +17,7 @@
 //!   (used by the session, the tenants and the trainer alike);
 //! - [`train`]: fitting a ladder's projectors from its own caches;
 //! - [`pressure`] and [`sched`]: budgets, footprints and the policy that keeps Molt inside them;
+//! - [`speed`]: each rung's micro-batch and CPU repack, chosen by measurement and budget;
 //! - [`tenants`]: the actuator that applies a multi-tenant plan to live tenants;
 //! - [`bench`]: the benchmark programs;
 //! - [`tiny`]: tiny random-weight models of the real architecture, for hermetic tests;
@@ -39,6 +40,7 @@ pub mod routes;
 pub mod sched;
 pub mod server;
 pub mod session;
+pub mod speed;
 pub mod state;
 pub mod tenants;
 pub mod tiny;

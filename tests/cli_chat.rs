@@ -153,6 +153,8 @@ fn budget_cut_mid_answer_switches_and_the_conversation_goes_on() {
     );
     assert!(status.contains("2 messages"), "{status}");
     assert!(status.contains("capped at"), "{status}");
+    // A loaded rung says which micro-batch and repack it runs with, and why.
+    assert!(status.contains("ubatch 128, repack "), "{status}");
     expect(&mut p, "› ");
     p.send_line("And then?").unwrap();
     std::thread::sleep(Duration::from_millis(300));

@@ -292,3 +292,57 @@ fn inspect_on_a_directory_says_it_is_not_a_file() {
     assert!(stderr.contains("is not a file"), "{stderr}");
     assert!(!stderr.contains("os error"), "{stderr}");
 }
+
+/// The speed policy at the command line: measured rows of another file are refused with a
+/// warning naming the rung, the load line says which micro-batch and repack the rung runs
+/// with and why, and `--ubatch` is reported as forced.
+#[test]
+fn the_load_line_names_the_speed_setting_and_stale_measurements_are_refused() {
+    let l = common::tiny_ladder();
+    let dir = tempfile::tempdir().unwrap();
+    let row = |repack: bool| molt::bench::speed::PeerRow {
+        rung: "big".into(),
+        n_ubatch: 128,
+        repack,
+        prefill_tok_s: if repack { 200.0 } else { 100.0 },
+        decode_tok_s: 50.0,
+        peer_prefill_tok_s: 100.0,
+        peer_decode_tok_s: 50.0,
+        prefill_ratio: 1.0,
+        decode_ratio: 1.0,
+        samples: vec![],
+        reserved_mib: 10.0,
+        load_anon_mib: 1.0,
+    };
+    let mut file = molt::speed::SpeedFile::of(l, 1, &[row(false), row(true)]);
+    file.rungs[0].sha256 = "00".repeat(32);
+    let projectors = dir.path().join("projectors");
+    file.save(&projectors).unwrap();
+    let run = |extra: &[&str]| {
+        let out = molt_run(dir.path())
+            .env_remove("MOLT_REPACK")
+            .args(extra)
+            .args(["generate", "--prompt", "The cache", "--max-tokens", "2"])
+            .arg("--projectors")
+            .arg(&projectors)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "{stderr}");
+        stderr
+    };
+    let stderr = run(&[]);
+    assert!(
+        stderr.contains("rung big was measured on another file"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("big: ubatch 128, repack off (default)"),
+        "{stderr}"
+    );
+    let stderr = run(&["--ubatch", "64"]);
+    assert!(
+        stderr.contains("big: ubatch 64, repack off (forced"),
+        "{stderr}"
+    );
+}

@@ -54,6 +54,8 @@ pub struct Model {
     ptr: NonNull<llama_cpp_sys_2::llama_model>,
     path: PathBuf,
     name: String,
+    /// Whether llama.cpp was asked to repack the weights (see [`ModelOptions::repack`]).
+    repack: bool,
 }
 
 // SAFETY: a llama_model is immutable after loading; llama.cpp shares one model between
@@ -134,6 +136,7 @@ impl Model {
             ptr,
             path: path.to_path_buf(),
             name: name.to_string(),
+            repack: opts.repack && !vocab_only,
         }))
     }
 
@@ -154,6 +157,12 @@ impl Model {
     /// The GGUF file.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Whether the model was loaded with llama.cpp's CPU repack (its weights copied into
+    /// anonymous memory in the CPU's layouts).
+    pub fn repack(&self) -> bool {
+        self.repack
     }
 
     /// Number of transformer layers.

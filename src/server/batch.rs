@@ -692,6 +692,7 @@ fn move_all(
             handoff_jsd: None,
             handoff_floor_jsd: None,
             note,
+            setup: None,
         };
         shared.counters.switches.fetch_add(1, Ordering::Relaxed);
         t.emit(shared, Event::Switch(info.clone()));

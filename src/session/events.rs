@@ -57,6 +57,9 @@ pub struct SwitchInfo {
     /// to other files, when a transplant fell back to a re-prefill).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
+    /// The destination's micro-batch and repack, and why ([`crate::speed`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub setup: Option<crate::speed::RungSetup>,
 }
 
 impl SwitchInfo {
@@ -324,6 +327,7 @@ mod tests {
             handoff_jsd: None,
             handoff_floor_jsd: None,
             note: None,
+            setup: None,
         }
     }
 
@@ -363,6 +367,7 @@ mod tests {
             handoff_jsd: Some(0.1),
             handoff_floor_jsd: Some(0.05),
             note: Some("n".into()),
+            setup: None,
             ..info(SwitchTimings {
                 topk: Some(2),
                 head: 4,

@@ -29,6 +29,12 @@ impl Session {
     /// page is touched by each decode, so a running rung's weights are all resident), KV per
     /// token from the geometry, and the context's measured overhead (an estimate until the
     /// rung has been loaded once).
+    ///
+    /// A rung loaded with a speed setup above Molt's default (a larger micro-batch, repacked
+    /// weights; see [`crate::speed`]) costs that setup's extra memory on top while it is
+    /// loaded: its load measurement holds it, or, pinned or not yet measured, the measured
+    /// rows' figure. A rung not loaded costs its default: whatever setup it gets at load is
+    /// chosen to fit what the budget leaves above that ([`Session::speed_setup`]).
     pub fn rung_costs(&self) -> Vec<RungCost> {
         self.ladder
             .rungs
@@ -36,11 +42,74 @@ impl Session {
             .enumerate()
             .map(|(i, r)| {
                 let kv = kv_per_token(r, self.config);
-                let ctx = self.context_bytes[i]
-                    .unwrap_or(kv * u64::from(self.config.n_ctx) + compute_estimate(r));
+                // Loaded: what its load measured, but never less than its default cost plus
+                // its setup's measured extra (a warm-up token need not touch all of it).
+                let ctx = match self.rung_setup(i) {
+                    Some(setup) => self.context_bytes[i]
+                        .unwrap_or(0)
+                        .max(self.base_context_bytes(i) + setup.extra_bytes),
+                    None => self.base_context_bytes(i),
+                };
                 RungCost::new(r.name(), r.facts.total_tensor_bytes.max(1), kv, ctx)
             })
             .collect()
+    }
+
+    /// Rung `index`'s context overhead at Molt's default setup: its last load measurement if
+    /// that load had the default's memory; else the last such measurement, or the last one
+    /// less its setup's extra; the estimate before it has been loaded.
+    fn base_context_bytes(&self, index: usize) -> u64 {
+        let r = &self.ladder.rungs[index];
+        match self.context_bytes[index] {
+            None => {
+                kv_per_token(r, self.config) * u64::from(self.config.n_ctx) + compute_estimate(r)
+            }
+            Some(b) if self.measured_extra[index] == 0 => b,
+            Some(b) => self.default_context_bytes[index]
+                .unwrap_or_else(|| b.saturating_sub(self.measured_extra[index])),
+        }
+    }
+
+    /// The speed setup rung `index` is loaded with (live, on standby, or loading in the
+    /// background), `None` when it is not loaded.
+    pub fn rung_setup(&self, index: usize) -> Option<crate::speed::RungSetup> {
+        self.rungs
+            .get(index)
+            .and_then(Option::as_ref)
+            .map(|r| r.setup)
+            .or_else(|| self.standby.get(index)?.as_ref().map(StandbyRung::setup))
+            .or_else(|| self.preparing_setup(index))
+    }
+
+    /// The speed setup rung `index` gets if it is loaded now, beside `held` bytes that stay
+    /// (the current rung and the standby rungs, when loading a standby rung; 0 for a rung that
+    /// takes the current one's place). The spare the policy chooses within is what the budget
+    /// last read leaves above `held` and the rung's footprint at Molt's default setup with a
+    /// full window; before any budget has been read, the default.
+    pub fn speed_setup(&self, index: usize, held: u64) -> crate::speed::RungSetup {
+        let r = &self.ladder.rungs[index];
+        let kv = kv_per_token(r, self.config);
+        let default_footprint = r.facts.total_tensor_bytes
+            + self.base_context_bytes(index)
+            + kv * u64::from(self.config.n_ctx);
+        let spare = self
+            .last_budget
+            .map(|b| b.saturating_sub(held.saturating_add(default_footprint)));
+        self.opts
+            .speed
+            .choose(r.name(), self.config.n_ubatch, spare)
+    }
+
+    /// Records what a load of rung `index` measured (unless the costs are pinned), with the
+    /// extra of the setup it was measured under.
+    pub(super) fn record_load(&mut self, index: usize, live: &super::LiveRung) {
+        if live.context_bytes > 0 && !self.pinned_costs {
+            self.context_bytes[index] = Some(live.context_bytes);
+            self.measured_extra[index] = live.setup.extra_bytes;
+            if live.setup.extra_bytes == 0 {
+                self.default_context_bytes[index] = Some(live.context_bytes);
+            }
+        }
     }
 
     /// Fixes the context overhead the policy assumes for each rung (as [`RungCost`]'s
@@ -50,6 +119,10 @@ impl Session {
     /// pinning the same trace could mean different decisions in different sessions.
     pub fn pin_context_bytes(&mut self, bytes: &[u64]) {
         for (slot, &b) in self.context_bytes.iter_mut().zip(bytes) {
+            *slot = Some(b);
+        }
+        self.measured_extra.iter_mut().for_each(|e| *e = 0);
+        for (slot, &b) in self.default_context_bytes.iter_mut().zip(bytes) {
             *slot = Some(b);
         }
         self.pinned_costs = true;

@@ -229,6 +229,7 @@ impl Session {
         let parked = ParkedRung {
             info: live.info.clone(),
             config: live.ctx.config(),
+            setup: live.setup,
             blob,
             n_past: cells,
             park_ms: ms(t0),
@@ -303,6 +304,8 @@ impl Session {
         p.rung = ParkedRung {
             info: self.ladder.rungs[to].clone(),
             config: p.rung.config,
+            // Chosen anew when it resumes.
+            setup: p.rung.setup,
             n_past: if blob.is_empty() { 0 } else { p.rung.n_past },
             blob,
             park_ms: p.rung.park_ms,
@@ -432,6 +435,8 @@ impl Session {
             }
         }
         p.rung.info = self.ladder.rungs[to].clone();
+        // The budget may have changed while parked; the cache does not depend on the setup.
+        p.rung.setup = self.speed_setup(to, 0);
         let cells = p.rung.n_past;
         let mut live = p.rung.resume()?;
         let wrap = |source| SessionError::Engine {
@@ -442,9 +447,7 @@ impl Session {
             live.ctx.decode(&self.history).map_err(wrap)?;
         }
         live.ctx.decode(&[tok]).map_err(wrap)?;
-        if live.context_bytes > 0 {
-            self.context_bytes[to] = Some(live.context_bytes);
-        }
+        self.record_load(to, &live);
         self.rungs[to] = Some(live);
         self.current = to;
         self.stall_ms += parked_ms;
@@ -487,6 +490,7 @@ impl Session {
             note: Some(
                 "parked on one rung, resumed on another (see the park and resume levers)".into(),
             ),
+            setup: self.rung_setup(self.current),
         }
     }
 
@@ -502,6 +506,7 @@ impl Session {
                 self.current = p.layout;
             }
             rung.info = self.ladder.rungs[self.current].clone();
+            rung.setup = self.speed_setup(self.current, 0);
             let empty = rung.n_past == 0;
             let mut live = rung.resume()?;
             if empty && !self.history.is_empty() {

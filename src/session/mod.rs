@@ -53,6 +53,12 @@ pub struct Session {
     standby: Vec<Option<StandbyRung>>,
     /// Measured context overheads, per rung, once a rung has been loaded.
     context_bytes: Vec<Option<u64>>,
+    /// The part of each `context_bytes` measurement its speed setup accounts for (the setup's
+    /// measured extra over Molt's default), so the rung's default cost is known when it is
+    /// loaded again with another setup.
+    measured_extra: Vec<u64>,
+    /// The last `context_bytes` measurement of a load with the default's memory (no extra).
+    default_context_bytes: Vec<Option<u64>>,
     /// Set by [`Session::pin_context_bytes`]: loads no longer overwrite `context_bytes`.
     pinned_costs: bool,
     current: usize,
@@ -144,6 +150,8 @@ impl Session {
             preparing: None,
             prepared: None,
             context_bytes: vec![None; n],
+            measured_extra: vec![0; n],
+            default_context_bytes: vec![None; n],
             pinned_costs: false,
             current,
             home: current,
@@ -312,6 +320,49 @@ impl Session {
         self.home
     }
 
+    /// [`Session::retune_idle`] under `budget` (taken as the budget last read): for a caller
+    /// that reads the budget itself before the first answer, to show the setup it gets.
+    ///
+    /// # Errors
+    /// As [`Session::retune_idle`].
+    pub fn retune_with(
+        &mut self,
+        budget: u64,
+    ) -> Result<Option<crate::speed::RungSetup>, SessionError> {
+        self.last_budget = Some(budget);
+        self.retune_idle()
+    }
+
+    /// Loads the current rung again when the speed policy, asked now (with the budget last
+    /// read), chooses another micro-batch or repack than the rung runs with ([`crate::speed`]).
+    /// Only an idle session (nothing cached, nothing parked) is retuned; otherwise nothing
+    /// happens. Returns the new setup when the rung was loaded again.
+    ///
+    /// # Errors
+    /// A load failure (the rung is then not loaded; the next answer loads it again).
+    pub fn retune_idle(&mut self) -> Result<Option<crate::speed::RungSetup>, SessionError> {
+        if !self.history.is_empty() || self.pending.is_some() || self.is_parked() {
+            return Ok(None);
+        }
+        let i = self.current;
+        let Some(loaded) = self.rungs[i].as_ref().map(|r| r.setup) else {
+            return Ok(None);
+        };
+        let wanted = self.speed_setup(i, 0);
+        if wanted.setting == loaded.setting {
+            // The same load, perhaps for another reason now (measured instead of default).
+            if let Some(r) = self.rungs[i].as_mut() {
+                r.setup = wanted;
+            }
+            return Ok(None);
+        }
+        self.rungs[i] = None;
+        crate::pressure::trim_heap();
+        self.ensure_loaded(i)?;
+        self.settle_standby(self.last_budget);
+        Ok(Some(wanted))
+    }
+
     /// Loads a rung if it is not loaded.
     ///
     /// # Errors
@@ -326,10 +377,9 @@ impl Session {
             self.rungs[index] = Some(live);
         }
         if self.rungs[index].is_none() {
-            let mut live = LiveRung::load(&self.ladder.rungs[index], self.config)?;
-            if live.context_bytes > 0 && !self.pinned_costs {
-                self.context_bytes[index] = Some(live.context_bytes);
-            }
+            let setup = self.speed_setup(index, 0);
+            let mut live = LiveRung::load_with(&self.ladder.rungs[index], self.config, setup)?;
+            self.record_load(index, &live);
             self.arm_hidden_tap(index, &mut live.ctx);
             self.rungs[index] = Some(live);
         }
@@ -538,6 +588,12 @@ impl Session {
                 self.pending = None;
                 self.move_idle(to)?;
             }
+        }
+        // The rung may have been loaded before any budget was read (when the session started)
+        // or under another one: now that the budget is known, an idle rung is loaded again if
+        // the speed policy chooses another setup for it.
+        if budget0.is_some() {
+            self.retune_idle()?;
         }
         let keep = common_prefix(&self.history, &tokens).min(tokens.len().saturating_sub(1));
         let rung_name = self.current_rung().to_string();

@@ -139,6 +139,10 @@ pub struct SessionOptions {
     /// answer goes on on the current rung, and switch at the first token after the load
     /// finished. On by default; off, the switch up loads its destination on the spot.
     pub prepare_up: bool,
+    /// How each rung's micro-batch and CPU repack are chosen when it loads ([`crate::speed`]):
+    /// by default no measurement (every rung at the context configuration's micro-batch,
+    /// repack off) and repack forced when `MOLT_REPACK` is set.
+    pub speed: crate::speed::SpeedPolicy,
 }
 
 /// The head re-read of a default Molt switch: ChatML's opening (`<|im_start|>user\n`, three
@@ -166,6 +170,7 @@ impl Default for SessionOptions {
             park_deadline: None,
             standby: true,
             prepare_up: true,
+            speed: crate::speed::SpeedPolicy::from_env(),
         }
     }
 }

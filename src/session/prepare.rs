@@ -23,6 +23,8 @@ use super::{LiveRung, Session, SessionError};
 pub(super) struct Preparing {
     /// The rung.
     index: usize,
+    /// The speed setup it is loading with.
+    setup: crate::speed::RungSetup,
     /// When the load started.
     started: Instant,
     /// Tokens decoded on the source since.
@@ -66,12 +68,14 @@ impl Session {
                 self.abandon_prepare();
                 let info = self.ladder.rungs[to].clone();
                 let config = self.config;
+                let setup = self.speed_setup(to, 0);
                 let handle = std::thread::Builder::new()
                     .name(format!("molt-prepare-{}", info.name()))
-                    .spawn(move || LiveRung::load(&info, config))
+                    .spawn(move || LiveRung::load_with(&info, config, setup))
                     .map_err(|e| SessionError::Prepare(e.to_string()))?;
                 self.preparing = Some(Preparing {
                     index: to,
+                    setup,
                     started: Instant::now(),
                     // This token is decoded on the source.
                     tokens: 1,
@@ -83,9 +87,7 @@ impl Session {
         let p = self.preparing.take().expect("matched above");
         let ms = p.started.elapsed().as_secs_f64() * 1e3;
         if let Ok(Ok(mut live)) = p.handle.join() {
-            if live.context_bytes > 0 && !self.pinned_costs {
-                self.context_bytes[to] = Some(live.context_bytes);
-            }
+            self.record_load(to, &live);
             self.arm_hidden_tap(to, &mut live.ctx);
             self.rungs[to] = Some(live);
             self.prepared = Some(Prepared {
@@ -99,6 +101,14 @@ impl Session {
     /// What the background load of the switch about to happen cost, if it had one.
     pub(super) fn take_prepared(&mut self) -> Option<Prepared> {
         self.prepared.take()
+    }
+
+    /// The speed setup of rung `index` if it is the one loading in the background.
+    pub(super) fn preparing_setup(&self, index: usize) -> Option<crate::speed::RungSetup> {
+        self.preparing
+            .as_ref()
+            .filter(|p| p.index == index)
+            .map(|p| p.setup)
     }
 
     /// Whether a rung is being loaded in the background.

@@ -21,6 +21,7 @@ use crate::ladder::RungInfo;
 use crate::pressure::{
     process_anon_rss_bytes, resident_bytes_of_mapping, return_freed_buffers_to_os,
 };
+use crate::speed::RungSetup;
 
 use super::SessionError;
 
@@ -39,6 +40,8 @@ pub struct LiveRung {
     pub load_ms: f64,
     /// Where `load_ms` went.
     pub parts: LoadParts,
+    /// The micro-batch and repack it was loaded with, and why ([`crate::speed`]).
+    pub setup: RungSetup,
 }
 
 /// Where a rung's load time went, ms: the parts of [`LiveRung::load`].
@@ -55,11 +58,27 @@ pub struct LoadParts {
 impl LiveRung {
     /// Maps the rung's weights and creates its context; measures what the rung costs in
     /// anonymous memory (repacked weights and the context's buffers) by running one warm-up
-    /// token through it (then clearing it).
+    /// token through it (then clearing it). Micro-batch `config`'s, repack as `MOLT_REPACK`
+    /// says (off when unset): Molt's default setup (see [`LiveRung::load_with`]).
     ///
     /// # Errors
     /// [`SessionError::Engine`] when llama.cpp refuses the file or the context.
     pub fn load(info: &RungInfo, config: ContextConfig) -> Result<Self, SessionError> {
+        let setup =
+            crate::speed::SpeedPolicy::from_env().choose(info.name(), config.n_ubatch, None);
+        Self::load_with(info, config, setup)
+    }
+
+    /// [`LiveRung::load`] with `setup`'s micro-batch (in place of `config`'s) and repack.
+    ///
+    /// # Errors
+    /// [`SessionError::Engine`] when llama.cpp refuses the file or the context.
+    pub fn load_with(
+        info: &RungInfo,
+        mut config: ContextConfig,
+        setup: RungSetup,
+    ) -> Result<Self, SessionError> {
+        config.n_ubatch = setup.setting.n_ubatch;
         let t0 = Instant::now();
         let wrap = |source| SessionError::Engine {
             rung: info.name().to_string(),
@@ -67,7 +86,11 @@ impl LiveRung {
         };
         return_freed_buffers_to_os();
         let before = process_anon_rss_bytes().unwrap_or(0);
-        let model = Model::load(&info.path, info.name(), ModelOptions::default()).map_err(wrap)?;
+        let opts = ModelOptions {
+            mmap: true,
+            repack: setup.setting.repack,
+        };
+        let model = Model::load(&info.path, info.name(), opts).map_err(wrap)?;
         let t_model = Instant::now();
         let mut ctx = Context::new(model, config).map_err(wrap)?;
         let t_context = Instant::now();
@@ -92,6 +115,7 @@ impl LiveRung {
                 context_ms: ms_between(t_model, t_context),
                 warmup_ms: ms_between(t_context, t_warm),
             },
+            setup,
         })
     }
 
@@ -128,11 +152,13 @@ impl LiveRung {
         let n_past = self.ctx.n_past();
         let config = self.ctx.config();
         let info = self.info.clone();
+        let setup = self.setup;
         drop(self);
         crate::pressure::trim_heap();
         Ok(ParkedRung {
             info,
             config,
+            setup,
             blob,
             n_past,
             park_ms: t0.elapsed().as_secs_f64() * 1e3,
@@ -162,6 +188,11 @@ impl StandbyRung {
     /// A load failure.
     pub fn prepare(info: &RungInfo, config: ContextConfig) -> Result<Self, SessionError> {
         Ok(Self::from_live(LiveRung::load(info, config)?))
+    }
+
+    /// How it was loaded.
+    pub fn setup(&self) -> RungSetup {
+        self.live.setup
     }
 
     /// Puts a loaded rung on standby: its cache cleared, its weight pages released. A failed
@@ -199,6 +230,8 @@ pub struct ParkedRung {
     pub info: RungInfo,
     /// The context configuration to resume with.
     pub config: ContextConfig,
+    /// The micro-batch and repack to resume with (the ones it ran with).
+    pub setup: RungSetup,
     /// llama.cpp's exported sequence state.
     pub blob: Vec<u8>,
     /// Positions the sequence had.
@@ -218,7 +251,7 @@ impl ParkedRung {
     /// # Errors
     /// A load failure, or [`SessionError::Engine`] if llama.cpp refuses the blob.
     pub fn resume(self) -> Result<LiveRung, SessionError> {
-        let mut live = LiveRung::load(&self.info, self.config)?;
+        let mut live = LiveRung::load_with(&self.info, self.config, self.setup)?;
         if self.n_past > 0 {
             live.ctx
                 .import_state(&self.blob)

@@ -93,10 +93,11 @@ impl Session {
             {
                 continue;
             }
-            if let Ok(mut live) = LiveRung::load(&self.ladder.rungs[i], self.config) {
-                if live.context_bytes > 0 && !self.pinned_costs {
-                    self.context_bytes[i] = Some(live.context_bytes);
-                }
+            // A standby rung waits beside the current one and the others: its setup must fit
+            // the budget with them.
+            let setup = self.speed_setup(i, self.modelled_now(tokens));
+            if let Ok(mut live) = LiveRung::load_with(&self.ladder.rungs[i], self.config, setup) {
+                self.record_load(i, &live);
                 self.arm_hidden_tap(i, &mut live.ctx);
                 self.standby[i] = Some(StandbyRung::from_live(live));
             }

@@ -290,6 +290,7 @@ impl Session {
             handoff_jsd: seam.map(|s| s.jsd),
             handoff_floor_jsd: seam.and_then(|s| s.floor),
             note,
+            setup: Some(dst.setup),
         };
         self.current = to;
         if let Some(src) = retired {
@@ -465,6 +466,7 @@ impl Session {
         };
         let export_ms = t0.elapsed().as_secs_f64() * 1e3;
         let src_config = src.ctx.config();
+        let src_setup = src.setup;
         let ranges = if projector.is_some() {
             self.recompute_ranges(from, to, n_past)
         } else {
@@ -486,7 +488,11 @@ impl Session {
         } else {
             match self.take_standby(to) {
                 Some((dst, _)) => Ok((dst, true)),
-                None => LiveRung::load(&self.ladder.rungs[to], self.config).map(|d| (d, false)),
+                None => {
+                    let setup = self.speed_setup(to, 0);
+                    LiveRung::load_with(&self.ladder.rungs[to], self.config, setup)
+                        .map(|d| (d, false))
+                }
             }
         };
         let carried = match loaded {
@@ -494,9 +500,7 @@ impl Session {
                 let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
                 let load_parts = (!from_standby).then_some(dst.parts);
                 if !from_standby {
-                    if dst.context_bytes > 0 && !self.pinned_costs {
-                        self.context_bytes[to] = Some(dst.context_bytes);
-                    }
+                    self.record_load(to, &dst);
                     self.arm_hidden_tap(to, &mut dst.ctx);
                 }
                 let anchor = self.anchor_for(to, &mut note);
@@ -551,6 +555,7 @@ impl Session {
                 let restored = ParkedRung {
                     info: self.ladder.rungs[from].clone(),
                     config: src_config,
+                    setup: src_setup,
                     blob,
                     n_past,
                     park_ms: 0.0,

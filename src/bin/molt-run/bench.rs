@@ -17,7 +17,9 @@ pub struct Args {
     #[arg(long, env = "MOLT_LLAMA_BENCH")]
     pub peer: Option<PathBuf>,
     /// With --speed: measure micro-batches 128/256/512 with llama.cpp's CPU repack off and on,
-    /// Molt beside the peer at each, with the memory each costs.
+    /// Molt beside the peer at each, with the memory each costs; the rows also go to
+    /// `<projectors>/<ladder>/speed_settings.json` (--projectors, default ./projectors), where
+    /// chat, generate and serve choose each rung's setting from them.
     #[arg(long)]
     pub tune: bool,
     /// Transplant against re-prefill at several context lengths, every route, both rungs warm.
@@ -763,6 +765,16 @@ fn run_speed(g: &GlobalArgs, a: &Args) -> Result<()> {
                 tuning.extend(rows);
             }
         }
+    }
+    // The measured trade, bound to the rungs' files, for the speed policy of later sessions
+    // (`molt::speed`): beside the projectors, where `chat`, `generate` and `serve` look.
+    if a.tune && !tuning.is_empty() {
+        let dir = a
+            .projectors
+            .clone()
+            .unwrap_or_else(|| PathBuf::from("projectors"));
+        let path = molt::speed::SpeedFile::of(&ladder, threads, &tuning).save(&dir)?;
+        eprintln!("speed: measured settings written to {}", path.display());
     }
     let default = speed::Setting::molt_default();
     let doc = speed::SpeedDoc {

@@ -289,6 +289,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     let opts = SessionOptions {
         strategy: a.strategy.into(),
         projector_dirs: routes::search_dirs(a.projectors.as_deref()),
+        speed: g.speed_policy(&ladder, &routes::search_dirs(a.projectors.as_deref())),
         ..SessionOptions::default()
     };
     let mut session = Session::with_options(ladder, config, &start, opts)?;
@@ -349,6 +350,12 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         .read_now()
         .context("reading the memory budget (use --trace FILE where /proc is unavailable)")?;
     session.set_budget_source(Some(Box::new(control.source())));
+    // The rung loaded before the budget was known; the speed policy chooses under it now.
+    session.retune_with(first.budget.bytes)?;
+    snapshot.setups = Snapshot::of(&session).setups;
+    if let Some(setup) = session.rung_setup(session.current_index()) {
+        eprintln!("{}: {setup}", session.current_rung());
+    }
     let cancel = session.cancel_handle();
     let history = if a.no_history {
         None
@@ -705,9 +712,10 @@ impl Chat {
             weights_resident += resident;
             let cached = file_resident_in_page_cache(&self.paths[i])
                 .map_or_else(|_| "?".to_string(), |p| fmt_bytes(p.resident_bytes));
+            let setup = self.snapshot.setups.get(i).copied().flatten();
             let _ = writeln!(
                 s,
-                "{} {:<10} {:<10} {:>9} {:>9} {:>11} {:>11}",
+                "{} {:<10} {:<10} {:>9} {:>9} {:>11} {:>11}{}",
                 if i == current { "▸" } else { " " },
                 name,
                 if loaded { "resident" } else { "unmapped" },
@@ -715,6 +723,7 @@ impl Chat {
                 fmt_bytes(resident),
                 cached,
                 fmt_bytes(self.need(i, tokens.max(1))),
+                setup.map(|u| format!("  {u}")).unwrap_or_default(),
             );
         }
         let budget = match self.reading() {
@@ -797,7 +806,7 @@ impl Chat {
                 .chain(std::iter::from_fn(|| reports.try_recv().ok()))
             {
                 match r {
-                    Report::Event(e) => self.on_event(e),
+                    Report::Event(e) => self.on_event(*e),
                     Report::Answered(Ok(g)) => {
                         let reused = self.live.as_ref().map_or(0, |l| l.reused);
                         self.renderer.summary(&g, reused);

@@ -26,10 +26,12 @@ pub struct GlobalArgs {
     /// CPU threads (default: all cores).
     #[arg(long, global = true)]
     pub threads: Option<u32>,
-    /// Prompt tokens per micro-batch (1..=512): larger is faster prefill for a larger compute
-    /// buffer (74 MiB at 128 on the Qwen ladder, 297 MiB at 512; see `bench --speed --tune`).
-    #[arg(long, global = true, default_value_t = molt::engine::DEFAULT_N_UBATCH)]
-    pub ubatch: u32,
+    /// Prompt tokens per micro-batch (1..=512) for every rung: larger is faster prefill for a
+    /// larger compute buffer (74 MiB at 128 on the Qwen ladder, 297 MiB at 512). Unset, each
+    /// rung gets the one `bench --speed --tune` measured fastest within the budget (128
+    /// without a measurement); set, it overrides that choice (as `MOLT_REPACK` does repack).
+    #[arg(long, global = true)]
+    pub ubatch: Option<u32>,
     /// KV cache element type (only unquantized caches can be transplanted).
     #[arg(long, global = true, value_enum, default_value_t = CacheArg::F16)]
     pub cache_type: CacheArg,
@@ -54,10 +56,12 @@ impl GlobalArgs {
             n_ctx: self.n_ctx,
             ..ContextConfig::default()
         };
-        if !(1..=c.n_batch).contains(&self.ubatch) {
-            bail!("--ubatch {} is outside 1..={}", self.ubatch, c.n_batch);
+        if let Some(u) = self.ubatch {
+            if !(1..=c.n_batch).contains(&u) {
+                bail!("--ubatch {u} is outside 1..={}", c.n_batch);
+            }
+            c.n_ubatch = u;
         }
-        c.n_ubatch = self.ubatch;
         if let Some(t) = self.threads {
             if t == 0 {
                 bail!("--threads must be at least 1");
@@ -69,6 +73,21 @@ impl GlobalArgs {
             CacheArg::F32 => CacheType::F32,
         };
         Ok(c)
+    }
+
+    /// The speed policy of a session on `ladder` ([`molt::speed`]): the ladder's measured
+    /// settings from the first of `dirs` holding them, `--ubatch` and `MOLT_REPACK` as
+    /// overrides. Measurements of other files are refused with a warning on stderr, not used.
+    pub fn speed_policy(&self, ladder: &Ladder, dirs: &[PathBuf]) -> molt::speed::SpeedPolicy {
+        let (measured, refused) = molt::speed::Measured::find(dirs, ladder);
+        for e in refused {
+            eprintln!("molt-run: warning: {e}");
+        }
+        molt::speed::SpeedPolicy {
+            measured: measured.map(std::sync::Arc::new),
+            forced_ubatch: self.ubatch,
+            forced_repack: molt::speed::forced_repack_from_env(),
+        }
     }
 
     /// Where the ladder is.

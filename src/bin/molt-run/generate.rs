@@ -200,6 +200,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     let opts = SessionOptions {
         strategy: a.strategy.into(),
         projector_dirs: routes::search_dirs(a.projectors.as_deref()),
+        speed: g.speed_policy(&ladder, &routes::search_dirs(a.projectors.as_deref())),
         topk_recompute: a.topk_recompute,
         tail_recompute: a.tail_recompute,
         head_reread: a.head_reread,
@@ -223,6 +224,11 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         None => None,
     };
     let home = session.current_index();
+    if let Some(setup) = session.rung_setup(home) {
+        // Under a trace the first answer may load it again with the measured choice (its
+        // switches say so).
+        eprintln!("molt-run: {start}: {setup}");
+    }
     let raw = a.raw
         || session
             .rung_mut(home)
@@ -291,8 +297,13 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
                     text.clone()
                 }
                 Event::Switch(s) => format!(
-                    "\n⇆ {} → {} ({}, {:.0} ms, pressure {:.2})\n",
-                    s.from, s.to, s.method, s.timings.cost_ms, s.pressure
+                    "\n⇆ {} → {} ({}, {:.0} ms, pressure {:.2}){}\n",
+                    s.from,
+                    s.to,
+                    s.method,
+                    s.timings.cost_ms,
+                    s.pressure,
+                    s.setup.map(|u| format!(" · {u}")).unwrap_or_default()
                 ),
                 _ => return,
             };

@@ -193,6 +193,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         session: SessionOptions {
             strategy: a.strategy.into(),
             projector_dirs: routes::search_dirs(a.projectors.as_deref()),
+            speed: g.speed_policy(&ladder, &routes::search_dirs(a.projectors.as_deref())),
             measure_seam: a.measure_seam,
             park_deadline: (a.park_deadline_s > 0).then(|| Duration::from_secs(a.park_deadline_s)),
             ..SessionOptions::default()

@@ -160,6 +160,9 @@ impl Renderer {
                 s.to, s.timings.prepared_ms, s.timings.prepared_tokens
             );
         }
+        if let Some(setup) = &s.setup {
+            let _ = write!(line, " · {setup}");
+        }
         let line = if self.color {
             format!("{BOLD}{line}{RESET}\n")
         } else {

@@ -19,7 +19,8 @@ pub enum Job {
 /// What the session says back.
 pub enum Report {
     /// An event of the answer being generated.
-    Event(Event),
+    /// Boxed: a switch's record is far larger than the other reports.
+    Event(Box<Event>),
     /// The answer ended (or failed before it began).
     Answered(Result<Generation, String>),
     /// The session's state after a job.
@@ -41,6 +42,8 @@ pub struct Snapshot {
     pub messages: usize,
     /// Where the conversation's cache lives, for `/status`.
     pub cache: String,
+    /// Each loaded rung's micro-batch and repack, and why.
+    pub setups: Vec<Option<molt::speed::RungSetup>>,
 }
 
 impl Snapshot {
@@ -53,6 +56,9 @@ impl Snapshot {
             context_tokens: s.history().len(),
             messages: s.conversation().len(),
             cache: String::new(),
+            setups: (0..s.ladder().rungs.len())
+                .map(|i| s.rung_setup(i))
+                .collect(),
         }
     }
 }
@@ -180,7 +186,7 @@ pub fn spawn(
                     Job::Answer(prompt, opts) => {
                         let r = session.generate(&prompt, &opts, &mut |e: &Event| {
                             if !matches!(e, Event::Done(_)) {
-                                let _ = tx.send(Report::Event(e.clone()));
+                                let _ = tx.send(Report::Event(Box::new(e.clone())));
                             }
                         });
                         if let (Ok(g), Some(k)) = (&r, keeper.as_mut()) {
