@@ -447,6 +447,7 @@ mod tests {
             },
             reprefill_ms: Spread::default(),
             recomputed: 0.0,
+            refill_ms: None,
         }
     }
 

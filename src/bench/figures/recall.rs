@@ -556,6 +556,7 @@ pub(crate) fn sample_doc() -> RecallDoc {
                     cost_ms: spread(cost[i]),
                     reprefill_ms: spread(re),
                     recomputed: rc[i],
+                    refill_ms: None,
                 });
             }
         }
