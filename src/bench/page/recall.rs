@@ -337,9 +337,10 @@ mod tests {
             s.contains("head 4 + 26 selected by attention (median)"),
             "{s}"
         );
-        // 1024 tokens: recall 1/6 against 2/3, cost 60 ms of 1200 ms; 256 tokens kept.
+        // 1024 tokens: recall 1/6 against 2/3 (the re-prefill's too), cost 60 ms of 1200 ms;
+        // 256 tokens kept.
         assert!(
-            s.contains("default switch `head4`: loses facts at 1024 tokens: recall 0.17 against the destination's 0.67 (6 answers), at a switch cost of 60.0 ms, 5.0% of the re-prefill's 1200.0 ms. It keeps them at 256 tokens."),
+            s.contains("default switch `head4`: loses facts at 1024 tokens: recall 0.17 against the destination's 0.67 and the re-prefill's 0.67 (6 answers), at a switch cost of 60.0 ms, 5.0% of the re-prefill's 1200.0 ms. It keeps them at 256 tokens."),
             "{s}"
         );
         assert!(s.contains(
