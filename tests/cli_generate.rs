@@ -166,7 +166,8 @@ fn a_bad_trace_fails_before_any_model_loads() {
 
 /// Real ladder (CI, once fetched): a prompt file under a relative trace moves tier0 → tier1 by
 /// the shipped diagonal projector (found on disk in `projectors/` or built into the binary) and
-/// the answer goes on in readable text.
+/// the answer goes on in readable text. The budget, 5 % above tier1, is below q3km's footprint,
+/// so the precision rung between them is passed over: the largest rung that fits is taken.
 #[test]
 fn real_ladder_prompt_file_switches_by_projection() {
     if common::real_ladder().is_none() {

@@ -90,6 +90,9 @@ fn real_ladder_a_continued_conversation_remembers_its_first_turn() {
         return;
     };
     let opts = SessionOptions::default();
+    // The size route (onto the 0.5B) is the one that projects and re-reads cells; a precision
+    // route would carry the cache unchanged and test nothing here.
+    let tier2 = common::rung(l, "tier2").index;
     let mut s = Session::with_options(l.clone(), cfg(), "tier0", opts).unwrap();
     let mut switches = Vec::new();
     let mut sink = |e: &Event| {
@@ -103,7 +106,7 @@ fn real_ladder_a_continued_conversation_remembers_its_first_turn() {
         ),
         &GenerateOptions {
             max_tokens: 48,
-            force_switch: Some((6, 2)),
+            force_switch: Some((6, tier2)),
             ..GenerateOptions::default()
         },
         &mut sink,

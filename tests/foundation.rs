@@ -153,7 +153,8 @@ fn real_ladder_refuses_smollm_beside_qwen() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    std::os::unix::fs::symlink(&real.rungs[2].path, dir.path().join("q.gguf")).unwrap();
+    std::os::unix::fs::symlink(&common::rung(real, "tier2").path, dir.path().join("q.gguf"))
+        .unwrap();
     std::os::unix::fs::symlink(&smol, dir.path().join("s.gguf")).unwrap();
     let m = dir.path().join("mixed.toml");
     std::fs::write(&m, "name = \"mixed\"\n[[rung]]\nname = \"qwen\"\nfile = \"q.gguf\"\nsource = { local = {} }\n[[rung]]\nname = \"smol\"\nfile = \"s.gguf\"\nsource = { local = {} }\n").unwrap();

@@ -1,8 +1,9 @@
 //! Real ladder (CI; skipped when it is not fetched, required with `MOLT_REQUIRE_LADDER=1`):
 //! one answer under the shipped `spike_mid_answer` trace, at the `molt-run generate` defaults
-//! (n_ctx 2048), visits every rung — tier0 → tier1 → tier2 — and after each switch the
-//! footprint the operating system shows (resident weight pages of every mapped GGUF + the
-//! anonymous memory the session has grown by) is within the budget in force.
+//! (n_ctx 2048), visits every rung — tier0 → q3km → tier1 (precision routes) → tier2 (the size
+//! route) — and after each switch the footprint the operating system shows (resident weight
+//! pages of every mapped GGUF + the anonymous memory the session has grown by) is within the
+//! budget in force.
 //!
 //! In a binary of its own: the measured footprint is a whole-process number.
 
@@ -21,10 +22,16 @@ fn spike_mid_answer_visits_every_rung_within_the_measured_budget() {
     };
     let dirs = routes::search_dirs(None);
     let mut probe = Routes::new(l, dirs.clone(), Variant::Auto);
-    let strategy = if probe.get(0, 1).is_ok() && probe.get(1, 2).is_ok() {
+    // The walk down, by name: each switch goes one rung down.
+    let walk = ["tier0", "q3km", "tier1", "tier2"];
+    let index = |name: &str| common::rung(l, name).index;
+    let fitted = walk
+        .windows(2)
+        .all(|w| probe.get(index(w[0]), index(w[1])).is_ok());
+    let strategy = if fitted {
         Strategy::Molt
     } else {
-        eprintln!("projectors tier0->tier1 / tier1->tier2 not found; switching by re-prefill");
+        eprintln!("projectors of the walk {walk:?} not found; switching by re-prefill");
         Strategy::Reprefill
     };
     let config = ContextConfig {
@@ -64,7 +71,7 @@ fn spike_mid_answer_visits_every_rung_within_the_measured_budget() {
     assert!(!g.killed);
     assert_eq!(
         g.rungs_used,
-        vec!["tier0".to_string(), "tier1".into(), "tier2".into()],
+        walk.map(String::from),
         "stopped after {} tokens ({:?})",
         g.tokens.len(),
         g.stop
@@ -74,7 +81,11 @@ fn spike_mid_answer_visits_every_rung_within_the_measured_budget() {
         at, drops,
         "each switch lands on the token the budget dropped"
     );
-    assert_eq!(samples.len(), 2, "one footprint sample per switch");
+    assert_eq!(
+        samples.len(),
+        drops.len(),
+        "one footprint sample per switch"
+    );
     for f in &samples {
         eprintln!(
             "after the switch to {} at token {}: measured {} MiB, modelled {} MiB, RSS {} MiB, budget {} MiB",

@@ -168,10 +168,9 @@ fn partial_forward_matches_real_tier2() {
     let Some(l) = common::real_ladder() else {
         return;
     };
-    let i = l.rungs.iter().position(|r| r.name() == "tier2").unwrap();
     // Real weights are K-quantized: activations are re-quantized to Q8_K inside each matrix
     // product, identically in both runs, so the same tolerance holds.
-    recompute_matches_native(&l.rungs[i], &[2, 4, 6], F16_TOL);
+    recompute_matches_native(common::rung(l, "tier2"), &[2, 4, 6], F16_TOL);
 }
 
 /// The whole switch path with recompute: an identity transplant between two contexts of one
@@ -354,7 +353,12 @@ fn topk_switch_mid_answer_on_real_ladder() {
         &std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("projectors/corpus"),
     )
     .unwrap();
-    let model = Model::load(&l.rungs[0].path, "tier0", ModelOptions::default()).unwrap();
+    let model = Model::load(
+        &common::rung(l, "tier0").path,
+        "tier0",
+        ModelOptions::default(),
+    )
+    .unwrap();
     let tokens = model.tokenize(&corpus, false).unwrap();
     drop(model);
     molt::train::topk::fit_topk_maps(
@@ -377,7 +381,7 @@ fn topk_switch_mid_answer_on_real_ladder() {
         &mut |s| eprintln!("{s}"),
     )
     .unwrap();
-    let tier2 = l.rungs.iter().position(|r| r.name() == "tier2").unwrap();
+    let tier2 = common::rung(l, "tier2").index;
     let run = |topk: Option<usize>| {
         let opts = SessionOptions {
             projector_dirs: molt::routes::search_dirs(Some(&dir)),

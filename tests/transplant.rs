@@ -582,6 +582,8 @@ fn real_ladder_migration_mid_answer_scores_within_bound() {
     let Some(l) = common::real_ladder() else {
         return;
     };
+    // Forced onto the 0.5B whatever precision rungs sit between: this is the size route.
+    let tier2 = common::rung(l, "tier2").index;
     let run = |strategy| {
         let opts = SessionOptions {
             strategy,
@@ -593,7 +595,7 @@ fn real_ladder_migration_mid_answer_scores_within_bound() {
                 &Prompt::User("Explain in a few sentences how an operating system reclaims memory from background apps.".into()),
                 &GenerateOptions {
                     max_tokens: 64,
-                    force_switch: Some((24, 2)),
+                    force_switch: Some((24, tier2)),
                     ..GenerateOptions::default()
                 },
                 &mut |_| {},
@@ -612,7 +614,8 @@ fn real_ladder_migration_mid_answer_scores_within_bound() {
     );
     let (_, base) = run(Strategy::Reprefill);
     let judge = |g: &molt::session::Generation| {
-        let model = Model::load(&l.rungs[0].path, "tier0", ModelOptions::default()).unwrap();
+        let tier0 = common::rung(l, "tier0");
+        let model = Model::load(&tier0.path, "tier0", ModelOptions::default()).unwrap();
         let mut ctx = Context::new(model.clone(), common::cfg_long()).unwrap();
         let text = model
             .apply_chat_template(&s.conversation()[..1], true)

@@ -571,8 +571,9 @@ async fn stop_refusals_and_a_vanished_server_reach_the_user() {
 /// The README's screenshot, from a real ladder: start `molt-run serve --threads 1` (see the
 /// README's web page section), then
 /// `MOLT_WEB_URL=http://127.0.0.1:8088 cargo test --release --test web -- --ignored`.
-/// It replays `traces/spike_mid_answer.json` (tier0 → tier1 at token 48, → tier2 at 96), asks
-/// a question through the page and writes `results/figures/web.png` once the answer has ended.
+/// It replays `traces/spike_mid_answer.json` (tier0 → q3km at token 32, → tier1 at 64, → tier2
+/// at 96), asks a question through the page and writes `results/figures/web.png` once the
+/// answer has ended.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a running server on a real ladder (MOLT_WEB_URL)"]
 async fn screenshot_of_a_real_answer() {

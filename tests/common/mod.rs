@@ -112,6 +112,13 @@ pub fn real_ladder() -> Option<&'static Ladder> {
     .as_ref()
 }
 
+/// A rung of `l` by name. Real-ladder tests address rungs by name: the shipped ladder's
+/// indices move whenever a rung is added (the Q3_K_M rung went in at index 1).
+pub fn rung<'a>(l: &'a Ladder, name: &str) -> &'a molt::ladder::RungInfo {
+    l.rung(name)
+        .unwrap_or_else(|| panic!("ladder {} has no rung {name}: {:?}", l.name(), l.names()))
+}
+
 /// A context for the tiny models: `n_ctx` tokens, decoded `n_batch` at a time on two threads.
 pub fn context(n_ctx: u32, n_batch: u32) -> ContextConfig {
     ContextConfig {
