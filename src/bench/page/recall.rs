@@ -277,9 +277,11 @@ fn reread(doc: &RecallDoc, x: &RecallSummary) -> String {
                 spread.sort_by(f64::total_cmp);
                 parts.push(format!(
                     "then all behind the answer, {refill} tokens a step{}",
-                    spread.get(spread.len() / 2).map_or_else(String::new, |m| format!(
-                        " ({m:.0} ms spread over the next tokens, median of the rows)"
-                    ))
+                    spread
+                        .get(spread.len() / 2)
+                        .map_or_else(String::new, |m| format!(
+                            " ({m:.0} ms spread over the next tokens, median of the rows)"
+                        ))
                 ));
             }
             if parts.is_empty() {
