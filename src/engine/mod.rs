@@ -34,7 +34,7 @@ pub use logs::recent_llama_errors;
 pub use model::{ChatMessage, Model, ModelOptions};
 pub use partial::PartialForward;
 pub use quantize::{QuantType, UnknownQuantType, quantize};
-pub use sampling::{Sampler, SamplingParams, argmax, log_softmax, softmax};
+pub use sampling::{Sampler, SamplingParams, argmax, log_softmax, sample_by_full_sort, softmax};
 pub use tap::AttentionCapture;
 pub use text::Utf8Stream;
 
