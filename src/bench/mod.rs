@@ -27,6 +27,7 @@ pub mod precision;
 pub mod qos;
 pub mod recall;
 pub mod reliability;
+pub mod sampling;
 pub mod speed;
 pub mod stall;
 

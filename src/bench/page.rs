@@ -510,6 +510,7 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
     let reliability: Option<super::reliability::Reliability> =
         optional(&dir.join("reliability.json"))?;
     let speed_doc: Option<super::speed::SpeedDoc> = optional(&dir.join("speed.json"))?;
+    let sampling_doc: Option<super::sampling::SamplingDoc> = optional(&dir.join("sampling.json"))?;
     let concurrency: Option<concurrency::ConcurrencyDoc> =
         optional(&dir.join("serve_concurrency.json"))?;
     let fig = |name: &str| figures.written.iter().find(|f| f.name == name);
@@ -525,6 +526,7 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
         (stall_doc.is_some(), "switch_stall.json"),
         (reliability.is_some(), "reliability.json"),
         (speed_doc.is_some(), "speed.json"),
+        (sampling_doc.is_some(), "sampling.json"),
         (concurrency.is_some(), "serve_concurrency.json"),
     ]
     .iter()
@@ -734,6 +736,9 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
     }
     if let Some(doc) = &speed_doc {
         s.push_str(&speed::section(doc));
+    }
+    if let Some(doc) = &sampling_doc {
+        s.push_str(&super::sampling::section(doc));
     }
     if let Some(doc) = &concurrency {
         s.push_str(&concurrency::section(doc));

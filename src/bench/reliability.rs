@@ -86,6 +86,15 @@ pub struct SoakRow {
     /// Wall time, seconds.
     #[serde(default)]
     pub seconds: f64,
+    /// Least-squares slope of the anonymous part of the resident set (`RssAnon`: heap, caches,
+    /// buffers) over switches after the warm-up, KiB/switch: what a leak grows. The rest of the
+    /// resident set is mapped weight pages, which the kernel reclaims and faults back in as it
+    /// pleases, so it wanders with the page cache rather than with the process.
+    #[serde(default)]
+    pub anon_slope_kib_per_switch: Option<f64>,
+    /// Anonymous resident memory after the warm-up and at the end, KiB.
+    #[serde(default)]
+    pub rss_anon_kib: Option<[u64; 2]>,
 }
 
 /// One hostile-client probe and where it stands.
@@ -307,6 +316,9 @@ pub struct SoakSample {
     pub rss_kib: u64,
     /// Open file descriptors.
     pub fds: u64,
+    /// Anonymous resident memory (`RssAnon`), KiB.
+    #[serde(default)]
+    pub anon_kib: u64,
 }
 
 /// Open file descriptors of this process.
@@ -352,6 +364,39 @@ pub fn sawtooth_budgets(session: &Session) -> (u64, u64) {
         .saturating_mul(2)
         .saturating_add(session.options().policy.hysteresis_bytes);
     (low, high)
+}
+
+/// The soak's row from its samples so far: slopes by least squares over the samples after the
+/// warm-up (the first tenth of `planned` switches), the first steady sample and the last.
+#[must_use]
+pub fn soak_row(ladder: &str, planned: u64, samples: &[SoakSample], seconds: f64) -> SoakRow {
+    let warm = planned / 10;
+    let steady: Vec<&SoakSample> = samples.iter().filter(|s| s.switches > warm).collect();
+    let points = |f: fn(&SoakSample) -> u64| -> Vec<(f64, f64)> {
+        steady
+            .iter()
+            .map(|s| (s.switches as f64, f(s) as f64))
+            .collect()
+    };
+    let first = steady.first().copied().copied().unwrap_or(SoakSample {
+        switches: 0,
+        rss_kib: 0,
+        fds: 0,
+        anon_kib: 0,
+    });
+    let last = samples.last().copied().unwrap_or(first);
+    SoakRow {
+        ladder: ladder.to_string(),
+        switches: last.switches,
+        rss_slope_kib_per_switch: slope(&points(|s| s.rss_kib)),
+        fd_slope: slope(&points(|s| s.fds)),
+        answers: samples.len() as u64,
+        rss_kib: [first.rss_kib, last.rss_kib],
+        fds: [first.fds, last.fds],
+        seconds,
+        anon_slope_kib_per_switch: Some(slope(&points(|s| s.anon_kib))),
+        rss_anon_kib: Some([first.anon_kib, last.anon_kib]),
+    }
 }
 
 /// Runs answers on `session` under a [`Sawtooth`] between its home rung and its smallest rung
@@ -417,35 +462,18 @@ pub fn run_soak(
             switches,
             rss_kib: crate::pressure::process_rss_bytes().unwrap_or(0) >> 10,
             fds: open_fds(),
+            anon_kib: crate::pressure::process_anon_rss_bytes().unwrap_or(0) >> 10,
         };
         progress(&sample);
         samples.push(sample);
     }
     session.set_budget_source(None);
-    let warm = opts.switches / 10;
-    let steady: Vec<&SoakSample> = samples.iter().filter(|s| s.switches > warm).collect();
-    let points = |f: fn(&SoakSample) -> u64| -> Vec<(f64, f64)> {
-        steady
-            .iter()
-            .map(|s| (s.switches as f64, f(s) as f64))
-            .collect()
-    };
-    let first = steady.first().copied().copied().unwrap_or(SoakSample {
-        switches: 0,
-        rss_kib: 0,
-        fds: 0,
-    });
-    let last = samples.last().copied().unwrap_or(first);
-    let row = SoakRow {
-        ladder: session.ladder().name().to_string(),
-        switches,
-        rss_slope_kib_per_switch: slope(&points(|s| s.rss_kib)),
-        fd_slope: slope(&points(|s| s.fds)),
-        answers,
-        rss_kib: [first.rss_kib, last.rss_kib],
-        fds: [first.fds, last.fds],
-        seconds: t0.elapsed().as_secs_f64(),
-    };
+    let row = soak_row(
+        session.ladder().name(),
+        opts.switches,
+        &samples,
+        t0.elapsed().as_secs_f64(),
+    );
     Ok((row, samples))
 }
 
@@ -491,6 +519,8 @@ mod tests {
                 rss_kib: [0, 0],
                 fds: [0, 0],
                 seconds: 0.0,
+                anon_slope_kib_per_switch: None,
+                rss_anon_kib: None,
             }],
             probes: vec![ProbeRow {
                 probe: "p".into(),

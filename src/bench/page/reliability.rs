@@ -63,18 +63,22 @@ pub fn section(doc: &Reliability) -> String {
     );
     let _ = writeln!(
         s,
-        "| ladder | switches | answers | RSS slope KiB/switch | RSS KiB (after warm-up → end) | fd slope | fds | seconds | verdict |\n|---|---|---|---|---|---|---|---|---|"
+        "| ladder | switches | answers | RSS slope KiB/switch | RSS KiB (after warm-up → end) | anonymous slope KiB/switch | anonymous KiB | fd slope | fds | seconds | verdict |\n|---|---|---|---|---|---|---|---|---|---|---|"
     );
     for r in &doc.soak {
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {:.3} | {} → {} | {:.5} | {} → {} | {:.0} | {} |",
+            "| {} | {} | {} | {:.3} | {} → {} | {} | {} | {:.5} | {} → {} | {:.0} | {} |",
             r.ladder,
             r.switches,
             r.answers,
             r.rss_slope_kib_per_switch,
             r.rss_kib[0],
             r.rss_kib[1],
+            r.anon_slope_kib_per_switch
+                .map_or_else(|| "–".to_string(), |v| format!("{v:.3}")),
+            r.rss_anon_kib
+                .map_or_else(|| "–".to_string(), |[a, b]| format!("{a} → {b}")),
             r.fd_slope,
             r.fds[0],
             r.fds[1],

@@ -188,6 +188,15 @@ pub struct Args {
     /// Switches the soak makes.
     #[arg(long, default_value_t = 1000)]
     pub switches: u64,
+    /// The sampler's cost per token on a rung's real logits (greedy, the chat's preset, a
+    /// request's top-p), beside the full-sort baseline it replaced and the rung's own decode
+    /// (results/sampling.json)
+    #[arg(long)]
+    pub sampling: bool,
+    /// The rung whose logits --sampling samples (default: the smallest, where a decode is
+    /// shortest and sampling weighs most)
+    #[arg(long)]
+    pub sampling_rung: Option<String>,
     /// Gather results/reliability.json from the fuzz, fault and soak records and the probe list,
     /// and fail if a goal does not hold (crashes open, anything lost, RSS slope > 1 KiB/switch).
     #[arg(long)]
@@ -205,13 +214,14 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         && !a.recall
         && !a.stall
         && !a.soak
+        && !a.sampling
         && !a.reliability
         && !a.precision
         && a.precision_repool.is_none()
         && a.conditions.is_none()
     {
         bail!(
-            "nothing to run: pass --conditions all, --cost-sweep, --speed, --footprint, --recall, --precision, --stall, --qos, --soak and/or --reliability"
+            "nothing to run: pass --conditions all, --cost-sweep, --speed, --footprint, --recall, --precision, --stall, --qos, --soak, --sampling and/or --reliability"
         );
     }
     if a.stall && (a.stall_lengths.is_empty() || a.stall_lengths.contains(&0)) {
@@ -256,6 +266,9 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     if a.soak {
         run_soak(g, a)?;
     }
+    if a.sampling {
+        run_sampling(g, a)?;
+    }
     if a.reliability {
         run_reliability(a)?;
     }
@@ -263,7 +276,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
 }
 
 fn run_soak(g: &GlobalArgs, a: &Args) -> Result<()> {
-    use molt::bench::reliability::{SoakOptions, record_soak, run_soak};
+    use molt::bench::reliability::{SoakOptions, record_soak, run_soak, soak_row};
     let ladder = g.open_ladder()?;
     let config = g.context_config()?;
     let start = ladder.rungs[0].name().to_string();
@@ -279,16 +292,78 @@ fn run_soak(g: &GlobalArgs, a: &Args) -> Result<()> {
         switches: a.switches,
         ..SoakOptions::default()
     };
-    let (row, _) = run_soak(&mut session, &soak, &mut |s| {
-        eprintln!(
-            "soak: {} switches, RSS {} KiB, {} fds",
-            s.switches, s.rss_kib, s.fds
-        );
-    })?;
-    println!("{}", serde_json::to_string_pretty(&row)?);
     std::fs::create_dir_all(&a.out_dir)?;
-    record_soak(&a.out_dir.join("soak.json"), &row)?;
+    let ladder_name = session.ladder().name().to_string();
+    let samples_path = a.out_dir.join(format!("soak_samples_{ladder_name}.json"));
+    // Every sample, so the shape behind a slope can be looked at (a step, a drift, noise); the
+    // row and the samples so far are written every 50 answers, so a run stopped early still
+    // leaves what it measured.
+    let write = |row: &molt::bench::reliability::SoakRow,
+                 samples: &[molt::bench::reliability::SoakSample]|
+     -> Result<()> {
+        record_soak(&a.out_dir.join("soak.json"), row)?;
+        std::fs::write(&samples_path, serde_json::to_string(samples)?)?;
+        Ok(())
+    };
+    let t0 = std::time::Instant::now();
+    let mut so_far = Vec::new();
+    let mut failed = None;
+    let (row, samples) = run_soak(&mut session, &soak, &mut |s| {
+        eprintln!(
+            "soak: {} switches, RSS {} KiB (anonymous {} KiB), {} fds",
+            s.switches, s.rss_kib, s.anon_kib, s.fds
+        );
+        so_far.push(*s);
+        if so_far.len() % 50 == 0 {
+            let row = soak_row(
+                &ladder_name,
+                soak.switches,
+                &so_far,
+                t0.elapsed().as_secs_f64(),
+            );
+            if let Err(e) = write(&row, &so_far) {
+                failed.get_or_insert(e);
+            }
+        }
+    })?;
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    println!("{}", serde_json::to_string_pretty(&row)?);
+    write(&row, &samples)?;
     Ok(())
+}
+
+fn run_sampling(g: &GlobalArgs, a: &Args) -> Result<()> {
+    let ladder = g.open_ladder()?;
+    let threads = g.context_config()?.n_threads;
+    let rung = match &a.sampling_rung {
+        Some(name) => ladder
+            .rungs
+            .iter()
+            .find(|r| r.name() == name)
+            .ok_or_else(|| {
+                anyhow::anyhow!("--sampling-rung {name}: no such rung in {}", ladder.name())
+            })?,
+        None => ladder
+            .rungs
+            .last()
+            .ok_or_else(|| anyhow::anyhow!("the ladder has no rungs"))?,
+    };
+    eprintln!("sampling: {} ...", rung.name());
+    let run = serde_json::to_value(RunInfo::now())?;
+    let doc = molt::bench::sampling::measure(rung, threads, 64, a.reps, run)
+        .map_err(anyhow::Error::msg)?;
+    for p in &doc.presets {
+        println!(
+            "{:44} sampler {:7.3} ms/token, full sort {:7.3} ms/token (decode {:.1} ms/token)",
+            p.preset,
+            p.ms_per_token.median,
+            p.full_sort_ms_per_token.median,
+            doc.decode_ms_per_token
+        );
+    }
+    write_result(&a.out_dir, "sampling.json", &doc)
 }
 
 fn run_reliability(a: &Args) -> Result<()> {
