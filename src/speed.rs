@@ -59,6 +59,19 @@ pub enum SpeedFileError {
         /// The sha256 the rows were measured on.
         found: String,
     },
+    /// The file was measured on another processor: speeds are a fact of the machine.
+    #[error(
+        "speed settings {}: measured on another processor ({measured}; this one is {here}); ignored — run `molt-run bench --speed --tune` to measure this one",
+        path.display()
+    )]
+    OtherCpu {
+        /// The file.
+        path: PathBuf,
+        /// The processor the rows were measured on.
+        measured: String,
+        /// This machine's.
+        here: String,
+    },
     /// The file measured a rung the ladder does not have.
     #[error("speed settings {}: the ladder has no rung {rung}; its rows are ignored", path.display())]
     UnknownRung {
@@ -89,8 +102,28 @@ pub struct SpeedFile {
     pub ladder: String,
     /// Threads the rows were measured with.
     pub threads: u32,
+    /// The processor they were measured on ([`this_cpu`]); rows of another are not used.
+    #[serde(default)]
+    pub cpu: Option<String>,
     /// Per rung.
     pub rungs: Vec<RungRows>,
+}
+
+/// This machine's processor as a speed measurement is bound to it: the model name the kernel
+/// reports and the number of logical CPUs (`Intel(R) Xeon(R) … × 2`).
+#[must_use]
+pub fn this_cpu() -> String {
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+    let n = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    format!("{model} × {n}")
 }
 
 impl SpeedFile {
@@ -115,6 +148,7 @@ impl SpeedFile {
         Self {
             ladder: ladder.name().to_string(),
             threads,
+            cpu: Some(this_cpu()),
             rungs,
         }
     }
@@ -214,6 +248,14 @@ impl Measured {
         };
         match SpeedFile::load(&path) {
             Err(e) => (None, vec![e]),
+            Ok(f) if f.cpu.as_ref().is_some_and(|c| *c != this_cpu()) => (
+                None,
+                vec![SpeedFileError::OtherCpu {
+                    path,
+                    measured: f.cpu.unwrap_or_default(),
+                    here: this_cpu(),
+                }],
+            ),
             Ok(f) => {
                 let (m, refused) = f.bind(ladder, &path);
                 ((!m.rows.is_empty()).then_some(m), refused)

@@ -166,3 +166,30 @@ fn rows_measured_on_another_file_are_refused_with_the_rung_named() {
     assert!(m.is_none());
     assert!(matches!(refused[..], [SpeedFileError::Parse { .. }]));
 }
+
+#[test]
+fn rows_measured_on_another_processor_are_refused_and_say_how_to_measure_this_one() {
+    let l = common::tiny_ladder();
+    let dir = tempfile::tempdir().unwrap();
+    let rows = [
+        row("big", false, 100.0, 1.0),
+        row("big", true, 200.0, 301.0),
+    ];
+    let mut file = SpeedFile::of(l, 2, &rows);
+    assert_eq!(file.cpu.as_deref(), Some(molt::speed::this_cpu().as_str()));
+    file.cpu = Some("Some Other CPU @ 1.0GHz × 64".into());
+    file.save(dir.path()).unwrap();
+    let (m, refused) = Measured::find(&[dir.path().to_path_buf()], l);
+    assert!(m.is_none(), "another machine's speeds are not this one's");
+    assert!(matches!(refused[..], [SpeedFileError::OtherCpu { .. }]));
+    let msg = refused[0].to_string();
+    assert!(
+        msg.contains("Some Other CPU") && msg.contains("bench --speed --tune"),
+        "{msg}"
+    );
+
+    // Measured here: used.
+    SpeedFile::of(l, 2, &rows).save(dir.path()).unwrap();
+    let (m, refused) = Measured::find(&[dir.path().to_path_buf()], l);
+    assert!(m.is_some() && refused.is_empty());
+}

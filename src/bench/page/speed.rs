@@ -114,7 +114,7 @@ pub fn section(doc: &SpeedDoc) -> String {
     if !doc.tuning.is_empty() {
         let _ = writeln!(
             s,
-            "\n**Micro-batch and repack** (`--tune`): every setting, Molt and the peer side by side. A larger micro-batch reserves a larger compute buffer (its logits are sized for every token of a micro-batch); llama.cpp's CPU repack copies the weights into anonymous memory beside the mapped file. `speed::choose_setting` takes, per rung, the fastest prefill whose extra memory over Molt's default fits the room the budget leaves, and never one that slows decode.\n"
+            "\n**Micro-batch and repack** (`--tune`): every setting, Molt and the peer side by side. A larger micro-batch reserves a larger compute buffer (its logits are sized for every token of a micro-batch); llama.cpp's CPU repack copies the weights into anonymous memory beside the mapped file. `speed::choose_setting` takes, per rung, the setting whose reference turn (256 prompt tokens read, 256 answer tokens written, at the measured rates) is quickest among those whose extra memory over Molt's default fits the room the budget leaves, and only when it is at least 3% quicker than the default.\n"
         );
         table(&mut s, &doc.tuning, true);
     }
