@@ -117,6 +117,45 @@ pub fn section(doc: &SpeedDoc) -> String {
             "\n**Micro-batch and repack** (`--tune`): every setting, Molt and the peer side by side. A larger micro-batch reserves a larger compute buffer (its logits are sized for every token of a micro-batch); llama.cpp's CPU repack copies the weights into anonymous memory beside the mapped file. `speed::choose_setting` takes, per rung, the setting whose reference turn (256 prompt tokens read, 256 answer tokens written, at the measured rates) is quickest among those whose extra memory over Molt's default fits the room the budget leaves, and only when it is at least 3% quicker than the default.\n"
         );
         table(&mut s, &doc.tuning, true);
+        let _ = writeln!(
+            s,
+            "\nWhat the policy picks from these rows when the budget leaves room for any of them (reference turn, seconds, against the default's):\n"
+        );
+        let mut rungs: Vec<&str> = Vec::new();
+        for r in &doc.tuning {
+            if !rungs.contains(&r.rung.as_str()) {
+                rungs.push(&r.rung);
+            }
+        }
+        let d = super::super::speed::Setting::molt_default();
+        for rung in rungs {
+            let pick = super::super::speed::choose_setting(&doc.tuning, rung, u64::MAX);
+            let find = |st: super::super::speed::Setting| {
+                doc.tuning
+                    .iter()
+                    .find(|r| r.rung == rung && r.n_ubatch == st.n_ubatch && r.repack == st.repack)
+            };
+            if let (Some(p), Some(b)) = (find(pick), find(d)) {
+                let turn = super::super::speed::turn_seconds;
+                let _ = writeln!(
+                    s,
+                    "- {rung}: micro-batch {}, repack {} — {:.2} s against {:.2} s{}",
+                    pick.n_ubatch,
+                    if pick.repack { "on" } else { "off" },
+                    turn(p),
+                    turn(b),
+                    if pick == d {
+                        " (the default: nothing is 3% quicker)".to_string()
+                    } else {
+                        format!(
+                            ", for {:.0} MiB more",
+                            (p.reserved_mib - b.reserved_mib).max(0.0)
+                                + (p.load_anon_mib - b.load_anon_mib).max(0.0)
+                        )
+                    }
+                );
+            }
+        }
     }
     s
 }
