@@ -24,7 +24,7 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 use super::BenchError;
-use crate::engine::{ChatMessage, Context, ContextConfig, Span, Token, argmax};
+use crate::engine::{ChatMessage, Context, ContextConfig, ReRead, Span, Token, argmax};
 use crate::ladder::Ladder;
 use crate::routes::{RouteKind, Routes, Variant, route_kind};
 use crate::session::migrate::{self, Exported, Reread};
@@ -565,8 +565,7 @@ pub fn continue_refilling(
     let name = ctx.model().name().to_string();
     let mut full: Vec<Token> = history.to_vec();
     full.extend(out.last().copied());
-    let mut refill: Option<Context> = None;
-    let mut done = 0;
+    let mut refill = Some(ReRead::new(ctx.model().clone(), config, chunk));
     let mut ms = 0.0;
     let mut took_over = None;
     while out.len() < max {
@@ -579,33 +578,16 @@ pub fn continue_refilling(
         if out.len() >= max {
             break;
         }
-        if took_over.is_none() {
+        if let Some(r) = refill.as_mut() {
             let t0 = Instant::now();
-            let r = match refill.as_mut() {
-                Some(r) => r,
-                None => refill.insert(
-                    Context::new(
-                        ctx.model().clone(),
-                        ContextConfig {
-                            n_batch: u32::try_from(chunk).unwrap_or(u32::MAX).max(1),
-                            attention_tap: false,
-                            hidden_tap: false,
-                            ..config
-                        },
-                    )
-                    .map_err(engine(&name))?,
-                ),
-            };
             // Everything but the newest token, which the live context decodes next.
-            let target = full.len() - 1;
-            let end = (done + chunk).min(target);
-            if end > done {
-                r.decode(&full[done..end]).map_err(engine(&name))?;
-                done = end;
-            }
-            if done >= target {
-                let blob = r.export_state().map_err(engine(&name))?;
-                refill = None;
+            if r.step(&full, full.len() - 1).map_err(engine(&name))? {
+                let blob = refill
+                    .take()
+                    .map(ReRead::into_state)
+                    .transpose()
+                    .map_err(engine(&name))?
+                    .unwrap_or_default();
                 ctx.clear();
                 ctx.import_state(&blob).map_err(engine(&name))?;
                 took_over = Some(out.len());

@@ -10,7 +10,7 @@
 
 use std::time::Instant;
 
-use crate::engine::{Context, ContextConfig};
+use crate::engine::ReRead;
 
 use super::{Event, LeverInfo, Session};
 
@@ -18,10 +18,8 @@ use super::{Event, LeverInfo, Session};
 pub(super) struct Refill {
     /// The rung it belongs to (dropped if the session moves).
     rung: usize,
-    /// Its own context, created at the first step.
-    ctx: Option<Context>,
-    /// History tokens decoded on `ctx` so far.
-    done: usize,
+    /// The re-read (created at the first step: its model is the rung's, loaded by then).
+    reread: Option<ReRead>,
     /// Time spent so far, ms.
     ms: f64,
 }
@@ -31,8 +29,7 @@ impl Session {
     pub(super) fn start_refill(&mut self) {
         self.refill = (self.opts.refill_chunk > 0).then_some(Refill {
             rung: self.current,
-            ctx: None,
-            done: 0,
+            reread: None,
             ms: 0.0,
         });
     }
@@ -55,35 +52,30 @@ impl Session {
         }
         let t0 = Instant::now();
         let target = self.history.len().saturating_sub(1);
-        let chunk = self.opts.refill_chunk.max(1);
         let step = (|| -> Result<bool, String> {
-            if r.ctx.is_none() {
-                let live = self.rungs[r.rung].as_ref().ok_or("rung not loaded")?;
-                let cfg = ContextConfig {
-                    n_batch: u32::try_from(chunk).unwrap_or(u32::MAX).max(1),
-                    attention_tap: false,
-                    hidden_tap: false,
-                    ..self.config
-                };
-                r.ctx = Some(
-                    Context::new(live.ctx.model().clone(), cfg)
-                        .map_err(|e| format!("refill context: {e}"))?,
-                );
-            }
-            let ctx = r.ctx.as_mut().ok_or("refill context missing")?;
-            let end = (r.done + chunk).min(target);
-            if end > r.done {
-                ctx.decode(&self.history[r.done..end])
-                    .map_err(|e| format!("refill decode: {e}"))?;
-                r.done = end;
-            }
-            Ok(r.done >= target)
+            let reread = match r.reread.as_mut() {
+                Some(x) => x,
+                None => {
+                    let live = self.rungs[r.rung].as_ref().ok_or("rung not loaded")?;
+                    r.reread.insert(ReRead::new(
+                        live.ctx.model().clone(),
+                        self.config,
+                        self.opts.refill_chunk,
+                    ))
+                }
+            };
+            reread
+                .step(&self.history, target)
+                .map_err(|e| format!("refill: {e}"))
         })();
         r.ms += t0.elapsed().as_secs_f64() * 1e3;
         match step {
             Ok(false) => self.refill = Some(r),
             Ok(true) => self.take_over(r, at_token, sink),
-            Err(e) => self.refill_note(&r, at_token, &format!("refill abandoned: {e}"), sink),
+            Err(e) => {
+                let done = r.reread.as_ref().map_or(0, ReRead::done);
+                self.refill_note(&r, done, at_token, &format!("refill abandoned: {e}"), sink);
+            }
         }
     }
 
@@ -92,14 +84,14 @@ impl Session {
     fn take_over(&mut self, mut r: Refill, at_token: usize, sink: &mut dyn FnMut(&Event)) {
         let t0 = Instant::now();
         let newest = *self.history.last().unwrap_or(&0);
-        let Some(ctx) = r.ctx.take() else {
+        let Some(reread) = r.reread.take() else {
             return;
         };
+        let done = reread.done();
         let result = (|| -> Result<(), String> {
-            let blob = ctx
-                .export_state()
+            let blob = reread
+                .into_state()
                 .map_err(|e| format!("refill export: {e}"))?;
-            drop(ctx);
             let live = self.rungs[r.rung].as_mut().ok_or("rung not loaded")?;
             let backup = live
                 .ctx
@@ -131,15 +123,19 @@ impl Session {
         match result {
             Ok(()) => {
                 self.projected.clear();
-                self.refill_note(&r, at_token, "refill", sink);
+                self.refill_note(&r, done, at_token, "refill", sink);
             }
-            Err(e) => self.refill_note(&r, at_token, &format!("refill abandoned: {e}"), sink),
+            Err(e) => {
+                let what = format!("refill abandoned: {e}");
+                self.refill_note(&r, done, at_token, &what, sink);
+            }
         }
     }
 
     fn refill_note(
         &mut self,
         r: &Refill,
+        done: usize,
         at_token: usize,
         what: &str,
         sink: &mut dyn FnMut(&Event),
@@ -148,7 +144,7 @@ impl Session {
             at_token,
             lever: what.to_string(),
             rung: self.ladder.rungs[r.rung].name().to_string(),
-            tokens: r.done + 1,
+            tokens: done + 1,
             cost_ms: r.ms,
             parked_ms: 0.0,
             rss_before: 0,
