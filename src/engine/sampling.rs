@@ -96,12 +96,7 @@ impl Sampler {
             return argmax(logits);
         }
         let t = self.params.temperature;
-        let mut idx: Vec<(usize, f32)> = logits
-            .iter()
-            .copied()
-            .enumerate()
-            .filter(|(_, x)| x.is_finite())
-            .collect();
+        let mut idx = candidates(logits);
         if idx.is_empty() {
             return 0;
         }
@@ -159,6 +154,16 @@ impl Sampler {
     }
 }
 
+/// Every token with a finite logit, as `(token id, logit)`: what a draw chooses from.
+fn candidates(logits: &[f32]) -> Vec<(usize, f32)> {
+    logits
+        .iter()
+        .copied()
+        .enumerate()
+        .filter(|(_, x)| x.is_finite())
+        .collect()
+}
+
 /// Candidates ranked first when a nucleus is sampled without a top-k limit (grown ×4 until
 /// the nucleus fits): a sharp distribution's nucleus is a few tokens, a flat one's thousands.
 const NUCLEUS_HEAD: usize = 64;
@@ -192,12 +197,7 @@ pub fn sample_by_full_sort(p: SamplingParams, logits: &[f32], u: f64) -> Token {
     if p.temperature <= 0.0 {
         return argmax(logits);
     }
-    let mut idx: Vec<(usize, f32)> = logits
-        .iter()
-        .copied()
-        .enumerate()
-        .filter(|(_, x)| x.is_finite())
-        .collect();
+    let mut idx = candidates(logits);
     if idx.is_empty() {
         return 0;
     }
