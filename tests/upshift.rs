@@ -13,7 +13,8 @@ use molt::ladder::Ladder;
 use molt::pressure::{Trace, TraceBudget};
 use molt::sched::Policy;
 use molt::session::{
-    Event, GenerateOptions, PrepareInfo, PrepareState, Prompt, Session, SessionOptions, SwitchInfo,
+    Event, GenerateOptions, LiveRung, PrepareInfo, PrepareState, Prompt, Session, SessionOptions,
+    SwitchInfo,
 };
 
 const TEXT: &str = "The scheduler parks the weights of a background job while keeping its cache, then maps them back when memory returns.";
@@ -341,4 +342,128 @@ fn a_background_load_that_fails_leaves_the_answer_on_the_source() {
     assert_eq!(s.current_rung(), small);
     assert_eq!(s.loaded(), vec![false, false, true]);
     assert_never_over(&events);
+}
+
+#[test]
+fn a_rung_whose_footprint_is_measured_loads_without_the_warm_up() {
+    let l = common::tiny_ladder();
+    let info = &l.rungs[2];
+    let setup = molt::speed::RungSetup::default_at(common::cfg().n_ubatch);
+    let warmed = LiveRung::load_with(info, common::cfg(), setup).unwrap();
+    assert!(warmed.parts.warmup_ms > 0.0, "{:?}", warmed.parts);
+    let known = warmed.context_bytes.max(1);
+    let mut skipped = LiveRung::load_known(info, common::cfg(), setup, Some(known)).unwrap();
+    assert_eq!(skipped.parts.warmup_ms, 0.0, "{:?}", skipped.parts);
+    assert!(skipped.context_bytes >= known, "the known cost is kept");
+    // The warm-up only measured: the first decode after skipping it reads as after one.
+    let mut warmed = warmed;
+    let tokens = warmed.model().tokenize(TEXT, false).unwrap();
+    warmed.ctx.decode(&tokens).unwrap();
+    skipped.ctx.decode(&tokens).unwrap();
+    assert_eq!(warmed.ctx.logits(), skipped.ctx.logits());
+    drop((warmed, skipped));
+
+    // In a session: a rung loaded again (here the home rung, measured when the session
+    // started) skips it; a rung loaded for the first time does not.
+    let opts = SessionOptions {
+        standby: false,
+        prepare_up: false,
+        projector_dirs: vec![common::tiny_projectors().clone()],
+        ..SessionOptions::default()
+    };
+    let mut s = Session::with_options(l.clone(), common::cfg(), l.rungs[0].name(), opts).unwrap();
+    let switch = |s: &mut Session, to: usize| {
+        let mut w = None;
+        s.generate(
+            &Prompt::Text(TEXT.into()),
+            &GenerateOptions {
+                max_tokens: 3,
+                force_switch: Some((1, to)),
+                ..GenerateOptions::default()
+            },
+            &mut |e| {
+                if let Event::Switch(i) = e {
+                    w = Some(i.clone());
+                }
+            },
+        )
+        .unwrap();
+        w.expect("the forced switch happened")
+    };
+    let down = switch(&mut s, 2);
+    let first = down.timings.load_parts.expect("loaded at the switch");
+    assert!(
+        first.warmup_ms > 0.0,
+        "small's first load measures: {first:?}"
+    );
+    let up = switch(&mut s, 0);
+    let again = up.timings.load_parts.expect("loaded at the switch");
+    assert_eq!(
+        again.warmup_ms, 0.0,
+        "big was measured at the start: {again:?}"
+    );
+    let down = switch(&mut s, 2);
+    let again = down.timings.load_parts.expect("loaded at the switch");
+    assert_eq!(
+        again.warmup_ms, 0.0,
+        "small was measured by its first load: {again:?}"
+    );
+}
+
+/// What skipping the warm-up saves at a load, and what it moves onto the first decode: a
+/// measurement, not a check (`--ignored --nocapture`). `MOLT_MEASURE_RUNG` names a rung of the
+/// real ladder (`tier2`; the tiny ladder's `small` when unset), `MOLT_MEASURE_THREADS` the
+/// decode threads (1), `MOLT_MEASURE_REPS` the repetitions (5), alternating the two loads.
+#[test]
+#[ignore = "a measurement: run with --ignored --nocapture"]
+fn measure_the_warm_up_skip() {
+    let env = |k: &str| std::env::var(k).ok();
+    let (l, name) = match env("MOLT_MEASURE_RUNG") {
+        Some(n) => (
+            common::real_ladder().expect("the real ladder is fetched"),
+            n,
+        ),
+        None => (common::tiny_ladder(), "small".to_string()),
+    };
+    let threads: u32 = env("MOLT_MEASURE_THREADS").map_or(1, |t| t.parse().unwrap());
+    let reps: usize = env("MOLT_MEASURE_REPS").map_or(5, |t| t.parse().unwrap());
+    let info = common::rung(l, &name);
+    let config = molt::engine::ContextConfig {
+        n_threads: threads,
+        ..molt::engine::ContextConfig::default()
+    };
+    let setup = molt::speed::RungSetup::default_at(config.n_ubatch);
+    let tokens = {
+        let r = LiveRung::load_with(info, config, setup).unwrap();
+        r.model().tokenize(TEXT, false).unwrap()[..8].to_vec()
+    };
+    let mut known = None;
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let mut rows: [Vec<(f64, f64, f64)>; 2] = [Vec::new(), Vec::new()];
+    for _ in 0..reps {
+        for (i, k) in [None, known].into_iter().enumerate() {
+            let t0 = std::time::Instant::now();
+            let mut r = LiveRung::load_known(info, config, setup, k).unwrap();
+            let load_ms = t0.elapsed().as_secs_f64() * 1e3;
+            let t1 = std::time::Instant::now();
+            r.ctx.decode(&tokens[..1]).unwrap();
+            let first_ms = t1.elapsed().as_secs_f64() * 1e3;
+            rows[i].push((load_ms, r.parts.warmup_ms, first_ms));
+            known = Some(r.context_bytes);
+        }
+    }
+    for (i, what) in ["warm-up", "skipped"].iter().enumerate() {
+        let col = |f: fn(&(f64, f64, f64)) -> f64| median(rows[i].iter().map(f).collect());
+        println!(
+            "{name} ({threads} thread(s), n_ctx {}, {reps} reps) {what}: load {:.1} ms (warm-up part {:.1}), first decode after it {:.1} ms, load + first decode {:.1} ms (medians)",
+            config.n_ctx,
+            col(|r| r.0),
+            col(|r| r.1),
+            col(|r| r.2),
+            col(|r| r.0 + r.2),
+        );
+    }
 }

@@ -134,7 +134,11 @@ impl LiveRung {
             parts: LoadParts {
                 model_ms: ms_between(t0, t_model),
                 context_ms: ms_between(t_model, t_context),
-                warmup_ms: ms_between(t_context, t_warm),
+                warmup_ms: if known_context_bytes.is_some() {
+                    0.0
+                } else {
+                    ms_between(t_context, t_warm)
+                },
             },
             setup,
         })
