@@ -18,6 +18,8 @@ fn session(standby: bool) -> Session {
     let l = common::tiny_ladder();
     let opts = SessionOptions {
         standby,
+        // A forced switch up is prepared in the background, as the policy's.
+        forced_up_waits: true,
         projector_dirs: vec![common::tiny_projectors().clone()],
         ..SessionOptions::default()
     };

@@ -300,6 +300,7 @@ fn chain(
     let sopts = SessionOptions {
         standby: setup == Setup::After,
         prepare_up: setup == Setup::After,
+        forced_up_waits: setup == Setup::After,
         projector_dirs: if opts.projector_dirs.is_empty() {
             SessionOptions::default().projector_dirs
         } else {

@@ -834,16 +834,17 @@ impl Session {
         sink: &mut dyn FnMut(&Event),
     ) -> Result<Between, SessionError> {
         if let Some((at, to)) = opts.force_switch
-            && i >= at
+            && (i == at || (i > at && self.opts.forced_up_waits))
             && !self.force_taken
             && to < self.rungs.len()
         {
-            // A forced switch down is taken at its token; a forced switch up, as the policy's,
-            // waits for its destination's background load (the budget is not read meanwhile,
-            // as it is not at the forced token itself), and is given up if that load fails.
+            // A forced switch is taken at its token; with `forced_up_waits`, a forced switch up,
+            // as the policy's, waits for its destination's background load (the budget is not
+            // read meanwhile, as it is not at the forced token itself), and is given up if that
+            // load fails.
             let ready = if to == self.current {
                 None
-            } else if to > self.current {
+            } else if to > self.current || !self.opts.forced_up_waits {
                 Some(true)
             } else {
                 match self.promote_ready(to, i, None, sink)? {
