@@ -255,6 +255,16 @@ fn bench_stall_quick_writes_the_schema() {
             assert!(r.standby_rss_mib > 0.0, "{r:?}");
         }
     }
+    // A switch up: after, its destination loaded while the source decoded (`load` 0, the
+    // overlapped load its own part); before, loaded at the switch.
+    for r in doc.rows.iter().filter(|r| r.direction == "up") {
+        assert_eq!(r.parts_ms["load"], 0.0, "{r:?}");
+        assert!(r.parts_ms["prepared_in_background"] > 0.0, "{r:?}");
+    }
+    for r in doc.before_rows.iter().filter(|r| r.direction == "up") {
+        assert!(r.parts_ms["load"] > 0.0, "{r:?}");
+        assert!(!r.parts_ms.contains_key("prepared_in_background"), "{r:?}");
+    }
     assert!(doc.before_rows.iter().all(|r| r.from_standby == 0.0));
     assert!(doc.before_rows.iter().all(|r| r.standby_rss_mib == 0.0));
     // The figure and the page section draw from it.

@@ -29,7 +29,9 @@ use super::BenchError;
 use super::speed::Rate;
 use crate::engine::{ContextConfig, Token};
 use crate::ladder::Ladder;
-use crate::session::{Event, GenerateOptions, Prompt, Session, SessionOptions, SwitchInfo};
+use crate::session::{
+    Event, GenerateOptions, Prompt, Session, SessionOptions, SwitchInfo, TokenControl,
+};
 
 /// Tokens a leg of the `after` setup may decode on the source while a switch up's destination
 /// loads in the background, beyond the leg's own length; the leg is stopped once the
@@ -286,6 +288,31 @@ fn context_text(session: &mut Session, corpus: &str, length: usize) -> Result<St
     Ok(live.model().detokenize(&tokens[..length]))
 }
 
+/// Keeps a leg from ending at an end-of-generation token before its switch (a switch up may
+/// wait many tokens for its background load): their logits are masked. The legs measure gaps
+/// between tokens, not text.
+struct NoEndOfText(Vec<usize>);
+
+impl NoEndOfText {
+    fn of(model: &crate::engine::Model) -> Self {
+        Self(
+            (0..model.n_vocab())
+                .filter(|&t| Token::try_from(t).is_ok_and(|t| model.is_eog(t)))
+                .collect(),
+        )
+    }
+}
+
+impl TokenControl for NoEndOfText {
+    fn shape(&mut self, logits: &mut [f32]) {
+        for &t in &self.0 {
+            if let Some(l) = logits.get_mut(t) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
+}
+
 /// One repetition: a session reads the context on the smallest rung, then walks the route
 /// circuit.
 fn chain(
@@ -312,6 +339,13 @@ fn chain(
     let mut session = Session::with_options(ladder.clone(), config, ladder.rungs[0].name(), sopts)?;
     session.move_idle(n - 1)?;
     let mut prompt = Prompt::Text(context_text(&mut session, corpus, length)?);
+    // Every rung of a ladder shares its tokenizer.
+    let mut no_end = {
+        let idx = session.current_index();
+        session
+            .rung_mut(idx)
+            .map_or(NoEndOfText(Vec::new()), |r| NoEndOfText::of(r.model()))
+    };
     let mut out = Vec::new();
     for (from, to) in route_circuit(n) {
         // The session may have ended a leg early (end of text): the next leg continues it.
@@ -347,7 +381,7 @@ fn chain(
             };
             let mut latencies: Vec<(usize, f64)> = Vec::new();
             let mut switch: Option<SwitchInfo> = None;
-            session.generate(&prompt, &leg, &mut |e| match e {
+            session.generate_with(&prompt, &leg, &mut no_end, &mut |e| match e {
                 Event::Token {
                     index, latency_ms, ..
                 } => {
