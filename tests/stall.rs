@@ -18,6 +18,8 @@ fn session(standby: bool) -> Session {
     let l = common::tiny_ladder();
     let opts = SessionOptions {
         standby,
+        // A forced switch up is prepared in the background, as the policy's.
+        forced_up_waits: true,
         projector_dirs: vec![common::tiny_projectors().clone()],
         ..SessionOptions::default()
     };
@@ -44,6 +46,35 @@ fn forced(s: &mut Session, prompt: &str, at: usize, to: usize) -> SwitchInfo {
     switch.expect("the forced switch happened")
 }
 
+/// One answer with a switch up forced before token `at`, which waits for its destination's
+/// background load: a reader slower than the tiny rungs decode (until the switch) gives the
+/// load the tokens it needs, and the answer stops two tokens after the switch.
+fn forced_up(s: &mut Session, at: usize, to: usize) -> SwitchInfo {
+    let stop = s.cancel_handle();
+    let mut switch: Option<SwitchInfo> = None;
+    s.generate(
+        &Prompt::Text(String::new()),
+        &GenerateOptions {
+            max_tokens: 300,
+            force_switch: Some((at, to)),
+            ..GenerateOptions::default()
+        },
+        &mut |e| match e {
+            Event::Switch(i) => switch = Some(i.clone()),
+            Event::Token { index, .. } => match &switch {
+                Some(w) if *index >= w.at_token + 2 => {
+                    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+                }
+                Some(_) => {}
+                None => std::thread::sleep(Duration::from_millis(20)),
+            },
+            _ => {}
+        },
+    )
+    .unwrap();
+    switch.expect("the forced switch up happened")
+}
+
 #[test]
 fn a_switch_down_takes_its_destination_off_standby_and_a_switch_up_leaves_its_source_there() {
     let n = common::tiny_ladder().rungs.len();
@@ -59,9 +90,13 @@ fn a_switch_down_takes_its_destination_off_standby_and_a_switch_up_leaves_its_so
     );
     // On the smallest rung nothing is below: the rungs above are dropped.
     assert!(s.on_standby().iter().all(|b| !b), "{:?}", s.on_standby());
-    let up = forced(&mut s, "", 1, 0);
+    let up = forced_up(&mut s, 1, 0);
     assert!(!up.timings.from_standby);
-    assert!(up.timings.load_parts.is_some(), "a switch up loads");
+    assert!(
+        up.timings.load_parts.is_none() && up.timings.load_ms == 0.0,
+        "a switch up loads in the background, not at the switch: {up:?}"
+    );
+    assert!(up.timings.prepared_ms > 0.0, "{up:?}");
     assert!(
         s.on_standby()[n - 1],
         "the source of a switch up waits on standby"
@@ -219,6 +254,16 @@ fn bench_stall_quick_writes_the_schema() {
         if r.direction == "down" {
             assert!(r.standby_rss_mib > 0.0, "{r:?}");
         }
+    }
+    // A switch up: after, its destination loaded while the source decoded (`load` 0, the
+    // overlapped load its own part); before, loaded at the switch.
+    for r in doc.rows.iter().filter(|r| r.direction == "up") {
+        assert_eq!(r.parts_ms["load"], 0.0, "{r:?}");
+        assert!(r.parts_ms["prepared_in_background"] > 0.0, "{r:?}");
+    }
+    for r in doc.before_rows.iter().filter(|r| r.direction == "up") {
+        assert!(r.parts_ms["load"] > 0.0, "{r:?}");
+        assert!(!r.parts_ms.contains_key("prepared_in_background"), "{r:?}");
     }
     assert!(doc.before_rows.iter().all(|r| r.from_standby == 0.0));
     assert!(doc.before_rows.iter().all(|r| r.standby_rss_mib == 0.0));

@@ -13,7 +13,12 @@
 //! not cover (sampling, the footprint sample after a switch) is `other`.
 //!
 //! Two setups are measured side by side: `before` loads the destination at the switch (the
-//! landed behaviour, [`SessionOptions::standby`] off), `after` takes it off standby.
+//! landed behaviour, [`SessionOptions::standby`] and [`SessionOptions::prepare_up`] off),
+//! `after` takes a switch down's destination off standby and loads a switch up's in the
+//! background while the source goes on decoding ([`SessionOptions::prepare_up`]): the forced
+//! switch up then waits for that load, the leg running up to [`UP_WAIT_TOKENS`] more tokens
+//! on the source, and the row's `load` part is 0 with the overlapped load as its own part,
+//! `prepared_in_background`.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -24,7 +29,14 @@ use super::BenchError;
 use super::speed::Rate;
 use crate::engine::{ContextConfig, Token};
 use crate::ladder::Ladder;
-use crate::session::{Event, GenerateOptions, Prompt, Session, SessionOptions, SwitchInfo};
+use crate::session::{
+    Event, GenerateOptions, Prompt, Session, SessionOptions, SwitchInfo, TokenControl,
+};
+
+/// Tokens a leg of the `after` setup may decode on the source while a switch up's destination
+/// loads in the background, beyond the leg's own length; the leg is stopped once the
+/// destination's tokens after the switch are in.
+pub const UP_WAIT_TOKENS: usize = 256;
 
 /// The page-cache state of the destination's file before a switch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -212,12 +224,14 @@ pub fn run(
                     let got = chain(ladder, config, corpus, opts, setup, length, cache)?;
                     for s in &got {
                         progress(&format!(
-                            "rep {rep} {setup:?} {cache:?} ~{length}: {}->{} stall {:.1} ms (load {:.1}, switch {:.1}), itl {:.1} ms",
+                            "rep {rep} {setup:?} {cache:?} ~{length}: {}->{} stall {:.1} ms (load {:.1}, switch {:.1}, prepared in the background {:.1} over {} tokens), itl {:.1} ms",
                             ladder.rungs[s.from].name(),
                             ladder.rungs[s.to].name(),
                             s.stall_ms,
                             s.info.timings.load_ms,
                             s.info.timings.cost_ms,
+                            s.info.timings.prepared_ms,
+                            s.info.timings.prepared_tokens,
                             median(&s.itl_ms),
                         ));
                     }
@@ -274,6 +288,31 @@ fn context_text(session: &mut Session, corpus: &str, length: usize) -> Result<St
     Ok(live.model().detokenize(&tokens[..length]))
 }
 
+/// Keeps a leg from ending at an end-of-generation token before its switch (a switch up may
+/// wait many tokens for its background load): their logits are masked. The legs measure gaps
+/// between tokens, not text.
+struct NoEndOfText(Vec<usize>);
+
+impl NoEndOfText {
+    fn of(model: &crate::engine::Model) -> Self {
+        Self(
+            (0..model.n_vocab())
+                .filter(|&t| Token::try_from(t).is_ok_and(|t| model.is_eog(t)))
+                .collect(),
+        )
+    }
+}
+
+impl TokenControl for NoEndOfText {
+    fn shape(&mut self, logits: &mut [f32]) {
+        for &t in &self.0 {
+            if let Some(l) = logits.get_mut(t) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
+}
+
 /// One repetition: a session reads the context on the smallest rung, then walks the route
 /// circuit.
 fn chain(
@@ -287,6 +326,8 @@ fn chain(
 ) -> Result<Vec<Sample>, BenchError> {
     let sopts = SessionOptions {
         standby: setup == Setup::After,
+        prepare_up: setup == Setup::After,
+        forced_up_waits: setup == Setup::After,
         projector_dirs: if opts.projector_dirs.is_empty() {
             SessionOptions::default().projector_dirs
         } else {
@@ -298,6 +339,13 @@ fn chain(
     let mut session = Session::with_options(ladder.clone(), config, ladder.rungs[0].name(), sopts)?;
     session.move_idle(n - 1)?;
     let mut prompt = Prompt::Text(context_text(&mut session, corpus, length)?);
+    // Every rung of a ladder shares its tokenizer.
+    let mut no_end = {
+        let idx = session.current_index();
+        session
+            .rung_mut(idx)
+            .map_or(NoEndOfText(Vec::new()), |r| NoEndOfText::of(r.model()))
+    };
     let mut out = Vec::new();
     for (from, to) in route_circuit(n) {
         // The session may have ended a leg early (end of text): the next leg continues it.
@@ -318,18 +366,34 @@ fn chain(
         let standby_bytes = session.standby_bytes();
         let mut sample = None;
         // A leg whose answer ends before the switch is run again from where it stopped.
+        // A switch up prepared in the background waits for its load on the source.
+        let wait = if to < from && setup == Setup::After {
+            UP_WAIT_TOKENS
+        } else {
+            0
+        };
+        let stop = session.cancel_handle();
         for _attempt in 0..3 {
             let leg = GenerateOptions {
-                max_tokens: opts.lead_tokens + 1 + opts.itl_tokens,
+                max_tokens: opts.lead_tokens + 1 + opts.itl_tokens + wait,
                 force_switch: Some((opts.lead_tokens, to)),
                 ..GenerateOptions::default()
             };
             let mut latencies: Vec<(usize, f64)> = Vec::new();
             let mut switch: Option<SwitchInfo> = None;
-            session.generate(&prompt, &leg, &mut |e| match e {
+            session.generate_with(&prompt, &leg, &mut no_end, &mut |e| match e {
                 Event::Token {
                     index, latency_ms, ..
-                } => latencies.push((*index, *latency_ms)),
+                } => {
+                    latencies.push((*index, *latency_ms));
+                    // The destination's tokens are in: the leg has what it measures.
+                    if switch
+                        .as_ref()
+                        .is_some_and(|w| *index >= w.at_token + opts.itl_tokens)
+                    {
+                        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+                    }
+                }
                 Event::Switch(info) => switch = Some(info.clone()),
                 _ => {}
             })?;
@@ -383,6 +447,10 @@ fn parts(s: &Sample) -> BTreeMap<String, f64> {
         p.insert("load".into(), 0.0);
     } else {
         p.insert("load".into(), t.load_ms);
+    }
+    if t.prepared_ms > 0.0 {
+        // Overlapped with the source's decoding: not in the stall, reported beside it.
+        p.insert("prepared_in_background".into(), t.prepared_ms);
     }
     if let Some(lp) = t.load_parts {
         p.insert("load_model".into(), lp.model_ms);

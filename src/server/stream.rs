@@ -142,7 +142,11 @@ pub fn molt_event(e: &Event) -> Option<MoltEvent> {
             deadline_ms: *deadline_ms,
         }),
         Event::Lever(l) => Some(MoltEvent::Lever(l.clone())),
-        Event::Start { .. } | Event::Token { .. } | Event::Footprint(_) | Event::Done(_) => None,
+        Event::Start { .. }
+        | Event::Token { .. }
+        | Event::Footprint(_)
+        | Event::Prepare(_)
+        | Event::Done(_) => None,
     }
 }
 

@@ -101,6 +101,47 @@ pub struct LeverInfo {
     pub budget_bytes: u64,
 }
 
+/// What became of a switch up prepared in the background
+/// ([`SessionOptions::prepare_up`](super::SessionOptions::prepare_up)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PrepareState {
+    /// The destination started loading on a thread of its own; the answer goes on on `from`.
+    Started,
+    /// The load was given up (the budget fell, the policy stopped asking for the rung, the
+    /// answer ended first) and what it loaded freed; `reason` says which.
+    Dropped,
+    /// The load failed; the answer stays on `from` (no switch up for the rest of it), and
+    /// `reason` holds the error.
+    Failed,
+}
+
+/// A switch up's background load, as it starts, is given up or fails. A load that finishes
+/// is reported by the switch it prepared ([`SwitchInfo`]'s `prepared_ms`, `prepared_tokens`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PrepareInfo {
+    /// Generated-token index before which it happened.
+    pub at_token: usize,
+    /// What happened.
+    pub state: PrepareState,
+    /// The rung the answer decodes on meanwhile.
+    pub from: String,
+    /// The rung being loaded.
+    pub to: String,
+    /// Time since the load started, ms (0 when it starts).
+    pub elapsed_ms: f64,
+    /// Tokens decoded on `from` since the load started.
+    pub tokens: usize,
+    /// The session's modelled footprint with the rung being loaded counted in (at `Started`),
+    /// or what it would have been (at `Dropped` for the budget), bytes.
+    pub modelled_bytes: u64,
+    /// The budget at that token, bytes (0: no budget source).
+    pub budget_bytes: u64,
+    /// Why it was dropped, or the load's error.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
 /// What the session occupies right after a switch or a lever, measured beside what the policy
 /// assumed, so that "the budget was never exceeded" is checked against the OS, not the model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -211,6 +252,8 @@ pub enum Event {
     },
     /// A park, resume, shed or relayout happened before the next token.
     Lever(LeverInfo),
+    /// A switch up's background load started, was given up, or failed.
+    Prepare(PrepareInfo),
     /// Measured occupancy after a switch or a lever.
     Footprint(FootprintSample),
     /// The answer ended.

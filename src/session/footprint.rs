@@ -105,11 +105,28 @@ impl Session {
     pub(super) fn record_load(&mut self, index: usize, live: &super::LiveRung) {
         if live.context_bytes > 0 && !self.pinned_costs {
             self.context_bytes[index] = Some(live.context_bytes);
+            self.measured_setting[index] = Some(live.setup.setting);
             self.measured_extra[index] = live.setup.extra_bytes;
             if live.setup.extra_bytes == 0 {
                 self.default_context_bytes[index] = Some(live.context_bytes);
             }
         }
+    }
+
+    /// What a load of rung `index` with `setup` need not measure again: the context overhead
+    /// recorded for it (its last load's measurement under the same setting, raised by what
+    /// the process showed while it ran), so [`super::LiveRung::load_known`] skips the warm-up
+    /// decode. `None` before a load with that setting was measured, and while costs are
+    /// pinned (the pinned figure is not a measurement of this process).
+    pub(super) fn known_context_bytes(
+        &self,
+        index: usize,
+        setup: crate::speed::RungSetup,
+    ) -> Option<u64> {
+        if self.pinned_costs || self.measured_setting[index] != Some(setup.setting) {
+            return None;
+        }
+        self.context_bytes[index]
     }
 
     /// Fixes the context overhead the policy assumes for each rung (as [`RungCost`]'s

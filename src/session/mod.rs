@@ -25,7 +25,10 @@ mod switch;
 pub use condition::Condition;
 pub use control::{Accept, NoControl, TokenControl, TokenLogprobs, logprobs_of};
 pub use error::{MigrationCause, MigrationError, MigrationStep, SessionError};
-pub use events::{Event, FootprintSample, Generation, LeverInfo, StopReason, Summary, SwitchInfo};
+pub use events::{
+    Event, FootprintSample, Generation, LeverInfo, PrepareInfo, PrepareState, StopReason, Summary,
+    SwitchInfo,
+};
 pub use levers::chat_pinned_prefix;
 pub use options::{DEFAULT_HEAD_REREAD, GenerateOptions, Prompt, SessionOptions, Strategy};
 pub use rung::{LiveRung, LoadParts, ParkedRung, StandbyRung};
@@ -59,6 +62,9 @@ pub struct Session {
     measured_extra: Vec<u64>,
     /// The last `context_bytes` measurement of a load with the default's memory (no extra).
     default_context_bytes: Vec<Option<u64>>,
+    /// The setting (micro-batch, repack) each rung's `context_bytes` was measured under, so a
+    /// later load with the same setting skips the warm-up decode that measures it.
+    measured_setting: Vec<Option<crate::bench::speed::Setting>>,
     /// Set by [`Session::pin_context_bytes`]: loads no longer overwrite `context_bytes`.
     pinned_costs: bool,
     current: usize,
@@ -101,6 +107,12 @@ pub struct Session {
     preparing: Option<prepare::Preparing>,
     /// What the finished background load cost, for the switch it prepared.
     prepared: Option<prepare::Prepared>,
+    /// A rung whose background load failed during the answer being generated: the answer
+    /// stays where it is rather than try it again.
+    prepare_failed: Option<usize>,
+    /// The answer's forced switch ([`GenerateOptions::force_switch`]) has been taken (or given
+    /// up): a forced switch up may wait tokens for its destination's background load.
+    force_taken: bool,
 }
 
 impl Session {
@@ -149,9 +161,12 @@ impl Session {
             standby: (0..n).map(|_| None).collect(),
             preparing: None,
             prepared: None,
+            prepare_failed: None,
+            force_taken: false,
             context_bytes: vec![None; n],
             measured_extra: vec![0; n],
             default_context_bytes: vec![None; n],
+            measured_setting: vec![None; n],
             pinned_costs: false,
             current,
             home: current,
@@ -378,7 +393,9 @@ impl Session {
         }
         if self.rungs[index].is_none() {
             let setup = self.speed_setup(index, 0);
-            let mut live = LiveRung::load_with(&self.ladder.rungs[index], self.config, setup)?;
+            let known = self.known_context_bytes(index, setup);
+            let mut live =
+                LiveRung::load_known(&self.ladder.rungs[index], self.config, setup, known)?;
             self.record_load(index, &live);
             self.arm_hidden_tap(index, &mut live.ctx);
             self.rungs[index] = Some(live);
@@ -529,6 +546,10 @@ impl Session {
         crate::pressure::reset_peak_rss();
         self.answer_levers.clear();
         self.stall_ms = 0.0;
+        // An earlier answer that ended in an error may have left a background load behind.
+        self.abandon_prepare(0, "a new answer starts", &mut |_| {});
+        self.prepare_failed = None;
+        self.force_taken = false;
         let tokens = self.prompt_tokens(prompt)?;
         let n_ctx = self.config.n_ctx;
         let reserve = opts.max_tokens.clamp(1, 16);
@@ -785,10 +806,14 @@ impl Session {
             levers: std::mem::take(&mut self.answer_levers),
             stall_ms: self.stall_ms,
         };
-        sink(&Event::Done(generation.summary()));
         // A switch up still being prepared is not carried into the next answer (its budget
-        // may be another): drop it.
-        self.abandon_prepare();
+        // may be another): drop it, and say so before the answer's end.
+        self.abandon_prepare(
+            generation.tokens.len(),
+            "the answer ended before the destination was ready",
+            sink,
+        );
+        sink(&Event::Done(generation.summary()));
         // After the answer, off every token's path: load ahead what a switch down would need.
         self.prepare_standby();
         Ok(generation)
@@ -809,13 +834,35 @@ impl Session {
         sink: &mut dyn FnMut(&Event),
     ) -> Result<Between, SessionError> {
         if let Some((at, to)) = opts.force_switch
-            && at == i
-            && to != self.current
+            && (i == at || (i > at && self.opts.forced_up_waits))
+            && !self.force_taken
             && to < self.rungs.len()
         {
-            let info = self.switch_to(to, tok, i, None)?;
-            self.footprint_due = Some((i, self.last_budget.unwrap_or(0)));
-            return Ok(Between::Switched(Box::new(info)));
+            // A forced switch is taken at its token; with `forced_up_waits`, a forced switch up,
+            // as the policy's, waits for its destination's background load (the budget is not
+            // read meanwhile, as it is not at the forced token itself), and is given up if that
+            // load fails.
+            let ready = if to == self.current {
+                None
+            } else if to > self.current || !self.opts.forced_up_waits {
+                Some(true)
+            } else {
+                match self.promote_ready(to, i, None, sink)? {
+                    prepare::Readiness::Now => Some(true),
+                    prepare::Readiness::Wait if self.prepare_failed == Some(to) => None,
+                    prepare::Readiness::Wait => Some(false),
+                }
+            };
+            match ready {
+                Some(false) => return Ok(Between::Stay),
+                Some(true) => {
+                    self.force_taken = true;
+                    let info = self.switch_to(to, tok, i, None)?;
+                    self.footprint_due = Some((i, self.last_budget.unwrap_or(0)));
+                    return Ok(Between::Switched(Box::new(info)));
+                }
+                None => self.force_taken = true,
+            }
         }
         // A forced switch holds for the rest of the answer: the policy may still move down when
         // the budget demands it, but not straight back up (which would undo the force at the
@@ -867,7 +914,11 @@ impl Session {
                 return Ok(if over { Between::Killed } else { Between::Stay });
             }
             if !matches!(decision, Decision::Promote { .. }) {
-                self.abandon_prepare();
+                let why = format!(
+                    "the budget {} MiB no longer moves the answer up",
+                    b.bytes >> 20
+                );
+                self.abandon_prepare(i, &why, sink);
             }
             let acted = match decision {
                 Decision::Stay | Decision::Admit { .. } => {
@@ -878,13 +929,18 @@ impl Session {
                     false
                 }
                 Decision::Promote { .. } if forced_hold && !parked => {
-                    self.abandon_prepare();
+                    self.abandon_prepare(i, "a forced switch holds the answer's rung", sink);
                     self.settle_standby(Some(b.bytes));
                     return Ok(Between::Stay);
                 }
                 // Memory came back: load the destination in the background and stay on this
-                // rung until it is ready.
-                Decision::Promote { to } if !parked && !self.promote_ready(to)? => {
+                // rung until it is ready (see `prepare`).
+                Decision::Promote { to }
+                    if !parked
+                        && self.promote_ready(to, i, Some(b.bytes), sink)?
+                            == prepare::Readiness::Wait =>
+                {
+                    self.settle_standby(Some(b.bytes));
                     return Ok(Between::Stay);
                 }
                 Decision::Demote { to } | Decision::Promote { to } => {

@@ -139,6 +139,12 @@ pub struct SessionOptions {
     /// answer goes on on the current rung, and switch at the first token after the load
     /// finished. On by default; off, the switch up loads its destination on the spot.
     pub prepare_up: bool,
+    /// A forced switch up ([`GenerateOptions::force_switch`]) is prepared as the policy's is:
+    /// it waits, tokens on the source, for its destination's background load (with
+    /// [`SessionOptions::prepare_up`]). Off by default: a forced switch happens at its token,
+    /// which the benchmarks that switch at chosen points (recall, conditions) rely on;
+    /// `bench --stall` turns it on to measure the switch up as the policy takes it.
+    pub forced_up_waits: bool,
     /// How each rung's micro-batch and CPU repack are chosen when it loads ([`crate::speed`]):
     /// by default no measurement (every rung at the context configuration's micro-batch,
     /// repack off) and repack forced when `MOLT_REPACK` is set.
@@ -170,6 +176,7 @@ impl Default for SessionOptions {
             park_deadline: None,
             standby: true,
             prepare_up: true,
+            forced_up_waits: false,
             speed: crate::speed::SpeedPolicy::from_env(),
         }
     }

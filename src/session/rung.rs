@@ -51,7 +51,8 @@ pub struct LoadParts {
     pub model_ms: f64,
     /// The context: KV buffer allocated and cleared, compute buffers reserved.
     pub context_ms: f64,
-    /// The warm-up decode and the clear after it.
+    /// The warm-up decode and the clear after it (0 when the rung's footprint was already
+    /// known: see [`LiveRung::load_known`]).
     pub warmup_ms: f64,
 }
 
@@ -75,8 +76,25 @@ impl LiveRung {
     /// [`SessionError::Engine`] when llama.cpp refuses the file or the context.
     pub fn load_with(
         info: &RungInfo,
+        config: ContextConfig,
+        setup: RungSetup,
+    ) -> Result<Self, SessionError> {
+        Self::load_known(info, config, setup, None)
+    }
+
+    /// [`LiveRung::load_with`], told what an earlier load of the same rung, context and
+    /// setting measured (`known_context_bytes`): the warm-up decode, whose only purpose is to
+    /// make llama.cpp touch its compute buffers so that measurement sees them, is then
+    /// skipped, and the rung's `context_bytes` is the known figure (or what llama.cpp reserved,
+    /// if larger). `None` loads as [`LiveRung::load_with`] does.
+    ///
+    /// # Errors
+    /// [`SessionError::Engine`] when llama.cpp refuses the file or the context.
+    pub fn load_known(
+        info: &RungInfo,
         mut config: ContextConfig,
         setup: RungSetup,
+        known_context_bytes: Option<u64>,
     ) -> Result<Self, SessionError> {
         config.n_ubatch = setup.setting.n_ubatch;
         let t0 = Instant::now();
@@ -94,26 +112,33 @@ impl LiveRung {
         let t_model = Instant::now();
         let mut ctx = Context::new(model, config).map_err(wrap)?;
         let t_context = Instant::now();
-        // One token makes llama.cpp touch its compute buffers, so the measurement sees them.
-        let warm = ctx.model().tokenize(" ", false).map_err(wrap)?;
-        if let Some(&t) = warm.first() {
-            ctx.decode(&[t]).map_err(wrap)?;
+        if known_context_bytes.is_none() {
+            // One token makes llama.cpp touch its compute buffers, so the measurement sees them.
+            let warm = ctx.model().tokenize(" ", false).map_err(wrap)?;
+            if let Some(&t) = warm.first() {
+                ctx.decode(&[t]).map_err(wrap)?;
+            }
+            ctx.clear();
         }
-        ctx.clear();
         let t_warm = Instant::now();
-        let after = process_anon_rss_bytes().unwrap_or(0);
         let reserved = ctx.reserved_bytes();
+        let measured = known_context_bytes
+            .unwrap_or_else(|| process_anon_rss_bytes().unwrap_or(0).saturating_sub(before));
         Ok(Self {
             info: info.clone(),
             ctx,
             // A warm-up token touches only part of the compute buffer; a full prompt batch can
             // touch all of what llama.cpp reserved, so the policy counts the larger of the two.
-            context_bytes: after.saturating_sub(before).max(reserved),
+            context_bytes: measured.max(reserved),
             load_ms: t0.elapsed().as_secs_f64() * 1e3,
             parts: LoadParts {
                 model_ms: ms_between(t0, t_model),
                 context_ms: ms_between(t_model, t_context),
-                warmup_ms: ms_between(t_context, t_warm),
+                warmup_ms: if known_context_bytes.is_some() {
+                    0.0
+                } else {
+                    ms_between(t_context, t_warm)
+                },
             },
             setup,
         })

@@ -96,7 +96,10 @@ impl Session {
             // A standby rung waits beside the current one and the others: its setup must fit
             // the budget with them.
             let setup = self.speed_setup(i, self.modelled_now(tokens));
-            if let Ok(mut live) = LiveRung::load_with(&self.ladder.rungs[i], self.config, setup) {
+            let known = self.known_context_bytes(i, setup);
+            if let Ok(mut live) =
+                LiveRung::load_known(&self.ladder.rungs[i], self.config, setup, known)
+            {
                 self.record_load(i, &live);
                 self.arm_hidden_tap(i, &mut live.ctx);
                 self.standby[i] = Some(StandbyRung::from_live(live));

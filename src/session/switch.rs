@@ -226,8 +226,9 @@ impl Session {
     /// are ready.
     ///
     /// Moving down to a rung that is not loaded, the source is freed *before* the destination
-    /// is mapped (see [`Session::switch_shed_first`]), so the process never holds both; moving
-    /// up, or with the source kept or the seam measured, the destination is loaded first.
+    /// is mapped (see [`Session::switch_shed_first`]), so the process never holds both; so is
+    /// moving up when `budget` does not hold both rungs side by side. Moving up with room for
+    /// both, or with the source kept or the seam measured, the destination is loaded first.
     pub(super) fn switch_to(
         &mut self,
         to: usize,
@@ -236,7 +237,10 @@ impl Session {
         budget: Option<Budget>,
     ) -> Result<SwitchInfo, SessionError> {
         let from = self.current;
-        let shed_first = to > from
+        let tokens = self.history.len() as u64 + 1;
+        let both = self.modelled_footprint(from, tokens) + self.modelled_footprint(to, tokens);
+        let no_room_up = to < from && budget.is_some_and(|b| both > b.bytes);
+        let shed_first = (to > from || no_room_up)
             && self.rungs[to].is_none()
             && !self.opts.keep_source
             && !self.opts.measure_seam;
@@ -257,6 +261,16 @@ impl Session {
             self.switch_load_first(from, to, last)?
         };
         let prepared = self.take_prepared();
+        let note = if shed_first && no_room_up {
+            let why = format!(
+                "loaded at the switch, source freed first: the budget {} MiB does not hold both rungs ({} MiB)",
+                budget.map_or(0, |b| b.bytes >> 20),
+                both >> 20
+            );
+            Some(note.map_or(why.clone(), |n| format!("{n}; {why}")))
+        } else {
+            note
+        };
         let dst = self.rungs[to].as_ref().expect("destination is loaded");
         let n_tokens = self.history.len() as u64 + 1;
         let (n_params, n_layer, n_embd) = (
@@ -490,7 +504,8 @@ impl Session {
                 Some((dst, _)) => Ok((dst, true)),
                 None => {
                     let setup = self.speed_setup(to, 0);
-                    LiveRung::load_with(&self.ladder.rungs[to], self.config, setup)
+                    let known = self.known_context_bytes(to, setup);
+                    LiveRung::load_known(&self.ladder.rungs[to], self.config, setup, known)
                         .map(|d| (d, false))
                 }
             }

@@ -21,12 +21,17 @@ fn cache_word(c: CacheState) -> &'static str {
     }
 }
 
-/// The largest parts of a row's stall, as `name ms` (the `switch_total` sum left out).
+/// The largest parts of a row's stall, as `name ms` (the `switch_total` sum left out, and
+/// `prepared_in_background`, which overlapped the source's decoding and is not in the stall).
 fn top_parts(r: &StallRow, n: usize) -> String {
     let mut v: Vec<(&String, &f64)> = r
         .parts_ms
         .iter()
-        .filter(|(k, v)| k.as_str() != "switch_total" && v.is_finite() && **v >= 1.0)
+        .filter(|(k, v)| {
+            !["switch_total", "prepared_in_background"].contains(&k.as_str())
+                && v.is_finite()
+                && **v >= 1.0
+        })
         .collect();
     v.sort_by(|a, b| b.1.total_cmp(a.1));
     v.iter()
@@ -43,7 +48,7 @@ pub(super) fn section(doc: &StallDoc, figures: &FigureSet, figures_rel: &str) ->
     let _ = writeln!(s, "\n## The stall at a switch\n");
     let _ = writeln!(
         s,
-        "From `switch_stall.json` (`molt-run --threads {} bench --stall`): the gap between the last token on the source and the first on the destination, everything included, for every route of the ladder at two context lengths, {} repetitions; the destination's page cache warm (its file read through before the leg) or cold (dropped with `posix_fadvise(DONTNEED)`; `cached` says how much of the file another process's mapping kept in the cache anyway). *Before*: the destination is loaded at the switch (llama.cpp's load with its mapping populated, a context with a full-window KV buffer, a warm-up decode). *After*: the rungs below the current one wait on standby — loaded ahead, their weight pages released from this process — and a switch down only maps the pages back; a switch up still loads. Every rung's context window: {} tokens. Machine: {}.\n",
+        "From `switch_stall.json` (`molt-run --threads {} bench --stall`): the gap between the last token on the source and the first on the destination, everything included, for every route of the ladder at two context lengths, {} repetitions; the destination's page cache warm (its file read through before the leg) or cold (dropped with `posix_fadvise(DONTNEED)`; `cached` says how much of the file another process's mapping kept in the cache anyway). *Before*: the destination is loaded at the switch (llama.cpp's load with its mapping populated, a context with a full-window KV buffer, and a warm-up decode the first time the rung loads in the session, to measure its footprint). *After*: the rungs below the current one wait on standby — loaded ahead, their weight pages released from this process — and a switch down only maps the pages back; a switch up's destination loads on a thread of its own while the source goes on decoding, and the switch waits for it (`prepared_in_background`, not part of the stall). Every rung's context window: {} tokens. Machine: {}.\n",
         doc.threads, doc.reps, doc.n_ctx, doc.contention
     );
     let _ = writeln!(

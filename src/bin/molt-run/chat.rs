@@ -896,6 +896,7 @@ impl Chat {
                 "⏸ {reason} — /budget to give memory back, Ctrl-C to stop"
             )),
             Event::Lever(l) => self.renderer.note(&common::lever_line(&l)),
+            Event::Prepare(p) => self.renderer.note(&common::prepare_line(&p)),
             Event::Budget { .. } | Event::Footprint(_) | Event::Done(_) => {}
         }
     }

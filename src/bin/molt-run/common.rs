@@ -153,6 +153,33 @@ pub fn measure_rungs(session: &mut molt::session::Session) -> Result<Vec<(String
     Ok(done)
 }
 
+/// A switch up's background load as one line: `⇡ loading tier0 in the background, answering
+/// on tier2 meanwhile (footprint 1900 of 2400 MiB)`, or why it was dropped or failed.
+pub fn prepare_line(p: &molt::session::PrepareInfo) -> String {
+    use molt::session::PrepareState;
+    let what = match p.state {
+        PrepareState::Started => format!(
+            "loading {} in the background, answering on {} meanwhile (footprint {} of {} MiB)",
+            p.to,
+            p.from,
+            p.modelled_bytes >> 20,
+            p.budget_bytes >> 20
+        ),
+        PrepareState::Dropped => format!(
+            "background load of {} dropped after {:.0} ms, {} tokens",
+            p.to, p.elapsed_ms, p.tokens
+        ),
+        PrepareState::Failed => format!(
+            "background load of {} failed after {:.0} ms",
+            p.to, p.elapsed_ms
+        ),
+    };
+    match &p.reason {
+        Some(r) => format!("⇡ {what}: {r}"),
+        None => format!("⇡ {what}"),
+    }
+}
+
 /// A park, resume, shed or relayout as one line: `⏸ park on tier1 (812 tokens, 40 ms, RSS
 /// 1900 → 1100 MiB)`.
 pub fn lever_line(l: &LeverInfo) -> String {

@@ -287,6 +287,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
                     return;
                 }
                 Event::Lever(l) => format!("\n{}\n", common::lever_line(l)),
+                Event::Prepare(p) => format!("\n{}\n", common::prepare_line(p)),
                 Event::Token { text, rung, .. } => {
                     match per_rung.last_mut() {
                         Some((r, n)) if r == rung => *n += 1,
