@@ -96,7 +96,7 @@ struct Engine {
 struct Kept {
     seq: SeqId,
     tokens: Vec<Token>,
-    conversation: Option<String>,
+    conversation: String,
 }
 
 impl Engine {
@@ -110,33 +110,36 @@ impl Engine {
         if self.kept.is_empty() {
             return false;
         }
-        let k = self.kept.remove(0);
-        if let Some(id) = &k.conversation {
-            // A conversation's cache goes to its state file (or stays in RAM when the write
-            // fails), as the one-at-a-time loop hibernates the conversation it displaces.
-            let snapshot = self.ctx.export_seq(k.seq).map(|blob| {
-                Some(StateFile {
-                    meta: StateMeta {
-                        conversation: id.clone(),
-                        rung: self.ctx.model().name().to_string(),
-                        rung_sha256: self.sha256.clone(),
-                        n_ctx: self.ctx.config().n_ctx,
-                        pos_start: 0,
-                        pending: None,
-                        first_turn_len: shared.conversations.first_turn_len(id).min(k.tokens.len()),
-                        pinned: 0,
-                        messages: Vec::new(),
-                        written_unix_ms: now_unix_ms(),
-                        tokens: k.tokens,
-                    },
-                    blob,
-                })
-            });
-            shared
-                .conversations
-                .hibernate(id, snapshot, &shared.recorder);
-        }
-        self.ctx.remove_seq(k.seq);
+        let Kept {
+            seq,
+            tokens,
+            conversation: id,
+        } = self.kept.remove(0);
+        // The conversation's cache goes to its state file (or stays in RAM when the write
+        // fails), as the one-at-a-time loop hibernates the conversation it displaces.
+        let first_turn_len = shared.conversations.first_turn_len(&id).min(tokens.len());
+        let snapshot = self.ctx.export_seq(seq).map(|blob| {
+            Some(StateFile {
+                meta: StateMeta {
+                    conversation: id.clone(),
+                    rung: self.ctx.model().name().to_string(),
+                    rung_sha256: self.sha256.clone(),
+                    n_ctx: self.ctx.config().n_ctx,
+                    tokens,
+                    pos_start: 0,
+                    pending: None,
+                    first_turn_len,
+                    pinned: 0,
+                    messages: Vec::new(),
+                    written_unix_ms: now_unix_ms(),
+                },
+                blob,
+            })
+        });
+        shared
+            .conversations
+            .hibernate(&id, snapshot, &shared.recorder);
+        self.ctx.remove_seq(seq);
         true
     }
 
@@ -227,7 +230,7 @@ impl Engine {
         if let Some(i) = self
             .kept
             .iter()
-            .position(|k| conversation.is_some() && k.conversation.as_deref() == conversation)
+            .position(|k| conversation == Some(k.conversation.as_str()))
         {
             let k = self.kept.remove(i);
             let n = shares(&k);
@@ -1233,31 +1236,34 @@ fn finish(
     let _ = t.job.tx.send(Update::Finished(Box::new(g)));
 }
 
-/// Leaves a finished answer's sequence in the context for the next request that continues it
-/// ([`Kept`]), when the rung computed every cell itself; frees it otherwise. Tells the
+/// Leaves a finished chat answer's sequence in the context for the next request that
+/// continues it ([`Kept`]), when the rung computed every cell itself; frees it otherwise. Tells the
 /// conversation store which.
 fn keep_or_free(shared: &Shared, engine: &mut Engine, t: &Tenant) {
+    // A text completion belongs to no conversation: nothing continues it, so its cells are
+    // not kept (as the serial loop does not build a conversation on a completion's cache).
+    let Some(id) = t.job.conversation.as_ref().map(|c| c.id.clone()) else {
+        engine.ctx.remove_seq(t.seq);
+        return;
+    };
     let native = t.switches.iter().all(|s| s.method != SwitchMethod::Molt);
-    let conversation = t.job.conversation.as_ref().map(|c| c.id.clone());
     let keep = native && !t.cached.is_empty() && engine.ctx.n_past(t.seq) == Some(t.cached.len());
+    let kv = engine.kv_per_token * t.cached.len() as u64;
+    shared.conversations.answered(
+        &id,
+        engine.ctx.model().name(),
+        &t.cached,
+        t.prompt_tokens,
+        keep.then_some(kv),
+    );
     if keep {
         engine.kept.push(Kept {
             seq: t.seq,
             tokens: t.cached.clone(),
-            conversation: conversation.clone(),
+            conversation: id,
         });
     } else {
         engine.ctx.remove_seq(t.seq);
-    }
-    if let Some(id) = &conversation {
-        let kv = engine.kv_per_token * t.cached.len() as u64;
-        shared.conversations.answered(
-            id,
-            engine.ctx.model().name(),
-            &t.cached,
-            t.prompt_tokens,
-            keep.then_some(kv),
-        );
     }
 }
 
