@@ -74,6 +74,13 @@ impl Served {
         if let Some(f) = fault {
             cmd.env("MOLT_FAULT", f);
         }
+        // The request loop to test (as the in-process harness does): `MOLT_TEST_PARALLEL=N`.
+        if let Some(n) = std::env::var("MOLT_TEST_PARALLEL")
+            .ok()
+            .and_then(|v| v.trim().parse::<u16>().ok())
+        {
+            cmd.args(["--parallel", &n.max(1).to_string()]);
+        }
         let mut child = cmd.spawn().unwrap();
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
         let addr = loop {

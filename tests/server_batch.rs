@@ -231,3 +231,108 @@ async fn a_client_that_hangs_up_leaves_and_the_other_answer_goes_on() {
     assert_eq!(r.status, 200);
     srv.shutdown().await;
 }
+
+/// A non-streamed chat turn of `messages` (greedy): the response.
+async fn turn(addr: SocketAddr, messages: &[Value]) -> Value {
+    let body = json!({"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0});
+    let r = client::post_json(addr, "/v1/chat/completions", &body)
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    r.json().unwrap()
+}
+
+fn cached(r: &Value) -> u64 {
+    r["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("cached_tokens reported: {r}"))
+}
+
+fn conversation_id(r: &Value) -> String {
+    r["molt"]["conversation"]["id"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+fn listed<'a>(status: &'a Value, id: &str) -> &'a Value {
+    status["conversations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["id"] == id)
+        .unwrap_or_else(|| panic!("{id} not listed: {status}"))
+}
+
+/// Conversations in the batched loop, as in the one-at-a-time loop: a continued conversation
+/// re-reads only its new turn (its kept sequence is taken over), the status lists each one
+/// kept on its rung with its tokens and bytes; when a third conversation needs the sequence
+/// the oldest holds, that one is hibernated to its state file, and its next turn wakes from
+/// the file, again re-reading only the new turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conversations_are_kept_hibernated_and_continued_in_the_batch() {
+    let _serial = serial().await;
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let state_dir = state.clone();
+    let srv = start(move |c| {
+        c.parallel = 2;
+        c.state_dir = Some(state_dir);
+    })
+    .await;
+    let addr = srv.addr;
+    let user = |s: &str| json!({"role": "user", "content": s});
+    let mut convs = Vec::new();
+    for first in [FIRST, SECOND] {
+        let mut msgs = vec![user(first)];
+        let r = turn(addr, &msgs).await;
+        assert_eq!(r["molt"]["conversation"]["new"], true, "{r}");
+        msgs.push(json!({"role": "assistant", "content": r["choices"][0]["message"]["content"]}));
+        let first_prompt = r["usage"]["prompt_tokens"].as_u64().unwrap();
+        convs.push((conversation_id(&r), msgs, first_prompt));
+    }
+    let st = status(addr).await;
+    for (id, _, _) in &convs {
+        let c = listed(&st, id);
+        assert_eq!(
+            (c["state"].as_str(), c["rung"].as_str()),
+            (Some("kept"), Some("big")),
+            "{c}"
+        );
+        assert!(
+            c["tokens"].as_u64().unwrap() > 0 && c["bytes"].as_u64().unwrap() > 0,
+            "{c}"
+        );
+    }
+    // The first conversation's next turn: its whole first turn comes from its kept sequence.
+    let [(id_a, msgs_a, first_a), (id_b, msgs_b, first_b)] = &mut convs[..] else {
+        unreachable!()
+    };
+    msgs_a.push(user("and then?"));
+    let r = turn(addr, msgs_a).await;
+    assert_eq!(conversation_id(&r), *id_a, "{r}");
+    assert_eq!(r["molt"]["conversation"]["new"], false, "{r}");
+    assert!(cached(&r) >= *first_a, "only the new turn is read: {r}");
+    msgs_a.push(json!({"role": "assistant", "content": r["choices"][0]["message"]["content"]}));
+    // A third conversation takes the second's place (the oldest kept): the second goes to
+    // its state file.
+    let r = turn(addr, &[user("a third conversation about parked weights")]).await;
+    assert_eq!(r["molt"]["conversation"]["new"], true, "{r}");
+    let st = status(addr).await;
+    let b = listed(&st, id_b);
+    assert_eq!(b["state"], "hibernated", "{b}");
+    let file = b["file"].as_str().unwrap();
+    assert!(std::path::Path::new(file).exists(), "{b}");
+    // Its next turn wakes from the file: the first turn is not read again.
+    msgs_b.push(user("and then?"));
+    let r = turn(addr, msgs_b).await;
+    assert_eq!(conversation_id(&r), *id_b, "{r}");
+    assert!(
+        cached(&r) >= *first_b,
+        "woken from its file, only the new turn read: {r}"
+    );
+    let st = status(addr).await;
+    assert_eq!(listed(&st, id_b)["state"], "kept", "{st}");
+    assert_eq!(listed(&st, id_a)["state"], "hibernated", "{st}");
+    srv.shutdown().await;
+}

@@ -26,21 +26,33 @@
 //!    and streams it. A finished answer leaves: its sequence is freed at once, and a waiting
 //!    request can take it at the next step.
 //!
-//! What the one-at-a-time loop ([`super::worker`], `serve --serial`) does and this one does
-//! not (yet): a continued conversation re-reads its whole history (no cache is kept between
-//! requests), a rung change mid-answer only goes down (answers start on the best rung the
-//! budget holds when the engine is idle), and waiting for memory is a stall, not a park.
+//! Between requests, as in the one-at-a-time loop ([`super::worker`]): a finished answer's
+//! sequence stays in the context ([`Kept`]) while no request needs its place, so a
+//! conversation's next turn takes it over and re-reads only the new turn, and a newcomer whose
+//! prompt begins as a kept one's does takes those cells. A kept conversation whose place is
+//! needed (a free sequence, cells, memory, or a rung change) is hibernated to its state file
+//! (`--state-dir`) through the same store as the serial loop's, and woken from it by its next
+//! turn. A waiting request deferred for memory is told so with the serial loop's notice
+//! ([`Shared::still_deferred`]), and requests the budget holds go ahead of it. A batch no rung
+//! holds parks (its stall event names the rung and the park deadline), answers parked past the
+//! deadline end with `park_deadline`, and when memory returns the batch resumes on the largest
+//! rung that holds it, a switch for every answer.
+//!
+//! What still differs from the serial loop: a switch carries the cache by projection alone
+//! (no head re-read or token recompute), so a cache with projected cells is not kept for the
+//! next request; a parked batch keeps its rung's weights loaded (the serial loop releases
+//! them); a state file is woken only on the rung that wrote it (on another rung the
+//! conversation is re-read); kept conversations are hibernated only when displaced, so
+//! several can be kept at once where the serial loop keeps one.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use axum::http::StatusCode;
-
 use super::control::RequestControl;
+use super::conversations::JobConversation;
 use super::error::ApiError;
-use super::openai::mib;
-use super::worker::{Job, Shared, Update};
+use super::worker::{Deferral, Job, Shared, Update};
 use crate::engine::{
     BatchContext, ChatMessage, ContextConfig, Model, ModelOptions, Sampler, SeqChunk, SeqId, Token,
     Utf8Stream,
@@ -54,6 +66,7 @@ use crate::session::{
     Event, Generation, Prompt, Session, SessionError, StopReason, SwitchInfo, SwitchMethod,
     TokenControl, logprobs_of,
 };
+use crate::state::{StateFile, StateMeta, now_unix_ms};
 
 /// The most prompt tokens one step carries: a newcomer's prefill delays the running answers'
 /// next token by at most this many tokens' compute.
@@ -62,10 +75,192 @@ pub const PREFILL_CHUNK: usize = 64;
 /// How often a stalled batch (no rung holds it) re-reads the budget.
 const STALL_POLL: Duration = Duration::from_millis(50);
 
-/// The rung the batch runs on: its model and the context holding every tenant's sequence.
+/// The rung the batch runs on: its model and the context holding every tenant's sequence,
+/// and the sequences answered requests left behind.
 struct Engine {
     rung: usize,
     ctx: BatchContext,
+    /// KV bytes per cell on this rung (what a kept sequence costs).
+    kv_per_token: u64,
+    /// The rung file's sha256 (a state file names the rung that wrote it).
+    sha256: String,
+    /// Oldest first.
+    kept: Vec<Kept>,
+}
+
+/// A finished answer's sequence left in the context, as the one-at-a-time loop keeps its
+/// session's cache: the next request whose prompt begins with its tokens (a conversation's
+/// next turn, or the same system prompt) takes the sequence over and reads only what follows.
+/// Only a cache the rung computed itself is kept: cells projected by a switch are not built
+/// on (see the worker's `choose_start` for what that was seen to do).
+struct Kept {
+    seq: SeqId,
+    tokens: Vec<Token>,
+    conversation: String,
+}
+
+impl Engine {
+    /// Cells the kept sequences hold.
+    fn kept_cells(&self) -> u64 {
+        self.kept.iter().map(|k| k.tokens.len() as u64).sum()
+    }
+
+    /// Frees the oldest kept sequence; false when none is kept.
+    fn let_go_oldest(&mut self, shared: &Shared) -> bool {
+        if self.kept.is_empty() {
+            return false;
+        }
+        let Kept {
+            seq,
+            tokens,
+            conversation: id,
+        } = self.kept.remove(0);
+        // The conversation's cache goes to its state file (or stays in RAM when the write
+        // fails), as the one-at-a-time loop hibernates the conversation it displaces.
+        let first_turn_len = shared.conversations.first_turn_len(&id).min(tokens.len());
+        let snapshot = self.ctx.export_seq(seq).map(|blob| {
+            Some(StateFile {
+                meta: StateMeta {
+                    conversation: id.clone(),
+                    rung: self.ctx.model().name().to_string(),
+                    rung_sha256: self.sha256.clone(),
+                    n_ctx: self.ctx.config().n_ctx,
+                    tokens,
+                    pos_start: 0,
+                    pending: None,
+                    first_turn_len,
+                    pinned: 0,
+                    messages: Vec::new(),
+                    written_unix_ms: now_unix_ms(),
+                },
+                blob,
+            })
+        });
+        shared
+            .conversations
+            .hibernate(&id, snapshot, &shared.recorder);
+        self.ctx.remove_seq(seq);
+        true
+    }
+
+    /// Wakes `job`'s conversation from its state file (or RAM copy) into `seq` when this rung
+    /// wrote it, replacing what `seq` holds: the prompt tokens the woken cache holds (0 when
+    /// the file was refused, the conversation then re-read from its messages); `None`, `seq`
+    /// untouched, when the conversation has neither file nor RAM copy.
+    fn wake(
+        &mut self,
+        shared: &Shared,
+        job: &JobConversation,
+        seq: SeqId,
+        tokens: &[Token],
+    ) -> Option<usize> {
+        let rung = self.ctx.model().name().to_string();
+        let mut file_tokens = Vec::new();
+        let mut tried = false;
+        let woken = shared.conversations.wake(job, &shared.recorder, |f| {
+            tried = true;
+            if f.meta.rung != rung {
+                return Err(format!(
+                    "written on rung {}, and the batch runs on {rung}",
+                    f.meta.rung
+                ));
+            }
+            self.ctx
+                .import_seq(seq, &f.blob)
+                .map_err(|e| e.to_string())?;
+            let want = f.meta.pos_start as usize + f.meta.tokens.len();
+            match self.ctx.n_past(seq) {
+                Some(n) if n == want && f.meta.pos_start == 0 => {
+                    file_tokens.clone_from(&f.meta.tokens);
+                    Ok(rung.clone())
+                }
+                n => Err(format!(
+                    "the blob holds {} positions, the file's tokens end at {want}",
+                    n.unwrap_or(0)
+                )),
+            }
+        });
+        let held = match woken {
+            Some(_) => file_tokens
+                .iter()
+                .zip(tokens)
+                .take_while(|(a, b)| a == b)
+                .count()
+                .min(tokens.len().saturating_sub(1)),
+            None => 0,
+        };
+        if !tried {
+            return None;
+        }
+        if self.ctx.truncate(seq, held).is_err() || held == 0 {
+            let _ = self.ctx.truncate(seq, 0);
+            return Some(0);
+        }
+        Some(held)
+    }
+
+    /// Frees every kept sequence (the rung is about to change).
+    fn let_go_all(&mut self, shared: &Shared) {
+        while self.let_go_oldest(shared) {}
+    }
+
+    /// A sequence for a prompt of `tokens` of `conversation`: the conversation's own kept
+    /// sequence, rewound to the prefix it shares with the prompt (taken over: `true`); else a
+    /// free one, letting the oldest kept sequences go while none is free or the cells would
+    /// not hold `cells` more, given the longest prefix any kept sequence shares with the
+    /// prompt (its cells tagged, not copied). Either way at most all but the prompt's last
+    /// token, whose logits start the answer. The sequence, the prompt tokens it holds already,
+    /// and whether it was the conversation's own.
+    fn seq_for(
+        &mut self,
+        shared: &Shared,
+        conversation: Option<&str>,
+        tokens: &[Token],
+        cells: u64,
+    ) -> Option<(SeqId, usize, bool)> {
+        let most = tokens.len().saturating_sub(1);
+        let shares = |k: &Kept| {
+            k.tokens
+                .iter()
+                .zip(tokens)
+                .take_while(|(a, b)| a == b)
+                .count()
+                .min(most)
+        };
+        if let Some(i) = self
+            .kept
+            .iter()
+            .position(|k| conversation == Some(k.conversation.as_str()))
+        {
+            let k = self.kept.remove(i);
+            let n = shares(&k);
+            if self.ctx.truncate(k.seq, n).is_ok() {
+                return Some((k.seq, n, true));
+            }
+            self.ctx.remove_seq(k.seq);
+        }
+        let n_ctx = u64::from(self.ctx.config().n_ctx);
+        while self.ctx.active() >= self.ctx.max_seqs()
+            || self.ctx.cells_used() as u64 + cells > n_ctx
+        {
+            if !self.let_go_oldest(shared) {
+                break;
+            }
+        }
+        let seq = self.ctx.add_seq()?;
+        let best = self
+            .kept
+            .iter()
+            .map(|k| (shares(k), k.seq))
+            .filter(|&(n, _)| n > 0)
+            .max();
+        if let Some((n, src)) = best
+            && self.ctx.share_prefix(src, seq, n).is_ok()
+        {
+            return Some((seq, n, false));
+        }
+        Some((seq, 0, false))
+    }
 }
 
 /// One running request.
@@ -84,7 +279,8 @@ struct Tenant {
     /// Prompt tokens taken from another sequence's cells instead of being read.
     reused: usize,
     started: bool,
-    stalled: bool,
+    /// When the batch parked with this answer in it (no rung held them all), if it is parked.
+    parked_since: Option<Instant>,
     sampler: Sampler,
     stream: Utf8Stream,
     out: Vec<Token>,
@@ -123,6 +319,8 @@ struct Ladders {
     routes: Routes,
     home: usize,
     slots: u32,
+    /// How long an answer may stay parked (the session option of the same name).
+    park_deadline: Option<Duration>,
 }
 
 impl Ladders {
@@ -139,7 +337,13 @@ impl Ladders {
         };
         let model = Model::load(&info.path, info.name(), ModelOptions::default()).map_err(wrap)?;
         let ctx = BatchContext::new(model, self.config, self.slots).map_err(wrap)?;
-        Ok(Engine { rung, ctx })
+        Ok(Engine {
+            rung,
+            ctx,
+            kv_per_token: self.costs[rung].kv_bytes_per_token,
+            sha256: info.sha256.clone(),
+            kept: Vec::new(),
+        })
     }
 
     fn name(&self, rung: usize) -> &str {
@@ -169,6 +373,7 @@ pub fn run(mut session: Session, shared: &Shared, slots: usize) {
         ladder,
         routes,
         slots,
+        park_deadline: opts.park_deadline,
     };
     let start = session.current_index();
     drop(session);
@@ -184,19 +389,35 @@ pub fn run(mut session: Session, shared: &Shared, slots: usize) {
     publish_batch(shared, &l, &engine, &[]);
     let mut tenants: Vec<Tenant> = Vec::new();
     let mut last_budget: Option<u64> = None;
+    // The oldest request, waiting for memory (deferred): it goes first once memory allows.
+    let mut held: Option<Held> = None;
     loop {
         if drop_departed(shared, &mut engine, &mut tenants) {
             publish_batch(shared, &l, &engine, &tenants);
         }
-        if tenants.is_empty() {
-            let Some(job) = shared.queue.pop() else {
-                return;
-            };
-            if job.cancelled() {
-                skipped(shared, &job, "client gone while queued");
-                continue;
+        if held.as_ref().is_some_and(|h| h.job.cancelled()) {
+            if let Some(h) = held.take() {
+                skipped(shared, &h.job, "client gone while deferred");
             }
-            let (moved, t) = start_idle(shared, &l, engine, job);
+            publish_batch(shared, &l, &engine, &tenants);
+        }
+        if tenants.is_empty() {
+            if held.is_none() {
+                let Some(job) = shared.queue.pop() else {
+                    // Shutting down: kept conversations go to their state files.
+                    engine.let_go_all(shared);
+                    return;
+                };
+                if job.cancelled() {
+                    skipped(shared, &job, "client gone while queued");
+                    continue;
+                }
+                held = Some(Held {
+                    job,
+                    wait: Deferral::new(),
+                });
+            }
+            let (moved, t) = start_idle(shared, &l, engine, &mut held);
             engine = match moved {
                 Ok(e) => e,
                 Err(e) => {
@@ -206,12 +427,15 @@ pub fn run(mut session: Session, shared: &Shared, slots: usize) {
                 }
             };
             let Some(t) = t else {
+                if held.is_some() {
+                    std::thread::sleep(STALL_POLL);
+                }
                 continue;
             };
             tenants.push(t);
             last_budget = None;
         }
-        join_waiting(shared, &l, &mut engine, &mut tenants);
+        join_waiting(shared, &l, &mut engine, &mut tenants, &mut held);
         let budget = read_budget(shared, &tenants);
         if last_budget != Some(budget.bytes) {
             last_budget = Some(budget.bytes);
@@ -230,7 +454,7 @@ pub fn run(mut session: Session, shared: &Shared, slots: usize) {
         match fit_rung(&mut l, shared, &mut engine, &mut tenants, budget) {
             Fit::Run => {}
             Fit::Stall => {
-                stall(shared, &l, &mut tenants, budget);
+                park(shared, &l, &mut engine, &mut tenants, budget);
                 std::thread::sleep(STALL_POLL);
                 continue;
             }
@@ -243,16 +467,21 @@ pub fn run(mut session: Session, shared: &Shared, slots: usize) {
             }
         }
         for t in &mut tenants {
-            if t.stalled {
-                t.stalled = false;
-            }
+            t.parked_since = None;
         }
+        let before = tenants.len();
         step(shared, &l, &mut engine, &mut tenants);
+        if tenants.len() != before {
+            // Published before the next request is taken: one arriving after an answer ended
+            // must not be told the engine is busy with it.
+            publish_batch(shared, &l, &engine, &tenants);
+        }
     }
 }
 
 /// A request that never ran because its client left.
 fn skipped(shared: &Shared, job: &Job, reason: &str) {
+    shared.conversations.unqueue(job.conversation.as_ref());
     shared.counters.cancelled.fetch_add(1, Ordering::Relaxed);
     shared
         .recorder
@@ -266,12 +495,6 @@ fn fail_all_waiting(shared: &Shared, e: &ApiError) {
         let _ = job.tx.send(Update::Failed(e.clone()));
     }
     shared.queue.close();
-}
-
-fn to_mib(bytes: u64) -> f64 {
-    #[allow(clippy::cast_precision_loss)]
-    let m = bytes as f64 / f64::from(1 << 20);
-    m
 }
 
 fn read_budget(shared: &Shared, tenants: &[Tenant]) -> Budget {
@@ -356,15 +579,23 @@ fn admit(shared: &Shared, engine: &mut Engine, l: &Ladders, job: Job) -> Option<
         refuse(shared, &job, &ApiError::from_session(&e));
         return None;
     }
-    let Some(seq) = engine.ctx.add_seq() else {
+    let cells = (tokens.len().saturating_add(job.opts.max_tokens) as u64).min(u64::from(n_ctx));
+    let conversation = job.conversation.as_ref().map(|c| c.id.as_str());
+    let Some((seq, reused, own)) = engine.seq_for(shared, conversation, &tokens, cells) else {
         refuse(shared, &job, &ApiError::internal("no free sequence"));
         return None;
     };
+    // A conversation whose cache is not in the engine wakes from its state file, if any.
+    let reused = match &job.conversation {
+        Some(c) if !own => engine.wake(shared, c, seq, &tokens).unwrap_or(reused),
+        _ => reused,
+    };
+    shared.conversations.running(job.conversation.as_ref());
     let queue_ms = job.received.elapsed().as_secs_f64() * 1e3;
     shared.recorder.service(
         &job.id,
         "admitted",
-        serde_json::json!({"queue_ms": queue_ms, "rung": name, "sequence": seq}),
+        serde_json::json!({"queue_ms": queue_ms, "rung": name, "sequence": seq, "reused_tokens": reused}),
     );
     let _ = job.tx.send(Update::Admitted { queue_ms });
     let mut job = job;
@@ -374,12 +605,12 @@ fn admit(shared: &Shared, engine: &mut Engine, l: &Ladders, job: Job) -> Option<
         seq,
         sampler: Sampler::new(job.opts.sampling),
         prompt_tokens: tokens.len(),
-        reused: 0,
+        reused,
+        cached: tokens[..reused].to_vec(),
+        fed: reused,
         feed: tokens,
-        fed: 0,
-        cached: Vec::new(),
         started: false,
-        stalled: false,
+        parked_since: None,
         stream: Utf8Stream::new(),
         out: Vec::new(),
         text: String::new(),
@@ -395,86 +626,89 @@ fn admit(shared: &Shared, engine: &mut Engine, l: &Ladders, job: Job) -> Option<
 }
 
 fn refuse(shared: &Shared, job: &Job, e: &ApiError) {
+    shared.conversations.unqueue(job.conversation.as_ref());
     shared.counters.failed.fetch_add(1, Ordering::Relaxed);
     shared.recorder.service(&job.id, "failed", e.json());
     let _ = job.tx.send(Update::Failed(e.clone()));
 }
 
-/// The first request of an idle engine: waits (deferred) until the budget holds the smallest
-/// rung for it, moves the engine to the largest rung that holds it (never above home), and
-/// admits it. Gives the engine back (`Err` when a rung failed to load), with the tenant
-/// (`None` when the request did not run: client gone, or refused and told).
+/// A request the engine has taken from the queue but memory does not hold yet.
+struct Held {
+    job: Job,
+    wait: Deferral,
+}
+
+/// The next request of an idle engine: the held one once the budget holds the smallest rung
+/// for it; while it does not, its client is told why it waits (the notice both loops send)
+/// and a queued request the budget holds now goes first, as in the one-at-a-time loop. The
+/// engine moves to the largest rung that holds the request (never above home) and admits it.
+/// Gives the engine back (`Err` when a rung failed to load), with the tenant (`None` when no
+/// request started: still waiting, or refused and told).
 fn start_idle(
+    shared: &Shared,
+    l: &Ladders,
+    engine: Engine,
+    held: &mut Option<Held>,
+) -> (Result<Engine, ApiError>, Option<Tenant>) {
+    let Some(h) = held.as_mut() else {
+        return (Ok(engine), None);
+    };
+    let n_ctx = u64::from(l.config.n_ctx);
+    let total_of = |j: &Job| (j.prompt_tokens.saturating_add(j.opts.max_tokens) as u64).min(n_ctx);
+    let smallest = l.costs.len() - 1;
+    let total = total_of(&h.job);
+    let need = l.need(smallest, total);
+    let budget = read_budget(shared, &[]).bytes;
+    if budget >= need {
+        let Some(h) = held.take() else {
+            return (Ok(engine), None);
+        };
+        return start_on_best(shared, l, engine, h.job, budget);
+    }
+    // Busy for the HTTP side (before its client hears it waits): a request arriving now is
+    // told its place in the queue.
+    shared.engine().running = Some(h.job.id.clone());
+    let tokens = usize::try_from(total).unwrap_or(usize::MAX);
+    let waited = shared.still_deferred(&h.job.id, &h.job.tx, &mut h.wait, budget, need, tokens);
+    if let Err(e) = waited {
+        if let Some(h) = held.take() {
+            refuse(shared, &h.job, &e);
+        }
+        publish_batch(shared, l, &engine, &[]);
+        return (Ok(engine), None);
+    }
+    let fits = |j: &Job| l.need(smallest, total_of(j)) <= budget;
+    match shared.queue.take_first(fits) {
+        Some(other) => {
+            shared.recorder.service(
+                &other.id,
+                "overtook",
+                serde_json::json!({"deferred": h.job.id}),
+            );
+            start_on_best(shared, l, engine, other, budget)
+        }
+        None => (Ok(engine), None),
+    }
+}
+
+/// Moves the idle engine to the largest rung that holds `job` within `budget` (never above
+/// home; freeing the old rung first: the two need not fit together) and admits it.
+fn start_on_best(
     shared: &Shared,
     l: &Ladders,
     mut engine: Engine,
     job: Job,
+    budget: u64,
 ) -> (Result<Engine, ApiError>, Option<Tenant>) {
     let total = (job.prompt_tokens.saturating_add(job.opts.max_tokens) as u64)
         .min(u64::from(l.config.n_ctx));
     let smallest = l.costs.len() - 1;
-    let need = l.need(smallest, total);
-    let started = Instant::now();
-    let mut told = None;
-    let budget = loop {
-        if job.cancelled() {
-            skipped(shared, &job, "client gone while deferred");
-            return (Ok(engine), None);
-        }
-        let b = read_budget(shared, &[]);
-        if b.bytes >= need {
-            break b.bytes;
-        }
-        let reason = format!(
-            "the budget ({:.0} MiB) cannot hold the smallest rung for this request ({:.0} MiB for {total} tokens)",
-            to_mib(b.bytes),
-            to_mib(need)
-        );
-        let give_up = if shared.budget.is_trace() {
-            Some(format!(
-                "{reason}; the replayed trace starts there, so waiting cannot help"
-            ))
-        } else if started.elapsed() >= shared.admission_timeout {
-            Some(format!(
-                "{reason}, and memory did not come back within {} s",
-                shared.admission_timeout.as_secs()
-            ))
-        } else {
-            None
-        };
-        if let Some(message) = give_up {
-            let e = ApiError::with(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "insufficient_memory",
-                message,
-            );
-            refuse(shared, &job, &e);
-            return (Ok(engine), None);
-        }
-        if told != Some(b.bytes) {
-            if told.is_none() {
-                shared.counters.deferred.fetch_add(1, Ordering::Relaxed);
-            }
-            told = Some(b.bytes);
-            shared.recorder.service(
-                &job.id,
-                "deferred",
-                serde_json::json!({"budget_mib": mib(b.bytes), "need_mib": mib(need)}),
-            );
-            let _ = job.tx.send(Update::Deferred {
-                reason: format!("{reason}; waiting for memory"),
-                budget_bytes: b.bytes,
-                need_bytes: need,
-            });
-        }
-        std::thread::sleep(STALL_POLL);
-    };
     let best = (l.home..l.costs.len())
         .find(|&i| l.need(i, total) <= budget)
         .unwrap_or(smallest);
     if best != engine.rung {
         let from = l.name(engine.rung).to_string();
-        // Free the old rung first: the two need not fit together.
+        engine.let_go_all(shared);
         drop(engine);
         crate::pressure::trim_heap();
         engine = match l.load(best) {
@@ -498,9 +732,16 @@ fn start_idle(
 
 /// Lets waiting requests join while a sequence is free and the budget holds the current rung
 /// with every running tenant's whole length plus theirs.
-fn join_waiting(shared: &Shared, l: &Ladders, engine: &mut Engine, tenants: &mut Vec<Tenant>) {
+fn join_waiting(
+    shared: &Shared,
+    l: &Ladders,
+    engine: &mut Engine,
+    tenants: &mut Vec<Tenant>,
+    held: &mut Option<Held>,
+) {
     let mut joined = false;
-    while engine.ctx.active() < engine.ctx.max_seqs() {
+    // Kept sequences do not count: a newcomer lets the oldest go (`Engine::seq_for`).
+    while tenants.len() < engine.ctx.max_seqs() {
         let budget = read_budget(shared, tenants).bytes;
         let n_ctx = l.config.n_ctx;
         let reserved: u64 = tenants.iter().map(|t| t.reserved(n_ctx)).sum();
@@ -510,7 +751,9 @@ fn join_waiting(shared: &Shared, l: &Ladders, engine: &mut Engine, tenants: &mut
                 (j.prompt_tokens.saturating_add(j.opts.max_tokens) as u64).min(u64::from(n_ctx));
             reserved + total <= u64::from(n_ctx) && l.need(rung, reserved + total) <= budget
         };
-        let Some(job) = shared.queue.take_first(fits) else {
+        // The request waiting for memory goes first when it fits.
+        let first = held.take_if(|h| fits(&h.job)).map(|h| h.job);
+        let Some(job) = first.or_else(|| shared.queue.take_first(fits)) else {
             break;
         };
         if let Some(t) = admit(shared, engine, l, job) {
@@ -549,6 +792,28 @@ fn fit_rung(
         to
     } else {
         let holding: u64 = tenants.iter().map(Tenant::holding).sum();
+        // Coming out of a park, the batch resumes on the largest rung memory holds again
+        // (never above home), as a parked session does: a switch like any other.
+        let resuming = tenants.iter().any(|t| t.parked_since.is_some());
+        if resuming
+            && let Some(best) =
+                (l.home..l.costs.len()).find(|&i| l.need(i, holding) <= budget.bytes)
+        {
+            if best == engine.rung {
+                return Fit::Run;
+            }
+            return match move_all(l, shared, engine, tenants, best, budget) {
+                Ok(()) => {
+                    publish_batch(shared, l, engine, tenants);
+                    Fit::Run
+                }
+                Err(e) => Fit::Failed(ApiError::from_session(&e)),
+            };
+        }
+        // Kept caches go first, oldest first, before any running answer moves.
+        while l.need(engine.rung, holding + engine.kept_cells()) > budget.bytes
+            && engine.let_go_oldest(shared)
+        {}
         if l.need(engine.rung, holding) <= budget.bytes {
             return Fit::Run;
         }
@@ -566,25 +831,50 @@ fn fit_rung(
     }
 }
 
-/// Tells every tenant, once per wait, that the batch is waiting for memory.
-fn stall(shared: &Shared, l: &Ladders, tenants: &mut [Tenant], budget: Budget) {
-    for t in tenants.iter_mut() {
+/// The batch is parked: no rung holds the running answers, so none advances. Each is told
+/// once, with the rung its cache waits on and the park deadline, in the words the session
+/// uses; an answer parked past the deadline ends (`park_deadline`), its cache kept, so the
+/// engine is not held until memory returns.
+fn park(
+    shared: &Shared,
+    l: &Ladders,
+    engine: &mut Engine,
+    tenants: &mut Vec<Tenant>,
+    budget: Budget,
+) {
+    let deadline = l.park_deadline;
+    let mut i = 0;
+    while i < tenants.len() {
+        let t = &mut tenants[i];
         t.stall_ms += STALL_POLL.as_secs_f64() * 1e3;
-        if !t.stalled {
-            t.stalled = true;
+        let Some(since) = t.parked_since else {
+            t.parked_since = Some(Instant::now());
             let reason = format!(
-                "budget {} MiB is below every rung's footprint for the {} running answers; waiting on {} for memory",
+                "budget {} MiB is below every rung's footprint for the {} running answers; parked on {}, waiting for memory{}",
                 budget.bytes >> 20,
-                l.slots,
-                l.name(l.costs.len() - 1)
+                tenants.len(),
+                l.name(engine.rung),
+                deadline.map_or(String::new(), |d| format!(
+                    " for up to {:.0} s",
+                    d.as_secs_f64()
+                ))
             );
-            t.emit(
+            tenants[i].emit(
                 shared,
                 Event::Stall {
                     reason,
-                    deadline_ms: None,
+                    deadline_ms: deadline.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
                 },
             );
+            i += 1;
+            continue;
+        };
+        if deadline.is_some_and(|d| since.elapsed() >= d) {
+            let t = tenants.remove(i);
+            finish(shared, engine, t, StopReason::ParkDeadline, false);
+            publish_batch(shared, l, engine, tenants);
+        } else {
+            i += 1;
         }
     }
 }
@@ -601,6 +891,8 @@ fn move_all(
 ) -> Result<(), SessionError> {
     let from = engine.rung;
     let (from_name, to_name) = (l.name(from).to_string(), l.name(to).to_string());
+    // Kept caches are not carried: the next turn of their conversations is re-read.
+    engine.let_go_all(shared);
     let t_load = Instant::now();
     let mut dst = l.load(to)?;
     let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
@@ -905,7 +1197,7 @@ fn finish(
     stop: StopReason,
     stopped_by_control: bool,
 ) {
-    engine.ctx.remove_seq(t.seq);
+    keep_or_free(shared, engine, &t);
     let tail = t.stream.finish();
     if !stopped_by_control {
         let rest = t.control.finish(tail);
@@ -940,12 +1232,59 @@ fn finish(
         stall_ms: t.stall_ms,
     };
     t.emit(shared, Event::Done(g.summary()));
+    unlist(shared, &t.job.id);
     let _ = t.job.tx.send(Update::Finished(Box::new(g)));
+}
+
+/// Leaves a finished chat answer's sequence in the context for the next request that
+/// continues it ([`Kept`]), when the rung computed every cell itself; frees it otherwise. Tells the
+/// conversation store which.
+fn keep_or_free(shared: &Shared, engine: &mut Engine, t: &Tenant) {
+    // A text completion belongs to no conversation: nothing continues it, so its cells are
+    // not kept (as the serial loop does not build a conversation on a completion's cache).
+    let Some(id) = t.job.conversation.as_ref().map(|c| c.id.clone()) else {
+        engine.ctx.remove_seq(t.seq);
+        return;
+    };
+    let native = t.switches.iter().all(|s| s.method != SwitchMethod::Molt);
+    let keep = native && !t.cached.is_empty() && engine.ctx.n_past(t.seq) == Some(t.cached.len());
+    let kv = engine.kv_per_token * t.cached.len() as u64;
+    shared.conversations.answered(
+        &id,
+        engine.ctx.model().name(),
+        &t.cached,
+        t.prompt_tokens,
+        keep.then_some(kv),
+    );
+    if keep {
+        engine.kept.push(Kept {
+            seq: t.seq,
+            tokens: t.cached.clone(),
+            conversation: id,
+        });
+    } else {
+        engine.ctx.remove_seq(t.seq);
+    }
 }
 
 fn failed(shared: &Shared, engine: &mut Engine, t: Tenant, e: &ApiError) {
     engine.ctx.remove_seq(t.seq);
+    if let Some(c) = &t.job.conversation {
+        shared.conversations.let_go(&c.id);
+    }
     shared.counters.failed.fetch_add(1, Ordering::Relaxed);
     shared.recorder.service(&t.job.id, "failed", e.json());
+    unlist(shared, &t.job.id);
     let _ = t.job.tx.send(Update::Failed(e.clone()));
+}
+
+/// Takes a request off the published list of running ones before its client hears the end
+/// (as the serial loop publishes before its last update): a request sent right after must
+/// find the engine idle, not be told it queues behind an answer that has ended.
+fn unlist(shared: &Shared, id: &str) {
+    let mut e = shared.engine();
+    if let Some(running) = e.running.take() {
+        let rest: Vec<&str> = running.split(',').filter(|r| *r != id).collect();
+        e.running = (!rest.is_empty()).then(|| rest.join(","));
+    }
 }

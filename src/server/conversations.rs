@@ -353,7 +353,7 @@ impl Conversations {
         let Some(job) = job else {
             return out;
         };
-        let (in_ram, file) = {
+        {
             let mut s = self.lock();
             s.live = Some(job.id.clone());
             match s.convs.get_mut(&job.id) {
@@ -363,10 +363,41 @@ impl Conversations {
                     if out.resumed_from == "engine" {
                         return out;
                     }
-                    (c.in_ram.take(), c.file.clone())
                 }
-                None => (None, None),
+                None => return out,
             }
+        }
+        let woken = self.wake(job, recorder, |f| {
+            session
+                .wake(f)
+                .map(|()| session.current_rung().to_string())
+                .map_err(|e| e.to_string())
+        });
+        match woken {
+            Some((from, n)) => {
+                out.resumed_from = from;
+                out.woken_tokens = n;
+            }
+            None => session.reset(),
+        }
+        out
+    }
+
+    /// Wakes `job`'s conversation from its RAM copy or its state file through `import`, which
+    /// puts the file's cache where the loop runs it and names the rung (or says why it cannot):
+    /// where it came from (`ram`, `file`) and the tokens woken. `None` when it has neither, or
+    /// when the file was refused — named in a log line and removed; the conversation is then
+    /// re-read from the request's messages, never lost. Both request loops wake through here.
+    pub fn wake(
+        &self,
+        job: &JobConversation,
+        recorder: &Recorder,
+        import: impl FnOnce(&StateFile) -> Result<String, String>,
+    ) -> Option<(&'static str, usize)> {
+        let (in_ram, file) = {
+            let mut s = self.lock();
+            let c = s.convs.get_mut(&job.id)?;
+            (c.in_ram.take(), c.file.clone())
         };
         let expect = Expect {
             rungs: &self.rungs,
@@ -376,26 +407,27 @@ impl Conversations {
         let (loaded, from) = match (in_ram, &file) {
             (Some(f), _) => (Ok(f), "ram"),
             (None, Some(path)) => (StateFile::load(path, &expect), "file"),
-            (None, None) => return out,
+            (None, None) => return None,
         };
         let woken = loaded.map_err(|e| e.to_string()).and_then(|f| {
-            session.wake(&f).map(|()| f.meta.tokens.len()).map_err(|e| {
-                format!(
-                    "{}: {e}",
-                    file.as_ref()
-                        .map_or_else(|| "RAM copy".into(), |p| p.display().to_string())
-                )
-            })
+            import(&f)
+                .map(|rung| (f.meta.tokens.len(), rung))
+                .map_err(|e| {
+                    format!(
+                        "{}: {e}",
+                        file.as_ref()
+                            .map_or_else(|| "RAM copy".into(), |p| p.display().to_string())
+                    )
+                })
         });
         match woken {
-            Ok(n) => {
-                out.resumed_from = from;
-                out.woken_tokens = n;
+            Ok((n, rung)) => {
                 recorder.service(
                     "",
                     "woken",
-                    serde_json::json!({"conversation": job.id, "from": from, "tokens": n, "rung": session.current_rung()}),
+                    serde_json::json!({"conversation": job.id, "from": from, "tokens": n, "rung": rung}),
                 );
+                Some((from, n))
             }
             Err(reason) => {
                 log(
@@ -410,26 +442,47 @@ impl Conversations {
                 if let Some(p) = &file {
                     let _ = std::fs::remove_file(p);
                 }
-                session.reset();
                 let mut s = self.lock();
                 if let Some(c) = s.convs.get_mut(&job.id) {
                     c.file = None;
                 }
+                None
             }
         }
-        out
     }
 
     /// Hibernates the conversation the session holds (to its file; in RAM if the write fails)
     /// and empties the session. Also what a server shutting down calls.
     pub fn hibernate_live(&self, session: &mut Session, id: &str, recorder: &Recorder) {
-        let first = self.lock().convs.get(id).map_or(0, |c| c.first_turn_len);
+        let first = self.first_turn_len(id);
         let snapshot = session.hibernate(id, first);
         session.reset();
-        let mut s = self.lock();
-        if s.live.as_deref() == Some(id) {
-            s.live = None;
+        {
+            let mut s = self.lock();
+            if s.live.as_deref() == Some(id) {
+                s.live = None;
+            }
         }
+        self.hibernate(id, snapshot, recorder);
+    }
+
+    /// The length of `id`'s first turn (0 while it has none).
+    #[must_use]
+    pub fn first_turn_len(&self, id: &str) -> usize {
+        self.lock().convs.get(id).map_or(0, |c| c.first_turn_len)
+    }
+
+    /// Hibernates `id` from `snapshot`, its cache exported by the loop that held it (`None`:
+    /// nothing worth keeping): written to its state file, or held in RAM when the write fails
+    /// (said in a log line); without a state directory the conversation is dropped. Both
+    /// request loops hibernate through here.
+    pub fn hibernate(
+        &self,
+        id: &str,
+        snapshot: Result<Option<StateFile>, impl std::fmt::Display>,
+        recorder: &Recorder,
+    ) {
+        let mut s = self.lock();
         let Some(c) = s.convs.get_mut(id) else {
             return;
         };
@@ -532,18 +585,67 @@ impl Conversations {
         prompt_tokens: usize,
         kv_bytes: u64,
     ) {
+        if let Some(id) = id {
+            self.answered(
+                id,
+                session.current_rung(),
+                session.history(),
+                prompt_tokens,
+                Some(kv_bytes),
+            );
+        }
+    }
+
+    /// Records an answer of `id` that ended with `tokens` in a cache on `rung`: kept there,
+    /// costing `kept_bytes`, or (`None`) not kept, so the next request re-reads it. The tokens
+    /// are remembered either way: a later request is matched to the conversation by them.
+    pub fn answered(
+        &self,
+        id: &str,
+        rung: &str,
+        tokens: &[Token],
+        prompt_tokens: usize,
+        kept_bytes: Option<u64>,
+    ) {
         let mut s = self.lock();
-        let Some(id) = id else {
-            return;
-        };
         if let Some(c) = s.convs.get_mut(id) {
-            c.tokens = session.history().to_vec();
-            c.rung = session.current_rung().to_string();
+            c.tokens = tokens.to_vec();
+            c.rung = rung.to_string();
             if c.first_turn_len == 0 {
                 c.first_turn_len = prompt_tokens;
             }
-            c.state = ConversationState::Kept;
-            c.bytes = kv_bytes;
+            c.state = if kept_bytes.is_some() {
+                ConversationState::Kept
+            } else {
+                ConversationState::Dropped
+            };
+            c.bytes = kept_bytes.unwrap_or(0);
+        }
+    }
+
+    /// A request of `job`'s conversation is being answered (the batched loop, where several
+    /// are at once; the one-at-a-time loop goes through [`Conversations::take_engine`]).
+    pub fn running(&self, job: Option<&JobConversation>) {
+        if let Some(j) = job
+            && let Some(c) = self.lock().convs.get_mut(&j.id)
+        {
+            c.queued = c.queued.saturating_sub(1);
+            c.state = ConversationState::Running;
+        }
+    }
+
+    /// The cache kept for `id` was let go (room for another, a rung change, or a failed
+    /// answer, after which what it holds is unknown): the next request re-reads the
+    /// conversation from its messages.
+    pub fn let_go(&self, id: &str) {
+        if let Some(c) = self.lock().convs.get_mut(id)
+            && matches!(
+                c.state,
+                ConversationState::Kept | ConversationState::Running
+            )
+        {
+            c.state = ConversationState::Dropped;
+            c.bytes = 0;
         }
     }
 

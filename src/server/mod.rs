@@ -107,8 +107,10 @@ pub struct ServerConfig {
     /// Bound on the state directory's files, MiB (oldest evicted first).
     pub state_max_mib: u64,
     /// Answers decoded together (continuous batching, one sequence each in one context of the
-    /// current rung); 1 answers one request at a time, the session's own loop (`serve
-    /// --serial`), which also keeps a conversation's cache between its requests.
+    /// current rung; conversations kept and hibernated, parks with their deadline, as the
+    /// serial loop does); 1 answers one request at a time, the session's own loop (`serve
+    /// --serial`), which alone builds on a cache a switch projected (after re-reading the
+    /// cells the next prompt looks at).
     pub parallel: usize,
 }
 

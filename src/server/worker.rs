@@ -342,6 +342,67 @@ impl Shared {
             .collect()
     }
 
+    /// One look at a request waiting for memory (the budget, `budget` bytes, does not hold the
+    /// smallest rung for its `total` tokens, `need` bytes): `Err` with the error for its client
+    /// when waiting cannot help (a replayed trace starts there) or has lasted the admission
+    /// timeout; otherwise the client is told why it waits, once per budget value, through its
+    /// sender `tx` (the first time counted as a deferral and recorded). Both request loops call
+    /// this, so a client hears the same words from either.
+    ///
+    /// # Errors
+    /// The `insufficient_memory` error to answer the request with.
+    pub(super) fn still_deferred(
+        &self,
+        id: &str,
+        tx: &mpsc::UnboundedSender<Update>,
+        wait: &mut Deferral,
+        budget: u64,
+        need: u64,
+        total: usize,
+    ) -> Result<(), ApiError> {
+        let reason = format!(
+            "the budget ({:.0} MiB) cannot hold the smallest rung for this request ({:.0} MiB for {total} tokens)",
+            to_mib(budget),
+            to_mib(need)
+        );
+        let give_up = if self.budget.is_trace() {
+            Some(format!(
+                "{reason}; the replayed trace starts there, so waiting cannot help"
+            ))
+        } else if wait.since.elapsed() >= self.admission_timeout {
+            Some(format!(
+                "{reason}, and memory did not come back within {} s",
+                self.admission_timeout.as_secs()
+            ))
+        } else {
+            None
+        };
+        if let Some(message) = give_up {
+            return Err(ApiError::with(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "insufficient_memory",
+                message,
+            ));
+        }
+        if wait.told != Some(budget) {
+            if wait.told.is_none() {
+                self.counters.deferred.fetch_add(1, Ordering::Relaxed);
+            }
+            wait.told = Some(budget);
+            self.recorder.service(
+                id,
+                "deferred",
+                serde_json::json!({"budget_mib": mib(budget), "need_mib": mib(need)}),
+            );
+            let _ = tx.send(Update::Deferred {
+                reason: format!("{reason}; waiting for memory"),
+                budget_bytes: budget,
+                need_bytes: need,
+            });
+        }
+        Ok(())
+    }
+
     /// Tells the engine that the client of `id` has gone.
     pub fn cancel(&self, id: &str, flag: &AtomicBool) {
         flag.store(true, Ordering::SeqCst);
@@ -349,6 +410,23 @@ impl Shared {
             && let Some(c) = self.session_cancel.get()
         {
             c.store(true, Ordering::SeqCst);
+        }
+    }
+}
+
+/// A request waiting for memory: since when, and the budget its client was last told about.
+#[derive(Debug)]
+pub(super) struct Deferral {
+    since: Instant,
+    told: Option<u64>,
+}
+
+impl Deferral {
+    /// Starts waiting now.
+    pub(super) fn new() -> Self {
+        Self {
+            since: Instant::now(),
+            told: None,
         }
     }
 }
@@ -506,8 +584,7 @@ fn admit(
     let Some(need) = shared.need_bytes(total) else {
         return Ok(());
     };
-    let started = Instant::now();
-    let mut told: Option<u64> = None;
+    let mut wait = Deferral::new();
     loop {
         if job.cancelled() {
             return Err(None);
@@ -519,44 +596,9 @@ fn admit(
         if b.bytes >= need {
             return Ok(());
         }
-        let reason = format!(
-            "the budget ({:.0} MiB) cannot hold the smallest rung for this request ({:.0} MiB for {total} tokens)",
-            to_mib(b.bytes),
-            to_mib(need)
-        );
-        if shared.budget.is_trace() {
-            return Err(Some(ApiError::with(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "insufficient_memory",
-                format!("{reason}; the replayed trace starts there, so waiting cannot help"),
-            )));
-        }
-        if started.elapsed() >= shared.admission_timeout {
-            return Err(Some(ApiError::with(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "insufficient_memory",
-                format!(
-                    "{reason}, and memory did not come back within {} s",
-                    shared.admission_timeout.as_secs()
-                ),
-            )));
-        }
-        if told != Some(b.bytes) {
-            if told.is_none() {
-                shared.counters.deferred.fetch_add(1, Ordering::Relaxed);
-            }
-            told = Some(b.bytes);
-            shared.recorder.service(
-                &job.id,
-                "deferred",
-                serde_json::json!({"budget_mib": mib(b.bytes), "need_mib": mib(need)}),
-            );
-            job.send(Update::Deferred {
-                reason: format!("{reason}; waiting for memory"),
-                budget_bytes: b.bytes,
-                need_bytes: need,
-            });
-        }
+        shared
+            .still_deferred(&job.id, &job.tx, &mut wait, b.bytes, need, total)
+            .map_err(Some)?;
         let fits = |j: &Job| {
             shared
                 .need_bytes(j.prompt_tokens.saturating_add(j.opts.max_tokens))

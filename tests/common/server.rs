@@ -42,8 +42,19 @@ impl Running {
     }
 }
 
+/// The request loop the harness forces on every service it starts: `MOLT_TEST_PARALLEL=N`
+/// (N > 1) runs the same test bodies against the continuous-batching loop with N sequences,
+/// `MOLT_TEST_PARALLEL=1` against the one-at-a-time loop; unset, each test gets the
+/// configuration's default. Read by the test harness only, never by the library.
+pub fn forced_parallel() -> Option<usize> {
+    std::env::var("MOLT_TEST_PARALLEL")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .filter(|&n: &usize| n >= 1)
+}
+
 /// Starts a service on the tiny ladder with its shipped projectors, the configuration changed
-/// by `edit` first.
+/// by `edit` first (a test that sets `parallel` itself keeps its choice).
 pub async fn start(edit: impl FnOnce(&mut ServerConfig)) -> Running {
     let mut config = ServerConfig {
         addr: "127.0.0.1:0".parse().unwrap(),
@@ -60,6 +71,9 @@ pub async fn start(edit: impl FnOnce(&mut ServerConfig)) -> Running {
         trace_dirs: vec![],
         ..ServerConfig::default()
     };
+    if let Some(n) = forced_parallel() {
+        config.parallel = n;
+    }
     edit(&mut config);
     let server = Server::start(common::tiny_ladder().clone(), config)
         .await

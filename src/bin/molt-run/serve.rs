@@ -54,9 +54,10 @@ pub struct Args {
     pub queue: usize,
     /// Answers decoded together (continuous batching, opt-in): each running request is a
     /// sequence of one context on the current rung, and all advance in one decode per step.
-    /// They share the context window (--n-ctx), and the budget counts every one's cache. The
-    /// batched loop does not yet keep or hibernate conversations, park, or honour the park
-    /// deadline; 1 (the default) answers one request at a time with all of those.
+    /// They share the context window (--n-ctx), and the budget counts every one's cache. It
+    /// keeps and hibernates conversations, parks and honours the park deadline as the serial
+    /// loop does, but does not build on a cache a switch projected (the next turn is re-read);
+    /// 1 (the default) answers one request at a time.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub parallel: u16,
     /// Answer one request at a time (the default; it keeps and hibernates conversations,
