@@ -6,7 +6,7 @@ mod common;
 
 use molt::engine::Token;
 use molt::routes::Variant;
-use molt::train::curve::{CurveOptions, fit_curve};
+use molt::train::curve::{CurveCorpus, CurveOptions, fit_curve};
 use molt::train::{TrainOptions, fit_ladder_windows};
 use molt::transplant::projector::TensorDtype;
 
@@ -33,8 +33,10 @@ fn the_curve_keeps_its_held_out_set_and_reproduces_the_full_fit() {
         src,
         dst,
         common::cfg_long(),
-        &base,
-        &extra,
+        &CurveCorpus {
+            base: base.clone(),
+            extra,
+        },
         &opts,
         &mut |_| {},
         &mut |r| seen.push(r.points.len()),

@@ -478,7 +478,7 @@ fn curve_section(doc: &CurveDoc) -> String {
         "| training tokens | of them extra | K held-out | K train | V held-out | V train | median λ (K / V) |"
     );
     let _ = writeln!(s, "|{}", "---|".repeat(7));
-    let lam = |x: Option<f64>| x.map_or_else(|| "–".into(), |v| format!("{v:.3g}"));
+    let lam = |x: Option<f64>| x.map_or_else(|| "–".into(), |v| format!("{v:.2e}"));
     for p in &c.points {
         let _ = writeln!(
             s,

@@ -42,6 +42,16 @@ pub struct CurveOptions {
     pub seed: u64,
 }
 
+/// The windows a curve is fitted on, each decoded from position 0.
+#[derive(Debug, Clone, Default)]
+pub struct CurveCorpus<'a> {
+    /// The base corpus: its held-out windows are the curve's fixed held-out set, its other
+    /// windows come first in the training order.
+    pub base: Vec<&'a [Token]>,
+    /// Extra training windows, used after the base corpus's.
+    pub extra: Vec<&'a [Token]>,
+}
+
 /// Median over layers of the λ the held-out search chose.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct LambdaMedians {
@@ -185,23 +195,23 @@ fn append(
 }
 
 /// Fits the route `src → dst` (its shipped variant) on growing training sets and reports
-/// the residuals on the fixed held-out windows of `base`. `extra` windows extend the training
-/// order past the base corpus. `progress` receives one line per step; `on_point` the report
+/// the residuals on the fixed held-out windows of `corpus.base`; `corpus.extra` extends the
+/// training order past the base corpus. `progress` receives one line per step; `on_point` the report
 /// after every point (to write it as it grows). Nothing is written to the projectors.
 ///
 /// # Errors
-/// [`TrainError::Corpus`] if `base` has fewer than `held_out_every` windows; collection and
+/// [`TrainError::Corpus`] if `corpus.base` has fewer than `held_out_every` windows; collection and
 /// fit errors as [`super::fit_ladder`].
 pub fn fit_curve(
     src: &RungInfo,
     dst: &RungInfo,
     config: ContextConfig,
-    base: &[&[Token]],
-    extra: &[&[Token]],
+    corpus: &CurveCorpus<'_>,
     opts: &CurveOptions,
     progress: &mut dyn FnMut(&str),
     on_point: &mut dyn FnMut(&CurveReport),
 ) -> Result<CurveReport, TrainError> {
+    let (base, extra) = (&corpus.base, &corpus.extra);
     let every = opts.held_out_every.max(2);
     if base.len() < every {
         return Err(TrainError::Corpus(format!(
@@ -209,13 +219,15 @@ pub fn fit_curve(
             base.len()
         )));
     }
-    let (held, base_train): (Vec<(usize, &[Token])>, Vec<(usize, &[Token])>) = base
-        .iter()
-        .copied()
-        .enumerate()
-        .partition(|(i, _)| i % every == every - 1);
-    let held: Vec<&[Token]> = held.into_iter().map(|(_, w)| w).collect();
-    let base_train: Vec<&[Token]> = base_train.into_iter().map(|(_, w)| w).collect();
+    let mut held: Vec<&[Token]> = Vec::new();
+    let mut base_train: Vec<&[Token]> = Vec::new();
+    for (i, &w) in base.iter().enumerate() {
+        if i % every == every - 1 {
+            held.push(w);
+        } else {
+            base_train.push(w);
+        }
+    }
     let order = train_order(&base_train, extra, opts.seed);
     let lens: Vec<usize> = order.iter().map(|w| w.len()).collect();
     let base_train_tokens: usize = base_train.iter().map(|w| w.len()).sum();

@@ -41,7 +41,7 @@ fn the_curve_section_lists_every_point_from_its_json() {
         "{s}"
     );
     assert!(
-        s.contains("| 3657 | 0 | 0.0700 | 0.0500 | 0.8100 | 0.6000 | 12.5 / – |"),
+        s.contains("| 3657 | 0 | 0.0700 | 0.0500 | 0.8100 | 0.6000 | 1.25e1 / – |"),
         "{s}"
     );
     assert!(s.contains("| 30000 | 18377 | 0.0600 |"), "{s}");

@@ -9,7 +9,7 @@
 use crate::common::GlobalArgs;
 use anyhow::{Context as _, Result, bail};
 use molt::engine::Token;
-use molt::train::curve::{CurveOptions, fit_curve};
+use molt::train::curve::{CurveCorpus, CurveOptions, fit_curve};
 use molt::train::{corpus_windows, read_chats, read_corpus};
 use std::path::{Path, PathBuf};
 
@@ -99,8 +99,10 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         tokens(&extra),
         extra.len()
     );
-    let base: Vec<&[Token]> = base.iter().map(Vec::as_slice).collect();
-    let extra: Vec<&[Token]> = extra.iter().map(Vec::as_slice).collect();
+    let corpus = CurveCorpus {
+        base: base.iter().map(Vec::as_slice).collect(),
+        extra: extra.iter().map(Vec::as_slice).collect(),
+    };
     let opts = CurveOptions {
         held_out_every: a.held_out_every,
         skip_head: a.skip_head,
@@ -116,8 +118,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         src,
         dst,
         config,
-        &base,
-        &extra,
+        &corpus,
         &opts,
         &mut |s| eprintln!("{s}"),
         &mut |r| {
