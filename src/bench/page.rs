@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use super::BenchError;
 use super::conditions::{ArmSummary, ConditionsReport, PairedComparison, TimingComparison};
 use super::cost_sweep::SweepDoc;
-use super::figures::{FigureSet, ResidualDoc, read_json, serde_word};
+use super::figures::{CurveDoc, FigureSet, ResidualDoc, read_json, serde_word};
 use super::qos::QosDoc;
 use super::recall::RecallDoc;
 use super::speed::Rate;
@@ -464,6 +464,38 @@ fn sweep_section(doc: &SweepDoc) -> String {
     s
 }
 
+/// The learning curve of one route's maps: a table of residuals by training-set size.
+fn curve_section(doc: &CurveDoc) -> String {
+    let c = &doc.curve;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "\n### Against training-set size ({})\n\nThe same route fitted on growing training sets (`molt-run map-curve`, `projector_curve.json`), every point measured on the same {} held-out tokens of the project's corpus. The first {} training tokens are the project corpus's own (the shipped fit); beyond them the training text is extra text the machine already had (`scripts/toolchain-corpus.sh`), so later points also show how text of another kind transfers.\n",
+        c.route, c.held_out_tokens, c.base_train_tokens
+    );
+    let _ = writeln!(
+        s,
+        "| training tokens | of them extra | K held-out | K train | V held-out | V train | median λ (K / V) |"
+    );
+    let _ = writeln!(s, "|{}", "---|".repeat(7));
+    let lam = |x: Option<f64>| x.map_or_else(|| "–".into(), |v| format!("{v:.2e}"));
+    for p in &c.points {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {:.4} | {:.4} | {:.4} | {:.4} | {} / {} |",
+            p.train_tokens,
+            p.extra_tokens,
+            p.k_held_out,
+            p.k_train,
+            p.v_held_out,
+            p.v_train,
+            lam(p.lambda.k),
+            lam(p.lambda.v)
+        );
+    }
+    s
+}
+
 fn residual_section(doc: &ResidualDoc) -> String {
     let mut s = String::new();
     let _ = writeln!(
@@ -502,6 +534,7 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
     r.paired = super::conditions::paired_comparisons(&r.arms, &r.cells);
     let sweep: Option<SweepDoc> = optional(&dir.join("cost_sweep.json"))?;
     let resid: Option<ResidualDoc> = optional(&dir.join("projector_residuals.json"))?;
+    let curve: Option<CurveDoc> = optional(&dir.join("projector_curve.json"))?;
     let qos: Option<QosDoc> = optional(&dir.join("qos.json"))?;
     let recall: Option<RecallDoc> = optional(&dir.join("recall.json"))?;
     let precision_doc: Option<super::precision::PrecisionDoc> =
@@ -520,6 +553,7 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
     let inputs: String = [
         (sweep.is_some(), "cost_sweep.json"),
         (resid.is_some(), "projector_residuals.json"),
+        (curve.is_some(), "projector_curve.json"),
         (qos.is_some(), "qos.json"),
         (recall.is_some(), "recall.json"),
         (precision_doc.is_some(), "precision_rungs.json"),
@@ -721,6 +755,9 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
                 h.caption
             );
         }
+    }
+    if let Some(doc) = &curve {
+        s.push_str(&curve_section(doc));
     }
     if let Some(doc) = &qos {
         s.push_str(&qos_section(doc));

@@ -11,6 +11,7 @@
 //! [`RouteResult`] / [`TrainReport`] (the serialisable residuals), [`corpus_tokens`], and in
 //! [`topk`] the hidden maps of selective top-k recompute ([`topk::fit_topk_maps`]).
 
+pub mod curve;
 pub mod topk;
 
 use std::path::{Path, PathBuf};

@@ -58,7 +58,7 @@ pub use cost_sweep::cost_sweep;
 pub use hero::hero;
 pub use qos::qos;
 pub use recall::{recall_frontier, recall_lengths};
-pub use residuals::{ResidualDoc, residuals};
+pub use residuals::{CurveDoc, ResidualDoc, residuals};
 pub use seams::seams;
 pub use stall::stall;
 

@@ -27,6 +27,20 @@ pub struct ResidualDoc {
     pub report: TrainReport,
 }
 
+/// `results/projector_curve.json`: one route's residuals against training-set size
+/// ([`crate::train::curve::CurveReport`]), written by `molt-run map-curve`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CurveDoc {
+    /// Machine and versions ([`crate::bench::RunInfo`]).
+    #[serde(default)]
+    pub run: serde_json::Value,
+    /// The ladder fitted.
+    #[serde(default)]
+    pub ladder: String,
+    /// The curve.
+    pub curve: crate::train::curve::CurveReport,
+}
+
 /// Horizontal bars: held-out residual per route and variant, K and V side by side, the
 /// training residual marked on each bar.
 ///

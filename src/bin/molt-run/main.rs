@@ -8,6 +8,7 @@ mod bench;
 mod chat;
 mod common;
 mod conditions;
+mod curve;
 mod fetch;
 mod figures;
 mod generate;
@@ -48,6 +49,8 @@ enum Command {
     Bench(Box<bench::Args>),
     /// Fit the KV projectors of the ladder on the project's corpus.
     TrainProjectors(train::Args),
+    /// Measure one route's map residuals against training-set size (a learning curve).
+    MapCurve(curve::Args),
     /// Make a ladder of your own GGUF files (`ladder init`), or list the ladders found.
     Ladder(ladder::Args),
     /// The memory hog child of `--real-hog` runs (allocates and touches memory on command).
@@ -73,6 +76,7 @@ fn main() {
         Command::Chat(a) => chat::run(&cli.global, &a),
         Command::Bench(a) => bench::run(&cli.global, &a),
         Command::TrainProjectors(a) => train::run(&cli.global, &a),
+        Command::MapCurve(a) => curve::run(&cli.global, &a),
         Command::Ladder(a) => ladder::run(&cli.global, &a),
         Command::Hog(a) => hog::run(&a),
         Command::Serve(a) => serve::run(&cli.global, &a),
