@@ -33,6 +33,18 @@ struct Budgets {
     pair_at_prompt: u64,
 }
 
+/// The tests of this file one at a time: a rung's cost is measured at its load as the growth of
+/// the process's anonymous memory, and a test loading rungs beside another in the same process
+/// would be charged for the other's allocations (seen once in the full suite: the small rung
+/// measured larger than the q8 one).
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// A session on the tiny ladder `l`, moved idle to its smallest rung, with the costs the policy
 /// uses fixed at what the loads measured and no hysteresis, so the budgets mean what they say.
 fn on_small(l: &Ladder) -> (Session, Budgets) {
@@ -169,6 +181,7 @@ fn assert_never_over(events: &[Event]) {
 
 #[test]
 fn a_switch_up_goes_on_decoding_on_the_source_while_the_destination_loads_then_switches() {
+    let _serial = one_at_a_time();
     let l = common::tiny_ladder();
     let (mut s, b) = on_small(l);
     let (small, big) = (l.rungs[2].name(), l.rungs[0].name());
@@ -239,6 +252,7 @@ fn a_switch_up_goes_on_decoding_on_the_source_while_the_destination_loads_then_s
 
 #[test]
 fn a_budget_that_falls_during_the_background_load_drops_it() {
+    let _serial = one_at_a_time();
     let l = common::tiny_ladder();
     let (small, big) = (l.rungs[2].name(), l.rungs[0].name());
 
@@ -310,6 +324,7 @@ fn a_budget_that_falls_during_the_background_load_drops_it() {
 
 #[test]
 fn a_background_load_that_fails_leaves_the_answer_on_the_source() {
+    let _serial = one_at_a_time();
     // The big rung's file is a copy of our own, spoiled once the session no longer maps it.
     let dir = tempfile::tempdir().unwrap();
     let mut l = common::tiny_ladder().clone();
@@ -346,6 +361,7 @@ fn a_background_load_that_fails_leaves_the_answer_on_the_source() {
 
 #[test]
 fn a_rung_whose_footprint_is_measured_loads_without_the_warm_up() {
+    let _serial = one_at_a_time();
     let l = common::tiny_ladder();
     let info = &l.rungs[2];
     let setup = molt::speed::RungSetup::default_at(common::cfg().n_ubatch);
@@ -417,6 +433,7 @@ fn a_rung_whose_footprint_is_measured_loads_without_the_warm_up() {
 #[test]
 #[ignore = "a measurement: run with --ignored --nocapture"]
 fn measure_the_warm_up_skip() {
+    let _serial = one_at_a_time();
     let env = |k: &str| std::env::var(k).ok();
     let (l, name) = match env("MOLT_MEASURE_RUNG") {
         Some(n) => (
