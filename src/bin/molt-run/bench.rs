@@ -338,13 +338,9 @@ fn run_sampling(g: &GlobalArgs, a: &Args) -> Result<()> {
     let ladder = g.open_ladder()?;
     let threads = g.context_config()?.n_threads;
     let rung = match &a.sampling_rung {
-        Some(name) => ladder
-            .rungs
-            .iter()
-            .find(|r| r.name() == name)
-            .ok_or_else(|| {
-                anyhow::anyhow!("--sampling-rung {name}: no such rung in {}", ladder.name())
-            })?,
+        Some(name) => ladder.rung(name).ok_or_else(|| {
+            anyhow::anyhow!("--sampling-rung {name}: no such rung in {}", ladder.name())
+        })?,
         None => ladder
             .rungs
             .last()

@@ -56,25 +56,17 @@ pub struct Args {
 }
 
 pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
-    if a.window < 16 || a.held_out_every < 2 {
-        bail!("--window must be at least 16 and --held-out-every at least 2");
-    }
+    let config = crate::train::window_config(g, a.window, a.held_out_every)?;
     let Some((src_name, dst_name)) = a.route.split_once(':') else {
         bail!("--route must be SRC:DST, got {:?}", a.route);
     };
     if src_name == dst_name {
         bail!("--route needs two different rungs");
     }
-    let mut config = g.context_config()?;
-    config.n_ctx = config
-        .n_ctx
-        .max(u32::try_from(a.window).unwrap_or(u32::MAX) + 8);
     let ladder = g.open_ladder()?;
     let find = |name: &str| {
         ladder
-            .rungs
-            .iter()
-            .find(|r| r.name() == name)
+            .rung(name)
             .with_context(|| format!("no rung {name:?} in ladder {}", ladder.name()))
     };
     let (src, dst) = (find(src_name)?, find(dst_name)?);

@@ -77,16 +77,10 @@ pub struct Args {
 }
 
 pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
-    if a.window < 16 || a.held_out_every < 2 {
-        bail!("--window must be at least 16 and --held-out-every at least 2");
-    }
+    let config = window_config(g, a.window, a.held_out_every)?;
     if a.topk.contains(&0) {
         bail!("--topk values must be at least 1");
     }
-    let mut config = g.context_config()?;
-    config.n_ctx = config
-        .n_ctx
-        .max(u32::try_from(a.window).unwrap_or(u32::MAX) + 8);
     let ladder = g.open_ladder()?;
     sweep_partials(&[&a.out, &a.out.join(ladder.name()), &a.corpus]);
     if a.anchors_only {
@@ -202,6 +196,24 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
 }
 
 /// Writes every rung's anchor under `<out>/<ladder>/anchors/`.
+/// The context configuration for fitting on corpus windows of `window` tokens (each decoded
+/// from position 0, so the window must fit), after checking the window and hold-out settings
+/// `train-projectors` and `map-curve` share.
+pub fn window_config(
+    g: &GlobalArgs,
+    window: usize,
+    held_out_every: usize,
+) -> Result<molt::engine::ContextConfig> {
+    if window < 16 || held_out_every < 2 {
+        bail!("--window must be at least 16 and --held-out-every at least 2");
+    }
+    let mut config = g.context_config()?;
+    config.n_ctx = config
+        .n_ctx
+        .max(u32::try_from(window).unwrap_or(u32::MAX) + 8);
+    Ok(config)
+}
+
 fn anchors(
     ladder: &molt::ladder::Ladder,
     config: molt::engine::ContextConfig,
