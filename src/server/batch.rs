@@ -97,6 +97,8 @@ struct Kept {
     seq: SeqId,
     tokens: Vec<Token>,
     conversation: String,
+    /// Its state file was written when its answer ended (see `keep_or_free`).
+    persisted: bool,
 }
 
 impl Engine {
@@ -114,33 +116,47 @@ impl Engine {
             seq,
             tokens,
             conversation: id,
+            persisted,
         } = self.kept.remove(0);
         // The conversation's cache goes to its state file (or stays in RAM when the write
-        // fails), as the one-at-a-time loop hibernates the conversation it displaces.
-        let first_turn_len = shared.conversations.first_turn_len(&id).min(tokens.len());
-        let snapshot = self.ctx.export_seq(seq).map(|blob| {
-            Some(StateFile {
-                meta: StateMeta {
-                    conversation: id.clone(),
-                    rung: self.ctx.model().name().to_string(),
-                    rung_sha256: self.sha256.clone(),
-                    n_ctx: self.ctx.config().n_ctx,
-                    tokens,
-                    pos_start: 0,
-                    pending: None,
-                    first_turn_len,
-                    pinned: 0,
-                    messages: Vec::new(),
-                    written_unix_ms: now_unix_ms(),
-                },
-                blob,
-            })
-        });
-        shared
-            .conversations
-            .hibernate(&id, snapshot, &shared.recorder);
+        // fails), as the one-at-a-time loop hibernates the conversation it displaces; a file
+        // written when its answer ended is not written again.
+        if !(persisted && shared.conversations.hibernate_persisted(&id)) {
+            let snapshot = self.state_file(shared, seq, tokens, &id).map(Some);
+            shared
+                .conversations
+                .hibernate(&id, snapshot, &shared.recorder);
+        }
         self.ctx.remove_seq(seq);
         true
+    }
+
+    /// `seq`'s cache, holding `tokens` of conversation `id`, as a state file.
+    fn state_file(
+        &self,
+        shared: &Shared,
+        seq: SeqId,
+        tokens: Vec<Token>,
+        id: &str,
+    ) -> Result<StateFile, crate::engine::EngineError> {
+        let first_turn_len = shared.conversations.first_turn_len(id).min(tokens.len());
+        let blob = self.ctx.export_seq(seq)?;
+        Ok(StateFile {
+            meta: StateMeta {
+                conversation: id.to_string(),
+                rung: self.ctx.model().name().to_string(),
+                rung_sha256: self.sha256.clone(),
+                n_ctx: self.ctx.config().n_ctx,
+                tokens,
+                pos_start: 0,
+                pending: None,
+                first_turn_len,
+                pinned: 0,
+                messages: Vec::new(),
+                written_unix_ms: now_unix_ms(),
+            },
+            blob,
+        })
     }
 
     /// Wakes `job`'s conversation from its state file (or RAM copy) into `seq` when this rung
@@ -1257,10 +1273,21 @@ fn keep_or_free(shared: &Shared, engine: &mut Engine, t: &Tenant) {
         keep.then_some(kv),
     );
     if keep {
+        // Written now, not when the sequence is displaced: several conversations stay in the
+        // context at once, and a process killed before it displaced them would lose them all.
+        let persisted = shared.conversations.dir().is_some()
+            && match engine.state_file(shared, t.seq, t.cached.clone(), &id) {
+                Ok(file) => shared.conversations.persist(&id, &file, &shared.recorder),
+                Err(e) => {
+                    eprintln!("molt serve: conversation {id}: cannot export its cache ({e})");
+                    false
+                }
+            };
         engine.kept.push(Kept {
             seq: t.seq,
             tokens: t.cached.clone(),
             conversation: id,
+            persisted,
         });
     } else {
         engine.ctx.remove_seq(t.seq);

@@ -28,7 +28,7 @@ use serde::Serialize;
 use super::record::Recorder;
 use crate::engine::Token;
 use crate::session::Session;
-use crate::state::{Expect, StateDir, StateFile, valid_id};
+use crate::state::{Evicted, Expect, StateDir, StateFile, valid_id};
 
 /// Most conversations remembered; past it the least recently used one is forgotten (its state
 /// file stays until the directory's bound evicts it, and is found again after a restart).
@@ -530,27 +530,7 @@ impl Conversations {
                     "hibernated",
                     serde_json::json!({"conversation": id, "file": dir.file_of(id), "bytes": n, "tokens": file.meta.tokens.len()}),
                 );
-                for e in evicted {
-                    if let Some(c) = s.convs.get_mut(&e.conversation) {
-                        c.file = None;
-                        if c.state == ConversationState::Hibernated {
-                            c.state = ConversationState::Dropped;
-                            c.bytes = 0;
-                        }
-                    }
-                    log(
-                        recorder,
-                        "state_evicted",
-                        &format!(
-                            "evicted {} ({} KiB, conversation {}): the state directory holds at most {} MiB; it will be re-read from its messages",
-                            e.path.display(),
-                            e.bytes >> 10,
-                            e.conversation,
-                            dir.max_bytes() >> 20
-                        ),
-                        serde_json::json!({"conversation": e.conversation, "file": e.path, "bytes": e.bytes}),
-                    );
-                }
+                self.evicted(&mut s, dir, evicted, recorder);
             }
             Err(e) => {
                 if let Some(c) = s.convs.get_mut(id) {
@@ -573,6 +553,97 @@ impl Conversations {
                     serde_json::json!({"conversation": id, "reason": e.to_string(), "disk_full": e.is_disk_full()}),
                 );
             }
+        }
+    }
+
+    /// Writes the state file of `id` while its cache stays where the loop keeps it (the
+    /// batched loop, as soon as an answer ends, so that a process killed later loses no
+    /// finished turn): the conversation stays `kept`, now with a file behind it. A write that
+    /// fails is said in a log line and changes nothing else: the cache is still in RAM, and
+    /// [`Conversations::hibernate`] tries again when it is displaced. True when written.
+    pub fn persist(&self, id: &str, file: &StateFile, recorder: &Recorder) -> bool {
+        let Some(dir) = &self.dir else {
+            return false;
+        };
+        match dir.write(id, file) {
+            Ok((n, evicted)) => {
+                let mut s = self.lock();
+                if let Some(c) = s.convs.get_mut(id) {
+                    c.file = Some(dir.file_of(id));
+                }
+                recorder.service(
+                    "",
+                    "persisted",
+                    serde_json::json!({"conversation": id, "file": dir.file_of(id), "bytes": n, "tokens": file.meta.tokens.len()}),
+                );
+                self.evicted(&mut s, dir, evicted, recorder);
+                true
+            }
+            Err(e) => {
+                log(
+                    recorder,
+                    "persist_failed",
+                    &format!(
+                        "conversation {id}: cannot write its state file ({e}){}; its cache stays in RAM",
+                        if e.is_disk_full() {
+                            ": the disk is full"
+                        } else {
+                            ""
+                        }
+                    ),
+                    serde_json::json!({"conversation": id, "reason": e.to_string(), "disk_full": e.is_disk_full()}),
+                );
+                false
+            }
+        }
+    }
+
+    /// `id`'s cache leaves RAM with its state file already written by
+    /// [`Conversations::persist`] (and not evicted since): it is hibernated without writing it
+    /// again. False, nothing changed, when it has no file.
+    pub fn hibernate_persisted(&self, id: &str) -> bool {
+        let mut s = self.lock();
+        let Some(c) = s.convs.get_mut(id) else {
+            return false;
+        };
+        let Some(size) = c
+            .file
+            .as_ref()
+            .and_then(|p| std::fs::metadata(p).ok())
+            .map(|m| m.len())
+        else {
+            return false;
+        };
+        c.state = ConversationState::Hibernated;
+        c.bytes = size;
+        if s.live.as_deref() == Some(id) {
+            s.live = None;
+        }
+        true
+    }
+
+    /// Forgets the files the directory's bound evicted (each said in a log line).
+    fn evicted(&self, s: &mut Store, dir: &StateDir, evicted: Vec<Evicted>, recorder: &Recorder) {
+        for e in evicted {
+            if let Some(c) = s.convs.get_mut(&e.conversation) {
+                c.file = None;
+                if c.state == ConversationState::Hibernated {
+                    c.state = ConversationState::Dropped;
+                    c.bytes = 0;
+                }
+            }
+            log(
+                recorder,
+                "state_evicted",
+                &format!(
+                    "evicted {} ({} KiB, conversation {}): the state directory holds at most {} MiB; it will be re-read from its messages",
+                    e.path.display(),
+                    e.bytes >> 10,
+                    e.conversation,
+                    dir.max_bytes() >> 20
+                ),
+                serde_json::json!({"conversation": e.conversation, "file": e.path, "bytes": e.bytes}),
+            );
         }
     }
 
