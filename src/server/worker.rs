@@ -610,7 +610,7 @@ pub fn run(mut session: Session, shared: &Shared) {
         let mut job = match shared.queue.next(IDLE_POLL) {
             Next::Job(job) => job,
             Next::Idle => {
-                follow_budget_idle(&mut session, shared, &mut projected);
+                follow_budget_idle(&mut session, shared, &mut projected, None);
                 continue;
             }
             Next::Closed => break,
@@ -642,7 +642,15 @@ pub fn run(mut session: Session, shared: &Shared) {
 /// floor instead of waiting for the next request to act. Nothing is lost: the next request of
 /// that conversation wakes it from its file and reads only its new turn, and the next answer
 /// loads the largest rung the budget then holds.
-fn follow_budget_idle(session: &mut Session, shared: &Shared, projected: &mut bool) {
+///
+/// `waiting` is the job deferred for memory while this runs, if any: it stays published as
+/// the running one, so requests arriving meanwhile are told they queue behind it.
+fn follow_budget_idle(
+    session: &mut Session,
+    shared: &Shared,
+    projected: &mut bool,
+    waiting: Option<&str>,
+) {
     if session.is_released() {
         return;
     }
@@ -677,7 +685,7 @@ fn follow_budget_idle(session: &mut Session, shared: &Shared, projected: &mut bo
         Ok(false) => {}
         Err(e) => eprintln!("molt serve: cannot release the idle rungs: {e}"),
     }
-    publish(shared, session, None, false);
+    publish(shared, session, waiting.map(str::to_string), false);
 }
 
 /// Answers one job start to end: publishes it as running, answers, gives freed memory back,
@@ -756,7 +764,7 @@ fn admit(
             continue;
         }
         // Waiting for memory is idle time: what the engine holds follows the budget down.
-        follow_budget_idle(session, shared, projected);
+        follow_budget_idle(session, shared, projected, Some(&job.id));
         std::thread::sleep(Duration::from_millis(50));
     }
 }
