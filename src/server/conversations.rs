@@ -40,6 +40,9 @@ const MAX_CONVERSATIONS: usize = 1024;
 pub enum ConversationState {
     /// Being answered.
     Running,
+    /// Its answer is parked mid-way: the budget holds no rung, the weights are unmapped and
+    /// the cache waits in RAM until memory returns.
+    Parked,
     /// Idle in RAM: in the engine's session, or its exported cache held because the state file
     /// could not be written. (Not "parked": a parked session has released its weights.)
     Kept,
@@ -52,7 +55,8 @@ pub enum ConversationState {
     Dropped,
 }
 
-/// Scheduling class of a conversation (`molt.class`), recorded for the scheduler.
+/// Scheduling class of a conversation (`molt.class`): the one-at-a-time loop takes queued
+/// foreground requests before background ones.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Class {
@@ -85,6 +89,10 @@ pub struct JobConversation {
     pub note: Option<String>,
     /// The request's prompt tokens (a state file must be continued by them).
     pub tokens: Vec<Token>,
+    /// The conversation's class when the request arrived.
+    pub class: Class,
+    /// Its priority (higher first within a class).
+    pub priority: i32,
 }
 
 /// One kept conversation.
@@ -308,6 +316,7 @@ impl Conversations {
                 },
             );
         }
+        let (mut class, mut priority) = (Class::default(), 0);
         if let Some(c) = s.convs.get_mut(&id) {
             c.queued += 1;
             c.last_used = now;
@@ -317,12 +326,15 @@ impl Conversations {
             if let Some(p) = ask.priority {
                 c.priority = p;
             }
+            (class, priority) = (c.class, c.priority);
         }
         JobConversation {
             id,
             new,
             note,
             tokens,
+            class,
+            priority,
         }
     }
 
@@ -712,7 +724,7 @@ impl Conversations {
         if let Some(c) = self.lock().convs.get_mut(id)
             && matches!(
                 c.state,
-                ConversationState::Kept | ConversationState::Running
+                ConversationState::Kept | ConversationState::Running | ConversationState::Parked
             )
         {
             c.state = ConversationState::Dropped;
@@ -742,6 +754,21 @@ impl Conversations {
         }
     }
 
+    /// The live conversation's answer parked (`true`: the budget holds no rung) or running
+    /// again (`false`).
+    pub fn set_parked(&self, id: &str, parked: bool) {
+        if let Some(c) = self.lock().convs.get_mut(id) {
+            let (from, to) = if parked {
+                (ConversationState::Running, ConversationState::Parked)
+            } else {
+                (ConversationState::Parked, ConversationState::Running)
+            };
+            if c.state == from {
+                c.state = to;
+            }
+        }
+    }
+
     /// The live conversation's id.
     #[must_use]
     pub fn live(&self) -> Option<String> {
@@ -756,7 +783,11 @@ impl Conversations {
             .convs
             .iter()
             .map(|(id, c)| {
-                let state = if c.queued > 0 && c.state != ConversationState::Running {
+                let state = if c.queued > 0
+                    && !matches!(
+                        c.state,
+                        ConversationState::Running | ConversationState::Parked
+                    ) {
                     ConversationState::Queued
                 } else {
                     c.state

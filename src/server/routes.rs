@@ -659,6 +659,8 @@ struct CountersView {
     deferred: u64,
     switches: u64,
     tokens: u64,
+    /// Times the idle engine freed its rungs for a falling budget.
+    released: u64,
 }
 
 async fn status(State(st): State<AppState>) -> Json<Status> {
@@ -682,6 +684,7 @@ async fn status(State(st): State<AppState>) -> Json<Status> {
             deferred: r(&c.deferred),
             switches: r(&c.switches),
             tokens: r(&c.tokens),
+            released: r(&c.released),
         },
         engine: st.shared.engine().clone(),
         budget: st.shared.budget.report(),

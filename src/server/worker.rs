@@ -32,7 +32,7 @@ use tokio::sync::mpsc;
 
 use super::budget::ServerBudget;
 use super::control::RequestControl;
-use super::conversations::{Conversations, JobConversation};
+use super::conversations::{Class, Conversations, JobConversation};
 use super::error::ApiError;
 use super::openai::mib;
 use super::record::Recorder;
@@ -178,6 +178,43 @@ impl Queue {
         }
     }
 
+    /// Takes the waiting job that goes first — foreground before background, then the higher
+    /// priority, then the one that came first — waiting at most `wait` for one: what the
+    /// one-at-a-time loop answers next. [`Next::Idle`] when none came within `wait` (the engine
+    /// then looks at the budget), [`Next::Closed`] once closed and empty.
+    pub(super) fn next(&self, wait: Duration) -> Next {
+        let mut g = self.lock();
+        let deadline = Instant::now() + wait;
+        loop {
+            if let Some(i) = first_in_order(&g.jobs, |_| true)
+                && let Some(j) = g.jobs.remove(i)
+            {
+                return Next::Job(Box::new(j));
+            }
+            if g.closed {
+                return Next::Closed;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Next::Idle;
+            }
+            g = self
+                .cv
+                .wait_timeout(g, left)
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0;
+        }
+    }
+
+    /// As [`Queue::take_first`], but the job that goes first in the order of [`Queue::next`]
+    /// among those `fits` accepts: what the one-at-a-time loop answers while an earlier job
+    /// is deferred for memory.
+    pub(super) fn take_best(&self, fits: impl Fn(&Job) -> bool) -> Option<Job> {
+        let mut g = self.lock();
+        let i = first_in_order(&g.jobs, |j| !j.cancelled() && fits(j))?;
+        g.jobs.remove(i)
+    }
+
     /// Takes the first waiting job that `fits` accepts, without waiting: what the engine
     /// answers while an earlier job is deferred for memory.
     pub(super) fn take_first(&self, fits: impl Fn(&Job) -> bool) -> Option<Job> {
@@ -212,6 +249,39 @@ impl Queue {
     }
 }
 
+/// What [`Queue::next`] found.
+pub(super) enum Next {
+    /// A job to answer.
+    Job(Box<Job>),
+    /// Nothing arrived in time.
+    Idle,
+    /// The queue is closed and empty.
+    Closed,
+}
+
+/// Where a job goes in the one-at-a-time loop's order: foreground (and requests outside a
+/// conversation) before background, then the higher priority; ties keep arrival order.
+fn rank(job: &Job) -> (bool, std::cmp::Reverse<i32>) {
+    job.conversation
+        .as_ref()
+        .map_or((false, std::cmp::Reverse(0)), |c| {
+            (c.class == Class::Background, std::cmp::Reverse(c.priority))
+        })
+}
+
+/// The index of the job among those `take` accepts that goes first by [`rank`] (the earliest
+/// of equals).
+fn first_in_order(jobs: &VecDeque<Job>, take: impl Fn(&Job) -> bool) -> Option<usize> {
+    jobs.iter()
+        .enumerate()
+        .filter(|(_, j)| take(j))
+        .min_by_key(|(i, j)| (rank(j), *i))
+        .map(|(i, _)| i)
+}
+
+/// How long the idle engine waits for a job before it looks at the budget again.
+const IDLE_POLL: Duration = Duration::from_millis(100);
+
 /// Counters since the server started.
 #[derive(Debug, Default)]
 pub struct Counters {
@@ -233,6 +303,8 @@ pub struct Counters {
     pub switches: AtomicU64,
     /// Tokens generated.
     pub tokens: AtomicU64,
+    /// Times the idle engine released its rungs because the budget no longer held them.
+    pub released: AtomicU64,
 }
 
 /// What the engine publishes about itself.
@@ -254,6 +326,15 @@ pub struct EngineStatus {
     pub n_ctx: u32,
     /// Decode threads.
     pub n_threads: u32,
+    /// The policy's usage of what the engine holds, bytes: the current rung's resident cost
+    /// (none while parked or released) + the KV of the tokens it caches + standby rungs.
+    /// Published between answers, at an answer's start and after every switch or lever.
+    pub modelled_bytes: u64,
+    /// The weights are parked mid-answer (the budget holds no rung).
+    pub parked: bool,
+    /// The idle engine holds no rung at all: the budget no longer held the one it sat on, so
+    /// its conversation was hibernated and the weights freed; the next answer loads a rung.
+    pub released: bool,
     #[serde(skip)]
     pub(crate) costs: Vec<RungCost>,
 }
@@ -491,6 +572,13 @@ pub fn publish(shared: &Shared, session: &mut Session, running: Option<String>, 
         e.routes = r;
     }
     e.measured_footprint_mib = footprint;
+    e.modelled_bytes = if session.is_released() {
+        0
+    } else {
+        session.modelled_now(session.history().len() as u64)
+    };
+    e.parked = session.is_parked();
+    e.released = session.is_released();
     e.n_ctx = n_ctx;
     e.n_threads = n_threads;
     e.costs = costs;
@@ -518,7 +606,15 @@ pub fn run(mut session: Session, shared: &Shared) {
     let _ = shared.session_cancel.set(Arc::clone(&cancel));
     // Whether the cache holds cells projected by a transplant in an earlier answer.
     let mut projected = false;
-    while let Some(mut job) = shared.queue.pop() {
+    loop {
+        let mut job = match shared.queue.next(IDLE_POLL) {
+            Next::Job(job) => job,
+            Next::Idle => {
+                follow_budget_idle(&mut session, shared, &mut projected, None);
+                continue;
+            }
+            Next::Closed => break,
+        };
         if job.cancelled() {
             shared.conversations.unqueue(job.conversation.as_ref());
             shared.counters.cancelled.fetch_add(1, Ordering::Relaxed);
@@ -537,6 +633,59 @@ pub fn run(mut session: Session, shared: &Shared) {
             .conversations
             .hibernate_live(&mut session, &id, &shared.recorder);
     }
+}
+
+/// What an idle engine does between jobs (and while a job waits for memory): when the budget no
+/// longer holds what the session holds — its rung with the conversation's cache — the
+/// conversation goes to its state file and every rung is freed, weights and contexts with
+/// their KV pages, so the server's memory follows a falling budget down to the process's own
+/// floor instead of waiting for the next request to act. Nothing is lost: the next request of
+/// that conversation wakes it from its file and reads only its new turn, and the next answer
+/// loads the largest rung the budget then holds.
+///
+/// `waiting` is the job deferred for memory while this runs, if any: it stays published as
+/// the running one, so requests arriving meanwhile are told they queue behind it.
+fn follow_budget_idle(
+    session: &mut Session,
+    shared: &Shared,
+    projected: &mut bool,
+    waiting: Option<&str>,
+) {
+    if session.is_released() {
+        return;
+    }
+    let Ok(b) = shared.budget.read(Tick::default()) else {
+        return;
+    };
+    let held = session.modelled_now(session.history().len() as u64);
+    if held <= b.bytes {
+        return;
+    }
+    let hibernated = shared.conversations.live();
+    match &hibernated {
+        Some(id) => shared
+            .conversations
+            .hibernate_live(session, id, &shared.recorder),
+        None => session.reset(),
+    }
+    *projected = false;
+    match session.release_idle() {
+        Ok(true) => {
+            shared.counters.released.fetch_add(1, Ordering::Relaxed);
+            shared.recorder.service(
+                "",
+                "released",
+                serde_json::json!({
+                    "budget_mib": mib(b.bytes),
+                    "held_mib": mib(held),
+                    "hibernated": hibernated,
+                }),
+            );
+        }
+        Ok(false) => {}
+        Err(e) => eprintln!("molt serve: cannot release the idle rungs: {e}"),
+    }
+    publish(shared, session, waiting.map(str::to_string), false);
 }
 
 /// Answers one job start to end: publishes it as running, answers, gives freed memory back,
@@ -604,7 +753,7 @@ fn admit(
                 .need_bytes(j.prompt_tokens.saturating_add(j.opts.max_tokens))
                 .is_none_or(|n| n <= b.bytes)
         };
-        if let Some(mut other) = shared.queue.take_first(fits) {
+        if let Some(mut other) = shared.queue.take_best(fits) {
             shared.recorder.service(
                 &other.id,
                 "overtook",
@@ -614,6 +763,8 @@ fn admit(
             publish(shared, session, Some(job.id.clone()), false);
             continue;
         }
+        // Waiting for memory is idle time: what the engine holds follows the budget down.
+        follow_budget_idle(session, shared, projected, Some(&job.id));
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -716,10 +867,42 @@ fn answer(
     );
     job.send(Update::Admitted { queue_ms });
     session.set_conversation(job.history.clone());
+    {
+        // What the answer will hold once its prompt is read, for the status while it runs.
+        let modelled = session.modelled_now(job.prompt_tokens as u64);
+        let mut e = shared.engine();
+        e.current_rung = session.current_rung().to_string();
+        e.modelled_bytes = modelled;
+        e.parked = false;
+        e.released = false;
+    }
+    let conversation = job.conversation.as_ref().map(|c| c.id.as_str());
+    let mut parked = false;
     let mut sink = |e: &Event| {
         shared.recorder.session(&job.id, e);
-        if let Event::Switch(_) = e {
-            shared.counters.switches.fetch_add(1, Ordering::Relaxed);
+        match e {
+            Event::Switch(_) => {
+                shared.counters.switches.fetch_add(1, Ordering::Relaxed);
+            }
+            Event::Footprint(f) => {
+                let mut s = shared.engine();
+                s.current_rung.clone_from(&f.rung);
+                s.modelled_bytes = f.modelled_bytes;
+                s.parked = f.parked;
+            }
+            Event::Stall { .. } if !parked => {
+                parked = true;
+                if let Some(id) = conversation {
+                    shared.conversations.set_parked(id, true);
+                }
+            }
+            Event::Token { .. } if parked => {
+                parked = false;
+                if let Some(id) = conversation {
+                    shared.conversations.set_parked(id, false);
+                }
+            }
+            _ => {}
         }
         // A client that left stops the answer at the next token: the session checks this
         // flag before every token (and while stalled).

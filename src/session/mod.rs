@@ -308,7 +308,7 @@ impl Session {
         if index >= self.rungs.len() || index < self.home {
             return Err(SessionError::UnknownRung(index.to_string()));
         }
-        if index == self.current {
+        if index == self.current && self.rungs[index].is_some() {
             return Ok(());
         }
         if !self.history.is_empty() || self.pending.is_some() {
@@ -317,17 +317,61 @@ impl Session {
                 to: self.ladder.rungs[index].name().to_string(),
             });
         }
+        // After [`Session::release_idle`] nothing is loaded, the current rung included: it is
+        // loaded here like any other.
+        self.parked = None;
         self.ensure_loaded(index)?;
         let old = self.current;
         self.current = index;
         self.live().ctx.clear();
-        if !self.opts.keep_source
+        if old != index
+            && !self.opts.keep_source
             && let Some(live) = self.rungs[old].take()
         {
             self.retire(old, live);
         }
         self.settle_standby(None);
         Ok(())
+    }
+
+    /// Frees every rung of an idle session — weights, contexts (their KV pages included),
+    /// standby rungs, a background load — so that it holds no model memory at all until an
+    /// answer, [`Session::move_idle`] or [`Session::wake`] loads a rung again (the next answer
+    /// maps the current one). What an idle service does when the budget no longer holds the
+    /// rung it sits on: the conversation it held was hibernated first, so nothing is lost.
+    /// Clearing a context is not enough for that: its KV pages stay resident once written.
+    /// Returns whether anything was loaded.
+    ///
+    /// # Errors
+    /// [`SessionError::NotIdle`] when the session holds a cache (hibernate or reset it first).
+    pub fn release_idle(&mut self) -> Result<bool, SessionError> {
+        if !self.history.is_empty() || self.pending.is_some() {
+            return Err(SessionError::NotIdle {
+                from: self.current_rung().to_string(),
+                to: "nothing".to_string(),
+            });
+        }
+        self.abandon_prepare(0, "the session is released", &mut |_| {});
+        self.drop_refill();
+        let held = self.rungs.iter().any(Option::is_some)
+            || self.standby.iter().any(Option::is_some)
+            || self.parked.is_some();
+        for slot in &mut self.rungs {
+            *slot = None;
+        }
+        for slot in &mut self.standby {
+            *slot = None;
+        }
+        self.parked = None;
+        self.projected.clear();
+        self.pinned = 0;
+        crate::pressure::trim_heap();
+        Ok(held)
+    }
+
+    /// Whether no rung is loaded (after [`Session::release_idle`], until the next load).
+    pub fn is_released(&self) -> bool {
+        self.parked.is_none() && self.rungs.iter().all(Option::is_none)
     }
 
     /// The rung this session started on and never goes above.

@@ -46,6 +46,20 @@ pub struct Args {
     /// and the budget is read back from the operating system.
     #[arg(long)]
     pub real_hog: bool,
+    /// Three conversations (a foreground chat, two background jobs) through the real HTTP
+    /// service (`serve` as a child process) under a moving budget, sampled every round
+    /// (results/serve_qos.json; with --real-hog, results/serve_qos_real_hog.json).
+    #[arg(long)]
+    pub serve_qos: bool,
+    /// The budget trace of --serve-qos (its token clock counts rounds).
+    #[arg(long, default_value = "traces/serve_qos.json")]
+    pub serve_qos_trace: PathBuf,
+    /// Length of a --serve-qos round, ms.
+    #[arg(long, default_value_t = 3000)]
+    pub serve_qos_round_ms: u64,
+    /// `max_tokens` of every --serve-qos answer.
+    #[arg(long, default_value_t = 32)]
+    pub serve_qos_max_tokens: usize,
     /// The device size for --real-hog, MiB (default: the trace's initial budget).
     #[arg(long, requires = "real_hog")]
     pub device_mib: Option<u64>,
@@ -211,6 +225,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         && !a.cost_sweep
         && !a.footprint
         && !a.qos
+        && !a.serve_qos
         && !a.recall
         && !a.stall
         && !a.soak
@@ -221,20 +236,23 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         && a.conditions.is_none()
     {
         bail!(
-            "nothing to run: pass --conditions all, --cost-sweep, --speed, --footprint, --recall, --precision, --stall, --qos, --soak, --sampling and/or --reliability"
+            "nothing to run: pass --conditions all, --cost-sweep, --speed, --footprint, --recall, --precision, --stall, --qos, --serve-qos, --soak, --sampling and/or --reliability"
         );
     }
     if a.stall && (a.stall_lengths.is_empty() || a.stall_lengths.contains(&0)) {
         bail!("--stall-lengths must be positive");
     }
-    if a.real_hog && !a.qos {
-        bail!("--real-hog applies to --qos");
+    if a.real_hog && !a.qos && !a.serve_qos {
+        bail!("--real-hog applies to --qos and --serve-qos");
     }
     if a.reps == 0 {
         bail!("--reps must be at least 1");
     }
     if a.qos {
         run_qos(g, a)?;
+    }
+    if a.serve_qos {
+        run_serve_qos(g, a)?;
     }
     if a.footprint {
         run_footprint(g, a)?;
@@ -1015,6 +1033,107 @@ fn run_qos(g: &GlobalArgs, a: &Args) -> Result<()> {
         report,
     };
     write_result(&a.out_dir, "qos.json", &doc)
+}
+
+fn run_serve_qos(g: &GlobalArgs, a: &Args) -> Result<()> {
+    use molt::bench::serve_qos::{ServeQosOptions, run, standard_conversations};
+    use molt::pressure::{BudgetSource, Trace, TraceBudget};
+    let trace = Trace::load(&a.serve_qos_trace)?;
+    let last_step = trace.steps.last().map_or(0, |s| s.at);
+    // The server child gets the same ladder, models, context and threads as this command.
+    let mut global_args = vec!["--ladder".to_string(), g.ladder.clone()];
+    if let Some(d) = &g.models_dir {
+        global_args.push("--models-dir".into());
+        global_args.push(d.display().to_string());
+    }
+    global_args.push("--n-ctx".into());
+    global_args.push(g.n_ctx.to_string());
+    if let Some(t) = g.threads {
+        global_args.push("--threads".into());
+        global_args.push(t.to_string());
+    }
+    if let Some(u) = g.ubatch {
+        global_args.push("--ubatch".into());
+        global_args.push(u.to_string());
+    }
+    let name = if a.real_hog {
+        "serve_qos_real_hog"
+    } else {
+        "serve_qos"
+    };
+    let opts = ServeQosOptions {
+        program: std::env::current_exe()?,
+        global_args,
+        conversations: standard_conversations(),
+        max_tokens: a.serve_qos_max_tokens,
+        round_ms: a.serve_qos_round_ms,
+        think_rounds: 1,
+        min_rounds: usize::try_from(last_step)
+            .unwrap_or(usize::MAX)
+            .saturating_add(2),
+        max_rounds: 400,
+        work_dir: std::env::temp_dir().join(format!("molt-{name}-{}", std::process::id())),
+    };
+    let trace_name = a
+        .serve_qos_trace
+        .file_name()
+        .map(|n| n.to_string_lossy().to_string());
+    let mut budget: Box<dyn BudgetSource> = if a.real_hog {
+        Box::new(crate::hog::spawn_budget(
+            trace,
+            a.device_mib.map(|m| m << 20),
+        )?)
+    } else {
+        Box::new(TraceBudget::new(trace))
+    };
+    eprintln!("serve-qos: budget from {}", budget.describe());
+    let info = RunInfo::now();
+    let report = run(&opts, budget.as_mut(), &mut |s| eprintln!("{s}"))?;
+    let _ = std::fs::remove_dir_all(&opts.work_dir);
+    for c in &report.conversations {
+        println!(
+            "{:<8} {:<10} prio {:>2}: {} of {} turns, recalled {:<5} {}",
+            c.spec.id,
+            c.spec.class,
+            c.spec.priority,
+            c.turns.len(),
+            c.spec.turns.len(),
+            c.recalled,
+            c.turns
+                .last()
+                .map_or(String::new(), |t| format!("{:?}", t.answer))
+        );
+    }
+    let mib = |b: i64| b as f64 / 1_048_576.0;
+    println!(
+        "rounds {}, max overshoot: measured {:.1} MiB (resident set above the {:.1} MiB floor), modelled {:.1} MiB, raw resident set {:.1} MiB; killed {}, lost {}, hibernated {}, resumed {}, released {}, recalled {} of {}; {:.0} s",
+        report.rounds.len(),
+        mib(report.max_overshoot_measured_bytes),
+        mib(i64::try_from(report.floor_rss_bytes).unwrap_or(i64::MAX)),
+        mib(report.max_overshoot_modelled_bytes),
+        mib(report.max_overshoot_rss_bytes),
+        report.killed,
+        report.lost_conversations,
+        report.hibernated,
+        report.resumed,
+        report.released,
+        report.recalled,
+        report.conversations.len(),
+        report.wall_s
+    );
+    let mut doc = serde_json::to_value(&report)?;
+    if let serde_json::Value::Object(m) = &mut doc {
+        m.insert("run".into(), serde_json::to_value(info)?);
+        m.insert("trace".into(), serde_json::json!(trace_name));
+        m.insert("real_hog".into(), serde_json::json!(a.real_hog));
+        m.insert("n_ctx".into(), serde_json::json!(g.n_ctx));
+        m.insert("threads".into(), serde_json::json!(g.threads));
+        m.insert(
+            "max_tokens".into(),
+            serde_json::json!(a.serve_qos_max_tokens),
+        );
+    }
+    write_result(&a.out_dir, &format!("{name}.json"), &doc)
 }
 
 /// One `--tails` item: a token count, or nothing (`--tails ''` measures no tail).
