@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use harness::{serial, start};
 use molt::server::client::{self, EventStream};
 use molt::server::{BudgetRequest, Server, ServerConfig};
+use molt::transplant::select::TokenRecompute;
 use serde_json::{Value, json};
 
 fn chat(max_tokens: usize, stream: bool) -> Value {
@@ -578,8 +579,10 @@ async fn streamed(addr: SocketAddr, body: &Value) -> (Value, Vec<Value>, Value) 
 /// An answer that migrates by transplant (forced down to small, where it stays: a forced
 /// switch holds for the answer) leaves projected cells in small's cache; with a budget that
 /// holds only small, the next request starts there without migrating. Returns its start
-/// event.
-async fn after_a_transplanted_answer(addr: std::net::SocketAddr) -> serde_json::Value {
+/// event and the levers its stream reported.
+async fn after_a_transplanted_answer(
+    addr: std::net::SocketAddr,
+) -> (serde_json::Value, Vec<Value>) {
     let mut body = chat(12, false);
     body["molt"] = json!({"force_switch": {"at": 3, "to": "small"}});
     let r = client::post_json(addr, "/v1/chat/completions", &body)
@@ -590,29 +593,60 @@ async fn after_a_transplanted_answer(addr: std::net::SocketAddr) -> serde_json::
     assert_eq!(m["switches"][0]["method"], "molt", "{m}");
     let cut = small_only_budget(addr).await;
     set_budget(addr, json!({ "mib": cut })).await;
-    let (start, switches, summary) = streamed(addr, &chat(12, true)).await;
+    let mut s = client::stream(addr, "/v1/chat/completions", &chat(12, true))
+        .await
+        .unwrap()
+        .ok()
+        .unwrap();
+    let events = drain(&mut s).await;
+    let start = events
+        .iter()
+        .find(|e| molt_kind(e) == "start")
+        .map(|e| e["molt"].clone())
+        .unwrap();
+    let levers = events
+        .iter()
+        .filter(|e| molt_kind(e) == "lever")
+        .map(|e| e["molt"].clone())
+        .collect();
+    let (_, switches, summary) = split(&events);
     assert_eq!(start["rung"], "small");
     assert!(switches.is_empty(), "{switches:?}");
     assert_eq!(summary["rungs_used"], json!(["small"]));
-    start
+    (start, levers)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cache_with_projected_cells_is_built_on_only_when_they_can_be_refreshed() {
     let _serial = serial().await;
-    // Token recompute on (the default): the session re-reads the projected cells the next
-    // prompt looks at, so the next answer builds on the cache.
-    let srv = start(|_| {}).await;
-    let start_ev = after_a_transplanted_answer(srv.addr).await;
+    // Token recompute by attention, sized so the tiny ladder's short conversation keeps
+    // projected cells after the switch (the default re-reads at least 64 positions, all of
+    // them here): the engine re-reads the projected cells the next prompt looks at (a
+    // `refresh` lever that re-read some), so the next answer builds on the cache.
+    let srv = start(|c| {
+        c.session.token_recompute = Some(TokenRecompute {
+            window: 4,
+            ..TokenRecompute::attention(0.1)
+        });
+    })
+    .await;
+    let (start_ev, levers) = after_a_transplanted_answer(srv.addr).await;
     assert!(
         start_ev["reused_tokens"].as_u64().unwrap() > 0,
         "{start_ev}"
     );
+    assert!(
+        levers
+            .iter()
+            .any(|l| l["lever"] == "refresh" && l["tokens"].as_u64().unwrap() > 0),
+        "{levers:?}"
+    );
     srv.shutdown().await;
     // Off: nothing would re-read them, so the next answer reads its prompt from scratch.
     let srv = start(|c| c.session.token_recompute = None).await;
-    let start_ev = after_a_transplanted_answer(srv.addr).await;
+    let (start_ev, levers) = after_a_transplanted_answer(srv.addr).await;
     assert_eq!(start_ev["reused_tokens"], 0, "{start_ev}");
+    assert!(levers.is_empty(), "{levers:?}");
     srv.shutdown().await;
 }
 
@@ -1043,5 +1077,76 @@ async fn a_park_that_resumes_on_another_rung_is_a_switch() {
         let want = if *i < a || *i >= b { "big" } else { "small" };
         assert_eq!(r, want, "token {i}, switches at {a} and {b}");
     }
+    srv.shutdown().await;
+}
+
+/// A park releases the rung's weights as the session's does: a `park` lever whose cache is
+/// held apart (`parked_kv_bytes`), and — the batched loop publishes it — no rung loaded while
+/// parked; when memory for that rung returns the answer resumes there (a `resume` lever, no
+/// switch) and runs to its end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_park_releases_the_weights_and_resumes_on_its_rung() {
+    let _serial = serial().await;
+    let srv = start(|_| {}).await;
+    let addr = srv.addr;
+    let cut = small_only_budget(addr).await;
+    let mut s = client::stream(addr, "/v1/chat/completions", &chat(60, true))
+        .await
+        .unwrap()
+        .ok()
+        .unwrap();
+    let batched = harness::forced_parallel().is_some_and(|n| n > 1);
+    let mut events: Vec<Value> = Vec::new();
+    let mut step = 0;
+    loop {
+        let Ok(ev) = tokio::time::timeout(Duration::from_secs(60), s.next()).await else {
+            panic!("stream stalls after {events:#?}")
+        };
+        let Some(ev) = ev.unwrap() else { break };
+        let v = ev.json().unwrap_or(Value::String(ev.data));
+        let tokens = events.iter().filter(|e| molt_kind(e) == "token").count();
+        match (step, molt_kind(&v)) {
+            (0, "token") if tokens >= 3 => {
+                set_budget(addr, json!({ "mib": cut })).await;
+                step = 1;
+            }
+            (1, "switch") => {
+                set_budget(addr, json!({"mib": 1})).await;
+                step = 2;
+            }
+            (2, "stall") => {
+                if batched {
+                    let st = status(addr).await;
+                    assert_eq!(st["engine"]["loaded"], json!([]), "{st}");
+                }
+                set_budget(addr, json!({ "mib": cut })).await;
+                step = 3;
+            }
+            _ => {}
+        }
+        events.push(v);
+    }
+    assert_eq!(step, 3, "the answer never parked: {events:?}");
+    let levers: Vec<&Value> = events
+        .iter()
+        .filter(|e| molt_kind(e) == "lever")
+        .map(|e| &e["molt"])
+        .collect();
+    let park = levers
+        .iter()
+        .find(|l| l["lever"] == "park")
+        .unwrap_or_else(|| panic!("no park lever: {levers:?}"));
+    assert!(park["parked_kv_bytes"].as_u64().unwrap() > 0, "{park}");
+    assert!(
+        levers.iter().any(|l| l["lever"] == "resume"),
+        "no resume lever: {levers:?}"
+    );
+    let (_, switches, summary) = split(&events);
+    assert_eq!(switches.len(), 1, "{switches:?}");
+    assert_eq!(summary["rungs_used"], json!(["big", "small"]), "{summary}");
+    assert!(
+        summary["stop"] == "length" || summary["stop"] == "eos",
+        "{summary}"
+    );
     srv.shutdown().await;
 }

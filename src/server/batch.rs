@@ -45,6 +45,7 @@
 //! conversation is re-read); kept conversations are hibernated only when displaced, so
 //! several can be kept at once where the serial loop keeps one.
 
+use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -54,19 +55,23 @@ use super::conversations::JobConversation;
 use super::error::ApiError;
 use super::worker::{Deferral, Job, Shared, Update};
 use crate::engine::{
-    BatchContext, ChatMessage, ContextConfig, Model, ModelOptions, Sampler, SeqChunk, SeqId, Token,
-    Utf8Stream,
+    BatchContext, ChatMessage, Context, ContextConfig, EngineError, Model, ModelOptions, Sampler,
+    SeqChunk, SeqId, Span, Token, Utf8Stream,
 };
 use crate::ladder::Ladder;
 use crate::pressure::{Budget, BudgetSource, Tick};
-use crate::routes::Routes;
+use crate::routes::{RouteKind, Routes, route_kind};
 use crate::sched::RungCost;
-use crate::session::migrate::{SwitchTimings, prefill_flops, project_blob};
+use crate::session::migrate::{Exported, SwitchTimings, prefill_flops, transplant_exported};
 use crate::session::{
-    Event, Generation, Prompt, Session, SessionError, StopReason, SwitchInfo, SwitchMethod,
-    TokenControl, logprobs_of,
+    Event, Generation, LeverInfo, Prompt, Session, SessionError, SessionOptions, StopReason,
+    SwitchInfo, SwitchMethod, TokenControl, logprobs_of, projected_after, recompute_ranges,
+    refresh_projected, sentence_ends_of, switch_reread,
 };
 use crate::state::{StateFile, StateMeta, now_unix_ms};
+use crate::transplant::anchor::Anchor;
+use crate::transplant::projector::Projector;
+use crate::transplant::select::SelectRule;
 
 /// The most prompt tokens one step carries: a newcomer's prefill delays the running answers'
 /// next token by at most this many tokens' compute.
@@ -84,6 +89,9 @@ struct Engine {
     kv_per_token: u64,
     /// The rung file's sha256 (a state file names the rung that wrote it).
     sha256: String,
+    /// Cells a switch projected may be built on: the projected ones a prompt attends to are
+    /// re-read first ([`SessionOptions::token_recompute`] by attention), as the session does.
+    refreshable: bool,
     /// Oldest first.
     kept: Vec<Kept>,
 }
@@ -91,14 +99,26 @@ struct Engine {
 /// A finished answer's sequence left in the context, as the one-at-a-time loop keeps its
 /// session's cache: the next request whose prompt begins with its tokens (a conversation's
 /// next turn, or the same system prompt) takes the sequence over and reads only what follows.
-/// Only a cache the rung computed itself is kept: cells projected by a switch are not built
-/// on (see the worker's `choose_start` for what that was seen to do).
+/// A cache with cells a switch projected is kept only when they can be refreshed before a
+/// prompt is answered on them (`Engine::refreshable`); otherwise it is not built on (see the
+/// worker's `choose_start` for what that was seen to do).
 struct Kept {
     seq: SeqId,
     tokens: Vec<Token>,
     conversation: String,
     /// Its state file was written when its answer ended (see `keep_or_free`).
     persisted: bool,
+    /// Positions whose cells a switch projected and nothing has re-read since.
+    projected: Vec<Range<usize>>,
+}
+
+/// `projected` cut to the first `n` positions (what a prompt reusing `n` cells inherits).
+fn cut(projected: &[Range<usize>], n: usize) -> Vec<Range<usize>> {
+    projected
+        .iter()
+        .filter(|r| r.start < n)
+        .map(|r| r.start..r.end.min(n))
+        .collect()
 }
 
 impl Engine {
@@ -117,12 +137,19 @@ impl Engine {
             tokens,
             conversation: id,
             persisted,
+            projected,
         } = self.kept.remove(0);
         // The conversation's cache goes to its state file (or stays in RAM when the write
         // fails), as the one-at-a-time loop hibernates the conversation it displaces; a file
         // written when its answer ended is not written again.
         if !(persisted && shared.conversations.hibernate_persisted(&id)) {
-            let snapshot = self.state_file(shared, seq, tokens, &id).map(Some);
+            // As the session hibernates: a file carries no record of projected cells, so a
+            // cache holding some is not written (the conversation is re-read).
+            let snapshot = if projected.is_empty() {
+                self.state_file(shared, seq, tokens, &id).map(Some)
+            } else {
+                Ok(None)
+            };
             shared
                 .conversations
                 .hibernate(&id, snapshot, &shared.recorder);
@@ -139,24 +166,16 @@ impl Engine {
         tokens: Vec<Token>,
         id: &str,
     ) -> Result<StateFile, crate::engine::EngineError> {
-        let first_turn_len = shared.conversations.first_turn_len(id).min(tokens.len());
         let blob = self.ctx.export_seq(seq)?;
-        Ok(StateFile {
-            meta: StateMeta {
-                conversation: id.to_string(),
-                rung: self.ctx.model().name().to_string(),
-                rung_sha256: self.sha256.clone(),
-                n_ctx: self.ctx.config().n_ctx,
-                tokens,
-                pos_start: 0,
-                pending: None,
-                first_turn_len,
-                pinned: 0,
-                messages: Vec::new(),
-                written_unix_ms: now_unix_ms(),
-            },
+        Ok(state_file(
+            shared,
+            self.ctx.model().name(),
+            &self.sha256,
+            self.ctx.config().n_ctx,
+            tokens,
+            id,
             blob,
-        })
+        ))
     }
 
     /// Wakes `job`'s conversation from its state file (or RAM copy) into `seq` when this rung
@@ -226,14 +245,14 @@ impl Engine {
     /// not hold `cells` more, given the longest prefix any kept sequence shares with the
     /// prompt (its cells tagged, not copied). Either way at most all but the prompt's last
     /// token, whose logits start the answer. The sequence, the prompt tokens it holds already,
-    /// and whether it was the conversation's own.
+    /// whether it was the conversation's own, and which of those positions a switch projected.
     fn seq_for(
         &mut self,
         shared: &Shared,
         conversation: Option<&str>,
         tokens: &[Token],
         cells: u64,
-    ) -> Option<(SeqId, usize, bool)> {
+    ) -> Option<(SeqId, usize, bool, Vec<Range<usize>>)> {
         let most = tokens.len().saturating_sub(1);
         let shares = |k: &Kept| {
             k.tokens
@@ -251,7 +270,7 @@ impl Engine {
             let k = self.kept.remove(i);
             let n = shares(&k);
             if self.ctx.truncate(k.seq, n).is_ok() {
-                return Some((k.seq, n, true));
+                return Some((k.seq, n, true, cut(&k.projected, n)));
             }
             self.ctx.remove_seq(k.seq);
         }
@@ -267,15 +286,46 @@ impl Engine {
         let best = self
             .kept
             .iter()
-            .map(|k| (shares(k), k.seq))
-            .filter(|&(n, _)| n > 0)
+            .enumerate()
+            .map(|(i, k)| (shares(k), k.seq, i))
+            .filter(|&(n, _, _)| n > 0)
             .max();
-        if let Some((n, src)) = best
+        if let Some((n, src, i)) = best
             && self.ctx.share_prefix(src, seq, n).is_ok()
         {
-            return Some((seq, n, false));
+            return Some((seq, n, false, cut(&self.kept[i].projected, n)));
         }
-        Some((seq, 0, false))
+        Some((seq, 0, false, Vec::new()))
+    }
+}
+
+/// A state file of conversation `id` whose cache `blob` (one sequence's llama.cpp state)
+/// holds `tokens` on rung `rung` (file sha256 `sha256`) with an `n_ctx` window.
+fn state_file(
+    shared: &Shared,
+    rung: &str,
+    sha256: &str,
+    n_ctx: u32,
+    tokens: Vec<Token>,
+    id: &str,
+    blob: Vec<u8>,
+) -> StateFile {
+    let first_turn_len = shared.conversations.first_turn_len(id).min(tokens.len());
+    StateFile {
+        meta: StateMeta {
+            conversation: id.to_string(),
+            rung: rung.to_string(),
+            rung_sha256: sha256.to_string(),
+            n_ctx,
+            tokens,
+            pos_start: 0,
+            pending: None,
+            first_turn_len,
+            pinned: 0,
+            messages: Vec::new(),
+            written_unix_ms: now_unix_ms(),
+        },
+        blob,
     }
 }
 
@@ -297,6 +347,12 @@ struct Tenant {
     started: bool,
     /// When the batch parked with this answer in it (no rung held them all), if it is parked.
     parked_since: Option<Instant>,
+    /// Positions of its cache whose cells a switch projected and nothing has re-read since.
+    projected: Vec<Range<usize>>,
+    /// The attention mass the prompt's last tokens gave each position when it was read (the
+    /// session's `observed`): what a size switch's token recompute selects by. Read at the
+    /// first switch that needs it when the prompt was read in a batch (no attention tap).
+    observed: Option<Vec<f32>>,
     sampler: Sampler,
     stream: Utf8Stream,
     out: Vec<Token>,
@@ -337,6 +393,9 @@ struct Ladders {
     slots: u32,
     /// How long an answer may stay parked (the session option of the same name).
     park_deadline: Option<Duration>,
+    /// The session's options: a switch re-reads the head and recomputes tokens as the
+    /// session's does.
+    opts: SessionOptions,
 }
 
 impl Ladders {
@@ -358,12 +417,33 @@ impl Ladders {
             ctx,
             kv_per_token: self.costs[rung].kv_bytes_per_token,
             sha256: info.sha256.clone(),
+            refreshable: self.refreshable(),
             kept: Vec::new(),
         })
     }
 
     fn name(&self, rung: usize) -> &str {
         self.ladder.rungs[rung].name()
+    }
+
+    /// Whether projected cells are refreshed before a prompt is answered on them (the
+    /// session's `cache_is_trustworthy` rule).
+    fn refreshable(&self) -> bool {
+        self.opts
+            .token_recompute
+            .is_some_and(|t| t.rule == SelectRule::Attention)
+    }
+
+    /// A single-sequence context over `model` for the work the batch's own context cannot
+    /// do (it has no attention tap, and the session's switch and refresh run on a
+    /// [`Context`]): created when needed, freed when done.
+    fn scratch(&self, model: &Arc<Model>, attention_tap: bool) -> Result<Context, EngineError> {
+        let config = ContextConfig {
+            attention_tap,
+            hidden_tap: false,
+            ..self.config
+        };
+        Context::new(Arc::clone(model), config)
     }
 }
 
@@ -390,38 +470,44 @@ pub fn run(mut session: Session, shared: &Shared, slots: usize) {
         routes,
         slots,
         park_deadline: opts.park_deadline,
+        opts: opts.clone(),
     };
     let start = session.current_index();
     drop(session);
     crate::pressure::trim_heap();
+    // `None` while a park has released every rung's weights.
     let mut engine = match l.load(start) {
-        Ok(e) => e,
+        Ok(e) => Some(e),
         Err(e) => {
             fail_all_waiting(shared, &ApiError::from_session(&e));
             return;
         }
     };
     let mut l = l;
-    publish_batch(shared, &l, &engine, &[]);
+    publish_engine(shared, &l, engine.as_ref(), &[]);
     let mut tenants: Vec<Tenant> = Vec::new();
     let mut last_budget: Option<u64> = None;
     // The oldest request, waiting for memory (deferred): it goes first once memory allows.
     let mut held: Option<Held> = None;
     loop {
-        if drop_departed(shared, &mut engine, &mut tenants) {
-            publish_batch(shared, &l, &engine, &tenants);
+        if let Some(e) = engine.as_mut()
+            && drop_departed(shared, e, &mut tenants)
+        {
+            publish_engine(shared, &l, engine.as_ref(), &tenants);
         }
         if held.as_ref().is_some_and(|h| h.job.cancelled()) {
             if let Some(h) = held.take() {
                 skipped(shared, &h.job, "client gone while deferred");
             }
-            publish_batch(shared, &l, &engine, &tenants);
+            publish_engine(shared, &l, engine.as_ref(), &tenants);
         }
         if tenants.is_empty() {
             if held.is_none() {
                 let Some(job) = shared.queue.pop() else {
                     // Shutting down: kept conversations go to their state files.
-                    engine.let_go_all(shared);
+                    if let Some(e) = engine.as_mut() {
+                        e.let_go_all(shared);
+                    }
                     return;
                 };
                 if job.cancelled() {
@@ -433,7 +519,7 @@ pub fn run(mut session: Session, shared: &Shared, slots: usize) {
                     wait: Deferral::new(),
                 });
             }
-            let (moved, t) = start_idle(shared, &l, engine, &mut held);
+            let (moved, t) = start_idle(shared, &l, engine.take(), &mut held);
             engine = match moved {
                 Ok(e) => e,
                 Err(e) => {
@@ -451,7 +537,18 @@ pub fn run(mut session: Session, shared: &Shared, slots: usize) {
             tenants.push(t);
             last_budget = None;
         }
-        join_waiting(shared, &l, &mut engine, &mut tenants, &mut held);
+        let Some(running) = engine.as_mut() else {
+            // Answers with no rung loaded: a tenant is admitted onto a loaded rung and a park
+            // that keeps answers resumes one, so this does not happen; end them rather than
+            // wait on nothing.
+            let e = ApiError::internal("no rung is loaded for the running answers");
+            for t in tenants.drain(..) {
+                report_failed(shared, t, &e);
+            }
+            publish_engine(shared, &l, None, &tenants);
+            continue;
+        };
+        join_waiting(shared, &l, running, &mut tenants, &mut held);
         let budget = read_budget(shared, &tenants);
         if last_budget != Some(budget.bytes) {
             last_budget = Some(budget.bytes);
@@ -470,27 +567,33 @@ pub fn run(mut session: Session, shared: &Shared, slots: usize) {
         match fit_rung(&mut l, shared, &mut engine, &mut tenants, budget) {
             Fit::Run => {}
             Fit::Stall => {
-                park(shared, &l, &mut engine, &mut tenants, budget);
-                std::thread::sleep(STALL_POLL);
+                park_until(shared, &mut l, &mut engine, &mut tenants, budget);
+                last_budget = None;
                 continue;
             }
             Fit::Failed(e) => {
                 for t in tenants.drain(..) {
-                    failed(shared, &mut engine, t, &e);
+                    match engine.as_mut() {
+                        Some(en) => failed(shared, en, t, &e),
+                        None => report_failed(shared, t, &e),
+                    }
                 }
-                publish_batch(shared, &l, &engine, &tenants);
+                publish_engine(shared, &l, engine.as_ref(), &tenants);
                 continue;
             }
         }
+        let Some(running) = engine.as_mut() else {
+            continue;
+        };
         for t in &mut tenants {
             t.parked_since = None;
         }
         let before = tenants.len();
-        step(shared, &l, &mut engine, &mut tenants);
+        step(shared, &l, running, &mut tenants);
         if tenants.len() != before {
             // Published before the next request is taken: one arriving after an answer ended
             // must not be told the engine is busy with it.
-            publish_batch(shared, &l, &engine, &tenants);
+            publish_batch(shared, &l, running, &tenants);
         }
     }
 }
@@ -545,6 +648,25 @@ fn publish_batch(shared: &Shared, l: &Ladders, engine: &Engine, tenants: &[Tenan
     });
 }
 
+/// Publishes the batch's state whether or not a rung is loaded (`None`: a park released
+/// every rung's weights; the status then lists none loaded).
+fn publish_engine(shared: &Shared, l: &Ladders, engine: Option<&Engine>, tenants: &[Tenant]) {
+    match engine {
+        Some(e) => publish_batch(shared, l, e, tenants),
+        None => {
+            let mut e = shared.engine();
+            e.loaded = Vec::new();
+            e.running = (!tenants.is_empty()).then(|| {
+                tenants
+                    .iter()
+                    .map(|t| t.job.id.as_str())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            });
+        }
+    }
+}
+
 /// Removes tenants whose clients have gone; the others go on. True when one left.
 fn drop_departed(shared: &Shared, engine: &mut Engine, tenants: &mut Vec<Tenant>) -> bool {
     let before = tenants.len();
@@ -597,14 +719,19 @@ fn admit(shared: &Shared, engine: &mut Engine, l: &Ladders, job: Job) -> Option<
     }
     let cells = (tokens.len().saturating_add(job.opts.max_tokens) as u64).min(u64::from(n_ctx));
     let conversation = job.conversation.as_ref().map(|c| c.id.as_str());
-    let Some((seq, reused, own)) = engine.seq_for(shared, conversation, &tokens, cells) else {
+    let Some((seq, reused, own, projected)) = engine.seq_for(shared, conversation, &tokens, cells)
+    else {
         refuse(shared, &job, &ApiError::internal("no free sequence"));
         return None;
     };
-    // A conversation whose cache is not in the engine wakes from its state file, if any.
-    let reused = match &job.conversation {
-        Some(c) if !own => engine.wake(shared, c, seq, &tokens).unwrap_or(reused),
-        _ => reused,
+    // A conversation whose cache is not in the engine wakes from its state file, if any (a
+    // file holds only native cells).
+    let (reused, projected) = match &job.conversation {
+        Some(c) if !own => match engine.wake(shared, c, seq, &tokens) {
+            Some(n) => (n, Vec::new()),
+            None => (reused, projected),
+        },
+        _ => (reused, projected),
     };
     shared.conversations.running(job.conversation.as_ref());
     let queue_ms = job.received.elapsed().as_secs_f64() * 1e3;
@@ -617,7 +744,7 @@ fn admit(shared: &Shared, engine: &mut Engine, l: &Ladders, job: Job) -> Option<
     let mut job = job;
     let control = std::mem::take(&mut job.control);
     let now = Instant::now();
-    Some(Tenant {
+    let mut t = Tenant {
         seq,
         sampler: Sampler::new(job.opts.sampling),
         prompt_tokens: tokens.len(),
@@ -627,6 +754,8 @@ fn admit(shared: &Shared, engine: &mut Engine, l: &Ladders, job: Job) -> Option<
         feed: tokens,
         started: false,
         parked_since: None,
+        projected,
+        observed: None,
         stream: Utf8Stream::new(),
         out: Vec::new(),
         text: String::new(),
@@ -638,7 +767,98 @@ fn admit(shared: &Shared, engine: &mut Engine, l: &Ladders, job: Job) -> Option<
         stall_ms: 0.0,
         control,
         job,
-    })
+    };
+    if !t.projected.is_empty() {
+        read_over_projected(shared, l, engine, &mut t);
+    }
+    Some(t)
+}
+
+/// A prompt read over projected cells: the attention its last tokens gave each position,
+/// and how many projected positions were re-read (`None`: none needed it).
+type Refreshed = (Vec<f32>, Option<usize>);
+
+/// Reads a newcomer's prompt over reused cells some of which a switch projected, as the
+/// session reads a prompt over its cache: the new tokens decoded with the attention tap on
+/// their last ones, the projected positions they attend to most re-read natively, and the
+/// last ones read again over them ([`refresh_projected`]). The batch's context has no tap,
+/// so this one prompt is read on a scratch context of the rung and its cache moved into the
+/// tenant's sequence (all but the last token, which the next step decodes with the others').
+/// It delays the running answers by the prompt's read, not by one chunk: the price of
+/// building on a projected cache, paid only then. Anything failing makes the tenant read its
+/// prompt from scratch instead, never on cells nothing refreshed.
+fn read_over_projected(shared: &Shared, l: &Ladders, engine: &mut Engine, t: &mut Tenant) {
+    let t0 = Instant::now();
+    let keep = t.reused;
+    let tokens = t.feed.clone();
+    let n = tokens.len();
+    let setting = l.opts.token_recompute.filter(|_| l.refreshable());
+    let read = (|| -> Result<Option<Refreshed>, EngineError> {
+        let Some(setting) = setting else {
+            return Ok(None);
+        };
+        let model = Arc::clone(engine.ctx.model());
+        let blob = engine.ctx.export_seq(t.seq)?;
+        let mut ctx = l.scratch(&model, true)?;
+        ctx.import_state(&blob)?;
+        if ctx.n_past() != keep {
+            return Ok(None);
+        }
+        let Some(mass) = ctx.decode_observed(&tokens[keep..], setting.window)? else {
+            return Ok(None);
+        };
+        let ends = sentence_ends_of(&model, &setting, &tokens[..keep]);
+        let done = refresh_projected(
+            &mut ctx,
+            &mut t.projected,
+            &mass,
+            &setting,
+            &ends,
+            &tokens,
+            keep,
+        )?;
+        ctx.truncate(n - 1);
+        let state = ctx.export_state()?;
+        engine.ctx.import_seq(t.seq, &state)?;
+        if engine.ctx.n_past(t.seq) != Some(n - 1) {
+            return Ok(None);
+        }
+        Ok(Some((mass, done)))
+    })();
+    match read {
+        Ok(Some((mass, done))) => {
+            t.cached = tokens[..n - 1].to_vec();
+            t.fed = n - 1;
+            t.observed = Some(mass);
+            if let Some(done) = done {
+                let info = LeverInfo {
+                    at_token: 0,
+                    lever: "refresh".into(),
+                    rung: l.name(engine.rung).to_string(),
+                    tokens: done,
+                    cost_ms: t0.elapsed().as_secs_f64() * 1e3,
+                    parked_ms: 0.0,
+                    rss_before: 0,
+                    rss_after: super::worker::rss_bytes(),
+                    parked_kv_bytes: 0,
+                    budget_bytes: 0,
+                };
+                t.emit(shared, Event::Lever(info));
+            }
+        }
+        failed => {
+            if let Err(e) = failed {
+                eprintln!(
+                    "molt serve: {}: reading the prompt over a projected cache failed ({e}); read from scratch",
+                    t.job.id
+                );
+            }
+            // Nothing refreshed the projected cells: nothing of the old cache is used.
+            let _ = engine.ctx.truncate(t.seq, 0);
+            (t.cached, t.fed, t.reused) = (Vec::new(), 0, 0);
+            t.projected.clear();
+        }
+    }
 }
 
 fn refuse(shared: &Shared, job: &Job, e: &ApiError) {
@@ -663,9 +883,9 @@ struct Held {
 fn start_idle(
     shared: &Shared,
     l: &Ladders,
-    engine: Engine,
+    engine: Option<Engine>,
     held: &mut Option<Held>,
-) -> (Result<Engine, ApiError>, Option<Tenant>) {
+) -> (Result<Option<Engine>, ApiError>, Option<Tenant>) {
     let Some(h) = held.as_mut() else {
         return (Ok(engine), None);
     };
@@ -690,7 +910,7 @@ fn start_idle(
         if let Some(h) = held.take() {
             refuse(shared, &h.job, &e);
         }
-        publish_batch(shared, l, &engine, &[]);
+        publish_engine(shared, l, engine.as_ref(), &[]);
         return (Ok(engine), None);
     }
     let fits = |j: &Job| l.need(smallest, total_of(j)) <= budget;
@@ -712,38 +932,45 @@ fn start_idle(
 fn start_on_best(
     shared: &Shared,
     l: &Ladders,
-    mut engine: Engine,
+    engine: Option<Engine>,
     job: Job,
     budget: u64,
-) -> (Result<Engine, ApiError>, Option<Tenant>) {
+) -> (Result<Option<Engine>, ApiError>, Option<Tenant>) {
     let total = (job.prompt_tokens.saturating_add(job.opts.max_tokens) as u64)
         .min(u64::from(l.config.n_ctx));
     let smallest = l.costs.len() - 1;
     let best = (l.home..l.costs.len())
         .find(|&i| l.need(i, total) <= budget)
         .unwrap_or(smallest);
-    if best != engine.rung {
-        let from = l.name(engine.rung).to_string();
-        engine.let_go_all(shared);
-        drop(engine);
-        crate::pressure::trim_heap();
-        engine = match l.load(best) {
-            Ok(e) => e,
-            Err(e) => {
-                let api = ApiError::from_session(&e);
-                refuse(shared, &job, &api);
-                return (Err(api), None);
+    let mut engine = match engine {
+        Some(e) if e.rung == best => e,
+        other => {
+            // Another rung, or none loaded (a park released it).
+            let from = other.as_ref().map(|e| l.name(e.rung).to_string());
+            if let Some(mut e) = other {
+                e.let_go_all(shared);
+                drop(e);
+                crate::pressure::trim_heap();
             }
-        };
-        shared.recorder.service(
-            &job.id,
-            "fresh_start",
-            serde_json::json!({"from": from, "rung": l.name(best), "reason": "the budget picks another rung"}),
-        );
-    }
+            let e = match l.load(best) {
+                Ok(e) => e,
+                Err(e) => {
+                    let api = ApiError::from_session(&e);
+                    refuse(shared, &job, &api);
+                    return (Err(api), None);
+                }
+            };
+            shared.recorder.service(
+                &job.id,
+                "fresh_start",
+                serde_json::json!({"from": from, "rung": l.name(best), "reason": "the budget picks another rung"}),
+            );
+            e
+        }
+    };
     let t = admit(shared, &mut engine, l, job);
     publish_batch(shared, l, &engine, t.as_slice());
-    (Ok(engine), t)
+    (Ok(Some(engine)), t)
 }
 
 /// Lets waiting requests join while a sequence is free and the budget holds the current rung
@@ -795,56 +1022,277 @@ enum Fit {
 fn fit_rung(
     l: &mut Ladders,
     shared: &Shared,
-    engine: &mut Engine,
+    engine: &mut Option<Engine>,
     tenants: &mut [Tenant],
     budget: Budget,
 ) -> Fit {
+    let Some(e) = engine.as_mut() else {
+        return Fit::Stall;
+    };
     let forced = tenants.iter().find_map(|t| {
         let (at, to) = t.job.opts.force_switch?;
-        (at == t.out.len() && t.started && t.fed == 0 && to != engine.rung && to < l.costs.len())
+        (at == t.out.len() && t.started && t.fed == 0 && to != e.rung && to < l.costs.len())
             .then_some(to)
     });
     let to = if let Some(to) = forced {
         to
     } else {
         let holding: u64 = tenants.iter().map(Tenant::holding).sum();
-        // Coming out of a park, the batch resumes on the largest rung memory holds again
-        // (never above home), as a parked session does: a switch like any other.
+        // Coming out of a park that kept the weights (a cache could not be exported), the
+        // batch resumes on the largest rung memory holds again (never above home), as a
+        // parked session does: a switch like any other.
         let resuming = tenants.iter().any(|t| t.parked_since.is_some());
         if resuming
             && let Some(best) =
                 (l.home..l.costs.len()).find(|&i| l.need(i, holding) <= budget.bytes)
         {
-            if best == engine.rung {
+            if best == e.rung {
                 return Fit::Run;
             }
             return match move_all(l, shared, engine, tenants, best, budget) {
                 Ok(()) => {
-                    publish_batch(shared, l, engine, tenants);
+                    publish_engine(shared, l, engine.as_ref(), tenants);
                     Fit::Run
                 }
                 Err(e) => Fit::Failed(ApiError::from_session(&e)),
             };
         }
         // Kept caches go first, oldest first, before any running answer moves.
-        while l.need(engine.rung, holding + engine.kept_cells()) > budget.bytes
-            && engine.let_go_oldest(shared)
-        {}
-        if l.need(engine.rung, holding) <= budget.bytes {
+        while l.need(e.rung, holding + e.kept_cells()) > budget.bytes && e.let_go_oldest(shared) {}
+        if l.need(e.rung, holding) <= budget.bytes {
             return Fit::Run;
         }
-        match (engine.rung + 1..l.costs.len()).find(|&i| l.need(i, holding) <= budget.bytes) {
+        match (e.rung + 1..l.costs.len()).find(|&i| l.need(i, holding) <= budget.bytes) {
             Some(to) => to,
             None => return Fit::Stall,
         }
     };
     match move_all(l, shared, engine, tenants, to, budget) {
         Ok(()) => {
-            publish_batch(shared, l, engine, tenants);
+            publish_engine(shared, l, engine.as_ref(), tenants);
             Fit::Run
         }
         Err(e) => Fit::Failed(ApiError::from_session(&e)),
     }
+}
+
+/// A batch no rung holds parks as the session parks (`src/session/levers.rs`): every
+/// answer's cache is exported (llama.cpp's state blob of its sequence, kept in host memory),
+/// the kept conversations go to their state files, and the rung — weights, context — is
+/// freed, so a parked batch costs its caches and nothing else. Each answer is told once (a
+/// stall naming the rung and the park deadline, in the session's words, and a `park`
+/// lever). Then it waits: an answer whose client leaves, or every one once the park deadline
+/// passes, ends (`park_deadline`), its conversation's cache written to its state file; when
+/// the budget holds a rung again the batch resumes on the largest that holds it (never above
+/// home) — on the rung it parked on, each cache imported back as it was (a `resume` lever);
+/// on another, carried there as a switch carries it. Returns with the rung loaded and the
+/// answers running, or with no rung loaded and no answer left. If a cache cannot be exported
+/// the weights stay loaded and the batch waits on them ([`park`]).
+fn park_until(
+    shared: &Shared,
+    l: &mut Ladders,
+    engine: &mut Option<Engine>,
+    tenants: &mut Vec<Tenant>,
+    budget: Budget,
+) {
+    let Some(mut src) = engine.take() else {
+        return;
+    };
+    if tenants.iter().any(|t| t.parked_since.is_some()) {
+        // Already waiting with the weights loaded (below).
+        let running = engine.insert(src);
+        park(shared, l, running, tenants, budget);
+        std::thread::sleep(STALL_POLL);
+        return;
+    }
+    let rung = src.rung;
+    let t0 = Instant::now();
+    let rss_before = super::worker::rss_bytes();
+    let mut scratch = Scratch::default();
+    let mut exported = Vec::with_capacity(tenants.len());
+    for t in tenants.iter_mut() {
+        if !t.started {
+            // A prompt not read whole is read again at the resume.
+            exported.push(None);
+            continue;
+        }
+        match export_for_switch(l, &src.ctx, t, &mut scratch) {
+            Ok(x) => exported.push(Some(x)),
+            Err(e) => {
+                eprintln!(
+                    "molt serve: parking on {} with the weights loaded: a cache could not be exported ({e})",
+                    l.name(rung)
+                );
+                let running = engine.insert(src);
+                park(shared, l, running, tenants, budget);
+                std::thread::sleep(STALL_POLL);
+                return;
+            }
+        }
+    }
+    drop(scratch);
+    src.let_go_all(shared);
+    drop(src);
+    crate::pressure::trim_heap();
+    let park_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let deadline = l.park_deadline;
+    let reason = format!(
+        "budget {} MiB is below every rung's footprint for the {} running answers; parked on {}, weights released, waiting for memory{}",
+        budget.bytes >> 20,
+        tenants.len(),
+        l.name(rung),
+        deadline.map_or(String::new(), |d| format!(
+            " for up to {:.0} s",
+            d.as_secs_f64()
+        ))
+    );
+    let since = Instant::now();
+    let rss_after = super::worker::rss_bytes();
+    // Published before the answers hear of the park: a status read then lists no rung loaded.
+    publish_engine(shared, l, None, tenants);
+    for (t, x) in tenants.iter_mut().zip(&exported) {
+        t.parked_since = Some(since);
+        t.emit(
+            shared,
+            Event::Stall {
+                reason: reason.clone(),
+                deadline_ms: deadline.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            },
+        );
+        let info = lever(l, rung, t, "park", park_ms, budget.bytes);
+        t.emit(
+            shared,
+            Event::Lever(LeverInfo {
+                rss_before,
+                rss_after,
+                parked_kv_bytes: x.as_ref().map_or(0, |x| x.blob.len() as u64),
+                ..info
+            }),
+        );
+    }
+    let mut told = budget.bytes;
+    loop {
+        std::thread::sleep(STALL_POLL);
+        let past = deadline.is_some_and(|d| since.elapsed() >= d);
+        let mut i = 0;
+        while i < tenants.len() {
+            tenants[i].stall_ms += STALL_POLL.as_secs_f64() * 1e3;
+            let stop = if tenants[i].job.cancelled() {
+                Some(StopReason::Cancelled)
+            } else if past {
+                Some(StopReason::ParkDeadline)
+            } else {
+                None
+            };
+            match stop {
+                Some(stop) => {
+                    let t = tenants.remove(i);
+                    let x = exported.remove(i);
+                    end_parked(shared, l, rung, t, x, stop);
+                    publish_engine(shared, l, None, tenants);
+                }
+                None => i += 1,
+            }
+        }
+        if tenants.is_empty() {
+            return;
+        }
+        let b = read_budget(shared, tenants);
+        if b.bytes != told {
+            told = b.bytes;
+            let source = shared.budget.describe();
+            for t in tenants.iter() {
+                t.emit(
+                    shared,
+                    Event::Budget {
+                        bytes: b.bytes,
+                        pressure: b.pressure,
+                        source: source.clone(),
+                    },
+                );
+            }
+        }
+        let holding: u64 = tenants.iter().map(Tenant::holding).sum();
+        let Some(best) = (l.home..l.costs.len()).find(|&i| l.need(i, holding) <= b.bytes) else {
+            continue;
+        };
+        let parked_ms = since.elapsed().as_secs_f64() * 1e3;
+        for t in tenants.iter_mut() {
+            t.parked_since = None;
+        }
+        match carry_all(l, shared, rung, best, tenants, exported, b, 0.0) {
+            Ok(e) => {
+                if best == rung {
+                    for t in tenants.iter() {
+                        let info = lever(l, rung, t, "resume", parked_ms, b.bytes);
+                        t.emit(shared, Event::Lever(LeverInfo { parked_ms, ..info }));
+                    }
+                }
+                publish_batch(shared, l, &e, tenants);
+                *engine = Some(e);
+            }
+            Err(e) => {
+                let api = ApiError::from_session(&e);
+                for t in tenants.drain(..) {
+                    report_failed(shared, t, &api);
+                }
+                publish_engine(shared, l, None, tenants);
+            }
+        }
+        return;
+    }
+}
+
+/// A lever event of tenant `t` on rung `rung`, as the session reports its own.
+fn lever(l: &Ladders, rung: usize, t: &Tenant, what: &str, cost_ms: f64, budget: u64) -> LeverInfo {
+    LeverInfo {
+        at_token: t.out.len(),
+        lever: what.to_string(),
+        rung: l.name(rung).to_string(),
+        tokens: t.cached.len(),
+        cost_ms,
+        parked_ms: 0.0,
+        rss_before: 0,
+        rss_after: super::worker::rss_bytes(),
+        parked_kv_bytes: 0,
+        budget_bytes: budget,
+    }
+}
+
+/// Ends an answer while the batch is parked (its client left, or the park deadline passed):
+/// its conversation's exported cache goes to its state file, as a displaced one does (a
+/// cache with projected cells is not written; the conversation is then re-read), and the
+/// client hears the end.
+fn end_parked(
+    shared: &Shared,
+    l: &Ladders,
+    rung: usize,
+    t: Tenant,
+    exported: Option<Exportedseq>,
+    stop: StopReason,
+) {
+    if let Some(c) = &t.job.conversation {
+        let name = l.name(rung);
+        shared
+            .conversations
+            .answered(&c.id, name, &t.cached, t.prompt_tokens, None);
+        let snapshot = match exported {
+            Some(x) if t.projected.is_empty() => Some(state_file(
+                shared,
+                name,
+                &l.ladder.rungs[rung].sha256,
+                l.config.n_ctx,
+                t.cached.clone(),
+                &c.id,
+                x.blob,
+            )),
+            _ => None,
+        };
+        shared
+            .conversations
+            .hibernate(&c.id, Ok::<_, String>(snapshot), &shared.recorder);
+    }
+    conclude(shared, t, stop, false);
 }
 
 /// The batch is parked: no rung holds the running answers, so none advances. Each is told
@@ -895,27 +1343,215 @@ fn park(
     }
 }
 
-/// Carries every tenant to rung `to`: each sequence exported alone, projected and imported
+/// The scratch contexts one switch creates at most once, whatever the number of tenants it
+/// carries: the source's with the attention tap (reading a prompt's attention when it was
+/// read in a batch), and the destination's (where the session's transplant runs).
+#[derive(Default)]
+struct Scratch {
+    src: Option<Context>,
+    dst: Option<Context>,
+}
+
+/// One tenant's cache exported alone (llama.cpp's state blob of its sequence), and how long
+/// the export took, ms.
+struct Exportedseq {
+    blob: Vec<u8>,
+    ms: f64,
+}
+
+/// Exports `t`'s sequence, and, while the source is still loaded, reads the attention its
+/// prompt's last tokens give each position when a later size switch will select by it and
+/// the prompt was read in a batch (no tap there).
+fn export_for_switch(
+    l: &Ladders,
+    src: &BatchContext,
+    t: &mut Tenant,
+    scratch: &mut Scratch,
+) -> Result<Exportedseq, EngineError> {
+    let t0 = Instant::now();
+    let blob = src.export_seq(t.seq)?;
+    let ms = t0.elapsed().as_secs_f64() * 1e3;
+    if t.observed.is_none() && t.started && l.refreshable() {
+        let prompt = &t.cached[..t.prompt_tokens.min(t.cached.len())];
+        t.observed = observe(l, src.model(), &blob, prompt, scratch);
+    }
+    Ok(Exportedseq { blob, ms })
+}
+
+/// The attention mass `prompt`'s last tokens give each of its positions (the session's
+/// `observed`, read as it reads a prompt): the window read again on the source `model` over
+/// the cache `blob` holds. `None` when it cannot be read (the selection then goes by
+/// position, as a session's without a tap does).
+fn observe(
+    l: &Ladders,
+    model: &Arc<Model>,
+    blob: &[u8],
+    prompt: &[Token],
+    scratch: &mut Scratch,
+) -> Option<Vec<f32>> {
+    if prompt.is_empty() {
+        return None;
+    }
+    let window = l.opts.token_recompute?.window.clamp(1, prompt.len());
+    let ctx = match &mut scratch.src {
+        Some(c) => c,
+        empty => empty.insert(l.scratch(model, true).ok()?),
+    };
+    ctx.import_state(blob).ok()?;
+    ctx.truncate(prompt.len() - window);
+    ctx.decode_observed(&prompt[prompt.len() - window..], window)
+        .ok()
+        .flatten()
+}
+
+/// What carrying one tenant's cache needs that is the same for every tenant of the switch.
+struct Carry<'a> {
+    l: &'a Ladders,
+    projector: &'a Projector,
+    kind: RouteKind,
+    anchor: Option<&'a Anchor>,
+    from: &'a str,
+    dst_model: &'a Arc<Model>,
+}
+
+impl Carry<'_> {
+    /// Carries `t`'s exported cache into `dst`'s sequence `seq` as the session's switch
+    /// carries its own ([`transplant_exported`]): the head re-read natively (the anchor
+    /// spliced in), projected, imported, the positions the prompt's attention pointed at
+    /// recomputed natively on a size route, then moved into the batch's context without the
+    /// pending token (the next step decodes it with the others'). The timings and the
+    /// positions left projected; `Err` with why, `dst`'s sequence then to be emptied and the
+    /// history re-read.
+    fn carry(
+        &self,
+        exported: &Exportedseq,
+        dst: &mut BatchContext,
+        seq: SeqId,
+        t: &Tenant,
+        scratch: &mut Scratch,
+    ) -> Result<(SwitchTimings, Vec<Range<usize>>), String> {
+        let opts = &self.l.opts;
+        let n_past = t.cached.len();
+        let last = *t.feed.get(t.fed).ok_or("no pending token")?;
+        // No sentence ends, as the session's switch selects (it holds neither rung in its
+        // list then): the same positions are re-read whichever loop runs the switch.
+        let ranges = recompute_ranges(
+            opts,
+            self.kind,
+            &t.cached,
+            t.observed.as_deref(),
+            None,
+            n_past,
+        );
+        let spans = Span::of(&t.cached, &ranges);
+        let reread = switch_reread(opts, &t.cached, n_past, self.anchor, &spans);
+        let ctx = match &mut scratch.dst {
+            Some(c) => c,
+            empty => empty.insert(
+                self.l
+                    .scratch(self.dst_model, false)
+                    .map_err(|e| e.to_string())?,
+            ),
+        };
+        ctx.clear();
+        let source = Exported {
+            blob: &exported.blob,
+            n_past,
+            from: self.from,
+            export_ms: exported.ms,
+        };
+        let timings = transplant_exported(&source, ctx, self.projector, None, reread, last)
+            .map_err(|e| e.to_string())?;
+        ctx.truncate(n_past);
+        let state = ctx.export_state().map_err(|e| e.to_string())?;
+        dst.import_seq(seq, &state).map_err(|e| e.to_string())?;
+        if dst.n_past(seq) != Some(n_past) {
+            return Err(format!(
+                "the destination holds {:?} positions, the cache {n_past}",
+                dst.n_past(seq)
+            ));
+        }
+        Ok((timings, projected_after(&timings, ranges)))
+    }
+}
+
+/// Carries every tenant to rung `to`: each sequence exported alone, the source freed (the
+/// process never holds both rungs, as the session's shed-first switch), the destination
+/// loaded, and each cache carried as the session's switch carries its own ([`Carry::carry`])
 /// into the destination's context (or re-read there when the route has no projector).
 fn move_all(
     l: &mut Ladders,
     shared: &Shared,
-    engine: &mut Engine,
+    engine: &mut Option<Engine>,
     tenants: &mut [Tenant],
     to: usize,
     budget: Budget,
 ) -> Result<(), SessionError> {
-    let from = engine.rung;
-    let (from_name, to_name) = (l.name(from).to_string(), l.name(to).to_string());
+    let Some(mut src) = engine.take() else {
+        return Err(SessionError::UnknownRung(l.name(to).to_string()));
+    };
+    let from = src.rung;
+    let t0 = Instant::now();
+    let mut scratch = Scratch::default();
+    let mut exported = Vec::with_capacity(tenants.len());
+    for t in tenants.iter_mut() {
+        exported.push(if t.started {
+            export_for_switch(l, &src.ctx, t, &mut scratch).ok()
+        } else {
+            None
+        });
+    }
+    drop(scratch);
     // Kept caches are not carried: the next turn of their conversations is re-read.
-    engine.let_go_all(shared);
+    src.let_go_all(shared);
+    drop(src);
+    crate::pressure::trim_heap();
+    let export_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let dst = carry_all(l, shared, from, to, tenants, exported, budget, export_ms)?;
+    *engine = Some(dst);
+    Ok(())
+}
+
+/// Loads rung `to` and moves every tenant's cache there from rung `from`: `exported[i]` is
+/// tenant `i`'s (`None`: read again there, its prompt or its whole history), carried with a
+/// switch event in its stream. `before_ms` is what the caller spent before the load (the
+/// exports), counted in every switch's cost.
+#[allow(clippy::too_many_arguments)] // one switch's parts, each needed once
+fn carry_all(
+    l: &mut Ladders,
+    shared: &Shared,
+    from: usize,
+    to: usize,
+    tenants: &mut [Tenant],
+    exported: Vec<Option<Exportedseq>>,
+    budget: Budget,
+    before_ms: f64,
+) -> Result<Engine, SessionError> {
+    let (from_name, to_name) = (l.name(from).to_string(), l.name(to).to_string());
     let t_load = Instant::now();
     let mut dst = l.load(to)?;
     let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
-    let projector = l.routes.get(from, to);
-    let cache_type = l.config.cache_type;
+    let projector = if from == to {
+        Err("the cache returns to its own rung".to_string())
+    } else {
+        l.routes.get(from, to).map_err(|e| e.to_string())
+    };
+    // The session's switch: the destination's anchor for the head re-read (a damaged one is
+    // not used, and the head is decoded), and token recompute on a size route.
+    let mut anchor_note = None;
+    let anchor = if l.opts.head_reread == 0 {
+        None
+    } else {
+        l.routes.anchor(to).unwrap_or_else(|e| {
+            anchor_note = Some(format!("anchor not used, head decoded: {e}"));
+            None
+        })
+    };
+    let kind = route_kind(l.routes.binding(from), l.routes.binding(to));
+    let l = &*l;
+    let mut scratch = Scratch::default();
     let dst_model = Arc::clone(dst.ctx.model());
-    for t in tenants.iter_mut() {
+    for (t, exported) in tenants.iter_mut().zip(exported) {
         let seq = dst.ctx.add_seq().ok_or_else(|| SessionError::Engine {
             rung: to_name.clone(),
             source: crate::engine::EngineError::OutOfRange {
@@ -927,44 +1563,56 @@ fn move_all(
             // No token yet: the prompt is simply read on the destination.
             let mut feed = std::mem::take(&mut t.cached);
             feed.extend_from_slice(&t.feed[t.fed..]);
-            engine.ctx.remove_seq(t.seq);
             (t.feed, t.fed, t.seq) = (feed, 0, seq);
+            t.projected.clear();
             continue;
         }
-        let t0 = Instant::now();
-        let carried = engine
-            .ctx
-            .export_seq(t.seq)
-            .map_err(|e| e.to_string())
-            .and_then(|blob| {
-                let export_ms = t0.elapsed().as_secs_f64() * 1e3;
-                let p = projector.as_ref().map_err(ToString::to_string)?;
-                let tp = Instant::now();
-                let (bytes, flops, cells) =
-                    project_blob(&blob, p, cache_type).map_err(|e| e.to_string())?;
-                let project_ms = tp.elapsed().as_secs_f64() * 1e3;
-                let ti = Instant::now();
-                dst.ctx.import_seq(seq, &bytes).map_err(|e| e.to_string())?;
-                Ok(SwitchTimings {
-                    export_ms,
-                    project_ms,
-                    import_ms: ti.elapsed().as_secs_f64() * 1e3,
-                    cells,
-                    flops,
-                    ..SwitchTimings::default()
-                })
+        if from == to {
+            // Back on the rung it was exported from (a park's resume): imported as it was.
+            let back = exported.as_ref().is_some_and(|x| {
+                dst.ctx.import_seq(seq, &x.blob).is_ok()
+                    && dst.ctx.n_past(seq) == Some(t.cached.len())
             });
-        engine.ctx.remove_seq(t.seq);
+            if !back {
+                let mut feed = std::mem::take(&mut t.cached);
+                feed.extend_from_slice(&t.feed[t.fed..]);
+                let _ = dst.ctx.truncate(seq, 0);
+                (t.feed, t.fed) = (feed, 0);
+                t.projected.clear();
+            }
+            t.seq = seq;
+            continue;
+        }
+        let carried = match (&projector, &exported) {
+            (_, None) => Err("its cache could not be exported".to_string()),
+            (Err(e), _) => Err(e.clone()),
+            (Ok(p), Some(x)) => {
+                let c = Carry {
+                    l,
+                    projector: p,
+                    kind,
+                    anchor: anchor.as_deref(),
+                    from: &from_name,
+                    dst_model: &dst_model,
+                };
+                c.carry(x, &mut dst.ctx, seq, t, &mut scratch)
+            }
+        };
         let n_tokens = t.cached.len() as u64;
         let (method, timings, note) = match carried {
-            Ok(timings) => (SwitchMethod::Molt, timings, None),
+            Ok((timings, projected)) => {
+                t.projected = projected;
+                (SwitchMethod::Molt, timings, anchor_note.clone())
+            }
             Err(why) => {
                 // Re-read the history on the destination, then the pending token.
                 let mut feed = std::mem::take(&mut t.cached);
                 feed.extend_from_slice(&t.feed[t.fed..]);
-                // The destination's sequence is in use and empty (a failed import leaves
-                // nothing behind).
+                // The destination's sequence is in use, emptied of whatever the failed carry
+                // left in it.
+                let _ = dst.ctx.truncate(seq, 0);
                 (t.feed, t.fed) = (feed, 0);
+                t.projected.clear();
                 (
                     SwitchMethod::ReprefillNoProjector,
                     SwitchTimings::default(),
@@ -981,9 +1629,9 @@ fn move_all(
             dst_model.n_embd() as u64,
             n_tokens,
         );
-        // What this answer waited: the destination's load and every cache carried before
-        // its own.
-        let cost_ms = t_load.elapsed().as_secs_f64() * 1e3;
+        // What this answer waited: the exports, the destination's load and every cache
+        // carried before its own.
+        let cost_ms = before_ms + t_load.elapsed().as_secs_f64() * 1e3;
         let info = SwitchInfo {
             at_token: t.out.len(),
             from: from_name.clone(),
@@ -1006,9 +1654,8 @@ fn move_all(
         t.emit(shared, Event::Switch(info.clone()));
         t.switches.push(info);
     }
-    *engine = dst;
     crate::pressure::trim_heap();
-    Ok(())
+    Ok(dst)
 }
 
 /// One decode step for the whole batch, then sampling for each tenant whose input is in.
@@ -1120,7 +1767,9 @@ fn share_prefixes(engine: &mut Engine, tenants: &mut [Tenant]) {
                     .zip(&t.feed)
                     .take_while(|(a, b)| a == b)
                     .count();
-                (n.min(t.feed.len() - 1), j)
+                // Never cells a switch projected: nothing would refresh them for this prompt.
+                let native = d.projected.first().map_or(n, |r| r.start);
+                (n.min(native).min(t.feed.len() - 1), j)
             })
             .max();
         let Some((n, j)) = best.filter(|&(n, _)| n > 0) else {
@@ -1209,11 +1858,16 @@ fn sample(
 fn finish(
     shared: &Shared,
     engine: &mut Engine,
-    mut t: Tenant,
+    t: Tenant,
     stop: StopReason,
     stopped_by_control: bool,
 ) {
     keep_or_free(shared, engine, &t);
+    conclude(shared, t, stop, stopped_by_control);
+}
+
+/// The end of an answer once its cache is seen to: the summary and the finished answer.
+fn conclude(shared: &Shared, mut t: Tenant, stop: StopReason, stopped_by_control: bool) {
     let tail = t.stream.finish();
     if !stopped_by_control {
         let rest = t.control.finish(tail);
@@ -1253,7 +1907,8 @@ fn finish(
 }
 
 /// Leaves a finished chat answer's sequence in the context for the next request that
-/// continues it ([`Kept`]), when the rung computed every cell itself; frees it otherwise. Tells the
+/// continues it ([`Kept`]), when the rung computed every cell itself or the projected ones
+/// will be refreshed before a prompt is answered on them; frees it otherwise. Tells the
 /// conversation store which.
 fn keep_or_free(shared: &Shared, engine: &mut Engine, t: &Tenant) {
     // A text completion belongs to no conversation: nothing continues it, so its cells are
@@ -1262,8 +1917,8 @@ fn keep_or_free(shared: &Shared, engine: &mut Engine, t: &Tenant) {
         engine.ctx.remove_seq(t.seq);
         return;
     };
-    let native = t.switches.iter().all(|s| s.method != SwitchMethod::Molt);
-    let keep = native && !t.cached.is_empty() && engine.ctx.n_past(t.seq) == Some(t.cached.len());
+    let trusted = t.projected.is_empty() || engine.refreshable;
+    let keep = trusted && !t.cached.is_empty() && engine.ctx.n_past(t.seq) == Some(t.cached.len());
     let kv = engine.kv_per_token * t.cached.len() as u64;
     shared.conversations.answered(
         &id,
@@ -1276,6 +1931,7 @@ fn keep_or_free(shared: &Shared, engine: &mut Engine, t: &Tenant) {
         // Written now, not when the sequence is displaced: several conversations stay in the
         // context at once, and a process killed before it displaced them would lose them all.
         let persisted = shared.conversations.dir().is_some()
+            && t.projected.is_empty()
             && match engine.state_file(shared, t.seq, t.cached.clone(), &id) {
                 Ok(file) => shared.conversations.persist(&id, &file, &shared.recorder),
                 Err(e) => {
@@ -1288,6 +1944,7 @@ fn keep_or_free(shared: &Shared, engine: &mut Engine, t: &Tenant) {
             tokens: t.cached.clone(),
             conversation: id,
             persisted,
+            projected: t.projected.clone(),
         });
     } else {
         engine.ctx.remove_seq(t.seq);
@@ -1296,6 +1953,11 @@ fn keep_or_free(shared: &Shared, engine: &mut Engine, t: &Tenant) {
 
 fn failed(shared: &Shared, engine: &mut Engine, t: Tenant, e: &ApiError) {
     engine.ctx.remove_seq(t.seq);
+    report_failed(shared, t, e);
+}
+
+/// Tells a failed tenant's client and the books (its sequence already gone).
+fn report_failed(shared: &Shared, t: Tenant, e: &ApiError) {
     if let Some(c) = &t.job.conversation {
         shared.conversations.let_go(&c.id);
     }

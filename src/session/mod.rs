@@ -33,6 +33,9 @@ pub use levers::chat_pinned_prefix;
 pub use options::{DEFAULT_HEAD_REREAD, GenerateOptions, Prompt, SessionOptions, Strategy};
 pub use rung::{LiveRung, LoadParts, ParkedRung, StandbyRung};
 pub use switch::SwitchMethod;
+// What the batched server's switch and prompt read share with the session's (`src/server/batch.rs`).
+pub(crate) use native::{projected_after, refresh as refresh_projected, sentence_ends_of};
+pub(crate) use switch::{recompute_ranges, reread as switch_reread};
 
 use crate::engine::{ChatMessage, ContextConfig, Sampler, Token, Utf8Stream, softmax};
 use crate::ladder::Ladder;

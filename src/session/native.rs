@@ -16,11 +16,12 @@
 use std::ops::Range;
 use std::time::Instant;
 
-use crate::engine::{Span, Token};
+use crate::engine::{Context, EngineError, Model, Span, Token};
 use crate::transplant::select::{
     SelectRule, TokenRecompute, Unit, covered, select_spans, sentence_ends,
 };
 
+use super::migrate::SwitchTimings;
 use super::{LeverInfo, Session, SessionError};
 
 /// `0..n` without `taken` (any order, may overlap), as ordered disjoint ranges.
@@ -101,18 +102,14 @@ impl Session {
     /// Where the first `n` positions of the history end a sentence, when `setting` re-reads
     /// whole sentences (empty otherwise: nothing to compute).
     pub(super) fn sentence_ends(&self, setting: &TokenRecompute, n: usize) -> Vec<bool> {
-        if setting.unit != Unit::Sentence {
-            return Vec::new();
-        }
         let Some(live) = self.rungs.iter().flatten().next() else {
             return Vec::new();
         };
-        let model = live.ctx.model();
-        let pieces: Vec<Vec<u8>> = self.history[..n.min(self.history.len())]
-            .iter()
-            .map(|&t| model.token_bytes(t))
-            .collect();
-        sentence_ends(&pieces)
+        sentence_ends_of(
+            live.ctx.model(),
+            setting,
+            &self.history[..n.min(self.history.len())],
+        )
     }
 
     /// After a new prompt's tokens `tokens[keep..]` were decoded with the attention tap armed
@@ -130,82 +127,140 @@ impl Session {
         keep: usize,
         at_token: usize,
     ) -> Result<Option<LeverInfo>, SessionError> {
-        let (Some(setting), Some(mass)) = (self.opts.token_recompute, self.observed.as_deref())
-        else {
-            return Ok(None);
-        };
         // The caller has cut the projected ranges to the `keep` positions the prompt reuses.
-        let n_proj = covered(&self.projected);
-        if n_proj == 0 || keep == 0 {
+        if covered(&self.projected) == 0 || keep == 0 {
             return Ok(None);
         }
+        let Some(setting) = self.opts.token_recompute else {
+            return Ok(None);
+        };
+        let Some(mass) = self.observed.take() else {
+            return Ok(None);
+        };
         let t0 = Instant::now();
-        let mut scores = vec![0.0f32; keep];
-        for r in &self.projected {
-            for p in r.clone() {
-                scores[p] = mass.get(p).copied().unwrap_or(0.0);
-            }
-        }
-        let lo = self.projected[0].start;
-        #[allow(clippy::cast_precision_loss)]
-        let fraction = (setting.fraction * n_proj as f64 / (keep - lo) as f64).min(1.0);
         let ends = self.sentence_ends(&setting, keep);
-        let chosen = select_spans(
-            &scores,
+        let name = self.current_rung().to_string();
+        let mut projected = std::mem::take(&mut self.projected);
+        let done = refresh(
+            &mut self.live().ctx,
+            &mut projected,
+            &mass,
+            &setting,
             &ends,
-            lo,
+            tokens,
             keep,
-            keep,
-            &TokenRecompute {
-                fraction,
-                ..setting
-            },
-            keep as u64,
         );
-        // Only the projected part of each chosen span needs re-reading.
-        let mut ranges: Vec<Range<usize>> = Vec::new();
-        for c in &chosen {
-            for p in &self.projected {
-                let (s, e) = (c.start.max(p.start), c.end.min(p.end));
-                if s < e {
-                    ranges.push(s..e);
-                }
+        self.projected = projected;
+        self.observed = Some(mass);
+        match done.map_err(|source| SessionError::Engine { rung: name, source })? {
+            Some(done) => Ok(Some(self.lever(at_token, "refresh", done, t0))),
+            None => Ok(None),
+        }
+    }
+}
+
+/// Where each of `history`'s tokens ends a sentence, when `setting` re-reads whole sentences
+/// (empty otherwise: nothing to compute); `model` gives the tokens' text.
+#[must_use]
+pub fn sentence_ends_of(model: &Model, setting: &TokenRecompute, history: &[Token]) -> Vec<bool> {
+    if setting.unit != Unit::Sentence {
+        return Vec::new();
+    }
+    let pieces: Vec<Vec<u8>> = history.iter().map(|&t| model.token_bytes(t)).collect();
+    sentence_ends(&pieces)
+}
+
+/// The positions a Molt switch left projected in a cache of `timings.cells` cells: all but the
+/// head and tail it re-read and the `spans` it recomputed.
+#[must_use]
+pub fn projected_after(timings: &SwitchTimings, mut spans: Vec<Range<usize>>) -> Vec<Range<usize>> {
+    let n = timings.cells;
+    spans.push(0..timings.head.min(n));
+    spans.push(n - timings.tail.min(n)..n);
+    minus(n, &spans)
+}
+
+/// Refreshes projected cells before a prompt is answered on them: `ctx` has just decoded the
+/// prompt's `tokens[keep..]` over a cache whose positions in `projected` (cut to the `keep`
+/// it reuses) were projected by a switch, and `mass` is the attention its last `window`
+/// tokens gave each position. The projected positions they attend to most (the share
+/// [`TokenRecompute::fraction`] of the projected ones, widened as at a switch; `ends` as
+/// [`sentence_ends_of`] gives them) are re-read natively, then the window is read again over
+/// them, so it and the answer after it see the refreshed cells; `projected` keeps what is
+/// still projected. The positions re-read, `None` when there was nothing to do. Both the
+/// session and the batched server refresh through here.
+///
+/// # Errors
+/// An engine failure (the cache then holds the prompt as read before the refresh: every cell
+/// valid, the projected ones still projected).
+pub fn refresh(
+    ctx: &mut Context,
+    projected: &mut Vec<Range<usize>>,
+    mass: &[f32],
+    setting: &TokenRecompute,
+    ends: &[bool],
+    tokens: &[Token],
+    keep: usize,
+) -> Result<Option<usize>, EngineError> {
+    let n_proj = covered(projected);
+    if n_proj == 0 || keep == 0 {
+        return Ok(None);
+    }
+    let mut scores = vec![0.0f32; keep];
+    for r in projected.iter() {
+        for p in r.clone() {
+            scores[p] = mass.get(p).copied().unwrap_or(0.0);
+        }
+    }
+    let lo = projected[0].start;
+    #[allow(clippy::cast_precision_loss)]
+    let fraction = (setting.fraction * n_proj as f64 / (keep - lo) as f64).min(1.0);
+    let chosen = select_spans(
+        &scores,
+        ends,
+        lo,
+        keep,
+        keep,
+        &TokenRecompute {
+            fraction,
+            ..*setting
+        },
+        keep as u64,
+    );
+    // Only the projected part of each chosen span needs re-reading.
+    let mut ranges: Vec<Range<usize>> = Vec::new();
+    for c in &chosen {
+        for p in projected.iter() {
+            let (s, e) = (c.start.max(p.start), c.end.min(p.end));
+            if s < e {
+                ranges.push(s..e);
             }
         }
-        if ranges.is_empty() {
-            return Ok(None);
-        }
-        let n = tokens.len();
-        let w = setting.window.clamp(1, n - keep);
-        let name = self.current_rung().to_string();
-        let wrap = |source| SessionError::Engine {
-            rung: name.clone(),
-            source,
-        };
-        let spans = Span::of(tokens, &ranges);
-        let done = {
-            let live = self.live();
-            let done = live.ctx.recompute_spans(&spans).map_err(wrap)?;
-            live.ctx.truncate(n - w);
-            live.ctx.decode(&tokens[n - w..]).map_err(wrap)?;
-            done
-        };
-        let mut left: Vec<Range<usize>> = Vec::new();
-        for p in &self.projected {
-            let inside: Vec<Range<usize>> = ranges
-                .iter()
-                .filter(|r| r.start < p.end && r.end > p.start)
-                .map(|r| r.start - p.start..r.end - p.start)
-                .collect();
-            left.extend(
-                minus(p.len(), &inside)
-                    .into_iter()
-                    .map(|r| r.start + p.start..r.end + p.start),
-            );
-        }
-        self.projected = left;
-        Ok(Some(self.lever(at_token, "refresh", done, t0)))
     }
+    if ranges.is_empty() {
+        return Ok(None);
+    }
+    let n = tokens.len();
+    let w = setting.window.clamp(1, n - keep);
+    let spans = Span::of(tokens, &ranges);
+    let done = ctx.recompute_spans(&spans)?;
+    ctx.truncate(n - w);
+    ctx.decode(&tokens[n - w..])?;
+    let mut left: Vec<Range<usize>> = Vec::new();
+    for p in projected.iter() {
+        let inside: Vec<Range<usize>> = ranges
+            .iter()
+            .filter(|r| r.start < p.end && r.end > p.start)
+            .map(|r| r.start - p.start..r.end - p.start)
+            .collect();
+        left.extend(
+            minus(p.len(), &inside)
+                .into_iter()
+                .map(|r| r.start + p.start..r.end + p.start),
+        );
+    }
+    *projected = left;
+    Ok(Some(done))
 }
 
 #[cfg(test)]

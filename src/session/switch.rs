@@ -16,7 +16,8 @@ use crate::transplant::select::select_spans;
 
 use super::error::MigrationStep;
 use super::{
-    LiveRung, LoadParts, ParkedRung, Session, SessionError, Strategy, SwitchInfo, jsd, migrate,
+    LiveRung, LoadParts, ParkedRung, Session, SessionError, SessionOptions, Strategy, SwitchInfo,
+    jsd, migrate,
 };
 use crate::routes::{self, RouteKind};
 
@@ -122,6 +123,62 @@ struct TopkInputs {
     hidden: ndarray::Array2<f32>,
 }
 
+/// The history's first and last tokens a Molt switch re-reads natively
+/// ([`SessionOptions::head_reread`](super::SessionOptions::head_reread),
+/// [`SessionOptions::tail_recompute`](super::SessionOptions::tail_recompute)), never more than
+/// the `n_past` cells the cache holds; the head's anchored part comes from `anchor`. The
+/// session's switch and the batched server's build it the same way.
+pub(crate) fn reread<'a>(
+    opts: &SessionOptions,
+    history: &'a [Token],
+    n_past: usize,
+    anchor: Option<&'a Anchor>,
+    spans: &'a [Span<'a>],
+) -> migrate::Reread<'a> {
+    let avail = n_past.min(history.len());
+    let n = opts.tail_recompute.min(avail);
+    let h = opts.head_reread.min(avail);
+    migrate::Reread {
+        head: &history[..h],
+        tail: &history[history.len() - n..],
+        anchor,
+        spans,
+    }
+}
+
+/// The positions a switch over a route of `kind` re-reads natively between the head and the
+/// tail (selective token recompute), for a cache of `n_past` cells holding `history`: none
+/// unless it is on and the route is a size route (a precision route keeps the context's
+/// facts without it). `observed` is the attention mass the prompt's last tokens gave each
+/// position when it was read (none: chosen by position); `model` reads sentence ends (none:
+/// no sentence ends are known, and a chosen position brings the window around it).
+pub(crate) fn recompute_ranges(
+    opts: &SessionOptions,
+    kind: RouteKind,
+    history: &[Token],
+    observed: Option<&[f32]>,
+    model: Option<&crate::engine::Model>,
+    n_past: usize,
+) -> Vec<Range<usize>> {
+    let Some(setting) = opts.token_recompute else {
+        return Vec::new();
+    };
+    if kind != RouteKind::Size {
+        return Vec::new();
+    }
+    let avail = n_past.min(history.len());
+    let lo = opts.head_reread.min(avail);
+    let hi = avail - opts.tail_recompute.min(avail);
+    let scores = observed.unwrap_or(&[]);
+    // The question (the observation window at the prompt's end) and the answer so far.
+    let prompt_end = if scores.is_empty() { hi } else { scores.len() };
+    let always = prompt_end.saturating_sub(setting.window);
+    let ends = model.map_or_else(Vec::new, |m| {
+        super::native::sentence_ends_of(m, &setting, &history[..avail])
+    });
+    select_spans(scores, &ends, lo, hi, always, &setting, avail as u64)
+}
+
 impl Session {
     /// The history's first and last tokens a Molt switch re-reads natively
     /// ([`SessionOptions::head_reread`], [`SessionOptions::tail_recompute`]), never more than
@@ -132,37 +189,25 @@ impl Session {
         anchor: Option<&'a Anchor>,
         spans: &'a [Span<'a>],
     ) -> migrate::Reread<'a> {
-        let avail = n_past.min(self.history.len());
-        let n = self.opts.tail_recompute.min(avail);
-        let h = self.opts.head_reread.min(avail);
-        migrate::Reread {
-            head: &self.history[..h],
-            tail: &self.history[self.history.len() - n..],
-            anchor,
-            spans,
-        }
+        reread(&self.opts, &self.history, n_past, anchor, spans)
     }
 
     /// The positions a switch `from → to` re-reads natively between the head and the tail
-    /// (selective token recompute): none unless it is on and the route is a size route (a
-    /// precision route keeps the context's facts without it).
+    /// (selective token recompute): see [`recompute_ranges`].
     fn recompute_ranges(&self, from: usize, to: usize, n_past: usize) -> Vec<Range<usize>> {
-        let Some(setting) = self.opts.token_recompute else {
-            return Vec::new();
-        };
         let kind = routes::route_kind(self.routes.binding(from), self.routes.binding(to));
-        if kind != RouteKind::Size {
-            return Vec::new();
-        }
-        let avail = n_past.min(self.history.len());
-        let lo = self.opts.head_reread.min(avail);
-        let hi = avail - self.opts.tail_recompute.min(avail);
-        let scores = self.observed.as_deref().unwrap_or(&[]);
-        // The question (the observation window at the prompt's end) and the answer so far.
-        let prompt_end = if scores.is_empty() { hi } else { scores.len() };
-        let always = prompt_end.saturating_sub(setting.window);
-        let ends = self.sentence_ends(&setting, avail);
-        select_spans(scores, &ends, lo, hi, always, &setting, avail as u64)
+        // Sentence ends come from a rung still in the session's list; during a switch both
+        // the source and the destination are out of it, so there are usually none (the batched
+        // server's switch reads none either, to select as this does).
+        let model = self.rungs.iter().flatten().next().map(|l| l.ctx.model());
+        recompute_ranges(
+            &self.opts,
+            kind,
+            &self.history,
+            self.observed.as_deref(),
+            model.map(AsRef::as_ref),
+            n_past,
+        )
     }
 
     /// The destination's anchor for a head re-read (none when the head re-read is off or no
@@ -313,11 +358,7 @@ impl Session {
         self.settle_standby(None);
         // What the destination's cache holds that is not its own.
         self.projected = if method == SwitchMethod::Molt {
-            let n = timings.cells;
-            let mut native = spans;
-            native.push(0..timings.head.min(n));
-            native.push(n - timings.tail.min(n)..n);
-            super::native::minus(n, &native)
+            super::native::projected_after(&timings, spans)
         } else {
             Vec::new()
         };
