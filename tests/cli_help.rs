@@ -46,3 +46,8 @@ fn chat_help() {
 fn generate_help() {
     check(&["generate", "--help"], "molt-run-generate.help.txt");
 }
+
+#[test]
+fn serve_help() {
+    check(&["serve", "--help"], "molt-run-serve.help.txt");
+}

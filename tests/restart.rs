@@ -57,8 +57,8 @@ fn batched() -> bool {
     forced_parallel().map_or(DEFAULT_BATCHED, |n| n > 1)
 }
 
-/// `serve` without `--parallel`/`--serial` runs the one-at-a-time loop.
-const DEFAULT_BATCHED: bool = false;
+/// `serve` without `--parallel`/`--serial` runs the batched loop (`--parallel 4`).
+const DEFAULT_BATCHED: bool = true;
 
 /// A `molt-run serve` child.
 struct Served {

@@ -107,10 +107,10 @@ pub struct ServerConfig {
     /// Bound on the state directory's files, MiB (oldest evicted first).
     pub state_max_mib: u64,
     /// Answers decoded together (continuous batching, one sequence each in one context of the
-    /// current rung; conversations kept and hibernated, parks with their deadline, as the
-    /// serial loop does); 1 answers one request at a time, the session's own loop (`serve
-    /// --serial`), which alone builds on a cache a switch projected (after re-reading the
-    /// cells the next prompt looks at).
+    /// current rung; conversations kept and hibernated, parks that free the rung, a cache a
+    /// switch projected built on after its cells the next prompt looks at are re-read, as the
+    /// serial loop does); [`DEFAULT_PARALLEL`] unless set. 1 answers one request at a time,
+    /// the session's own loop (`serve --serial`).
     pub parallel: usize,
 }
 
@@ -140,10 +140,16 @@ impl Default for ServerConfig {
             token_pace: None,
             state_dir: None,
             state_max_mib: crate::state::DEFAULT_MAX_MIB,
-            parallel: 1,
+            parallel: DEFAULT_PARALLEL,
         }
     }
 }
+
+/// The answers `serve` decodes together unless told otherwise: the batched loop passes every
+/// server test the serial one passes (`MOLT_TEST_PARALLEL` runs them against either), and four
+/// sequences cost little more per step than one on a CPU, where a decode reads the weights once
+/// for all of them.
+pub const DEFAULT_PARALLEL: usize = 4;
 
 /// `$MOLT_HOME/traces`, then `./traces`.
 #[must_use]

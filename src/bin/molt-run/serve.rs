@@ -52,16 +52,17 @@ pub struct Args {
     /// Requests that may wait for the engine; one more gets 503.
     #[arg(long, default_value_t = 8)]
     pub queue: usize,
-    /// Answers decoded together (continuous batching, opt-in): each running request is a
-    /// sequence of one context on the current rung, and all advance in one decode per step.
+    /// Answers decoded together (continuous batching, the default): each running request is
+    /// a sequence of one context on the current rung, and all advance in one decode per step.
     /// They share the context window (--n-ctx), and the budget counts every one's cache. It
-    /// keeps and hibernates conversations, parks and honours the park deadline as the serial
-    /// loop does, but does not build on a cache a switch projected (the next turn is re-read);
-    /// 1 (the default) answers one request at a time.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    /// keeps and hibernates conversations, parks (freeing the rung) and honours the park
+    /// deadline, and builds on a cache a switch projected, as the serial loop does; 1
+    /// answers one request at a time (--serial).
+    // The library's `molt::server::DEFAULT_PARALLEL`.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub parallel: u16,
-    /// Answer one request at a time (the default; it keeps and hibernates conversations,
-    /// parks and honours the park deadline). Same as --parallel 1.
+    /// Answer one request at a time on the session (the loop batching replaced; it keeps and
+    /// hibernates conversations, parks and honours the park deadline). Same as --parallel 1.
     #[arg(long, conflicts_with = "parallel")]
     pub serial: bool,
     /// Seconds a request may wait for memory before it fails with 503.
