@@ -3,7 +3,8 @@
 //! ready; the rung loading is counted in the footprint the budget holds; a budget that falls
 //! meanwhile drops the load (and, if it still holds the big rung alone, the switch is taken
 //! with the source freed first); a load that fails leaves the answer where it is, said in an
-//! event.
+//! event. The conversation is carried onto the big rung in the background as well, so the
+//! switch itself is only the big rung catching up with the tokens written meanwhile.
 
 mod common;
 
@@ -14,7 +15,7 @@ use molt::pressure::{Trace, TraceBudget};
 use molt::sched::Policy;
 use molt::session::{
     Event, GenerateOptions, LiveRung, PrepareInfo, PrepareState, Prompt, Session, SessionOptions,
-    SwitchInfo,
+    Strategy, SwitchInfo,
 };
 
 const TEXT: &str = "The scheduler parks the weights of a background job while keeping its cache, then maps them back when memory returns.";
@@ -48,10 +49,16 @@ fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
 /// A session on the tiny ladder `l`, moved idle to its smallest rung, with the costs the policy
 /// uses fixed at what the loads measured and no hysteresis, so the budgets mean what they say.
 fn on_small(l: &Ladder) -> (Session, Budgets) {
+    on_small_with(l, Strategy::Molt)
+}
+
+/// [`on_small`] with the switch's strategy.
+fn on_small_with(l: &Ladder, strategy: Strategy) -> (Session, Budgets) {
     let opts = SessionOptions {
         observe_footprint: false,
         policy: Policy::exact(),
         projector_dirs: vec![common::tiny_projectors().clone()],
+        strategy,
         ..SessionOptions::default()
     };
     let mut s = Session::with_options(l.clone(), common::cfg(), l.rungs[0].name(), opts).unwrap();
@@ -222,6 +229,17 @@ fn a_switch_up_goes_on_decoding_on_the_source_while_the_destination_loads_then_s
         up.timings.prepared_tokens,
         up.at_token - started.at_token,
         "every token from the load's start to the switch was decoded on the source"
+    );
+    // The conversation was carried onto the big rung in the background too: projected there
+    // while the small one went on, then caught up with what the small one wrote meanwhile.
+    assert!(up.timings.carried_ms > 0.0, "{up:?}");
+    assert_eq!(up.method, molt::session::SwitchMethod::Molt, "{up:?}");
+    let note = up.note.as_deref().unwrap_or("");
+    assert!(note.contains("carried in the background"), "{note}");
+    assert_eq!(
+        up.timings.caught_up,
+        up.at_token - started.at_token,
+        "the big rung re-read every token the small one wrote since the carry began"
     );
 
     // In order: tokens on the small rung before the load started and while it ran, the
@@ -483,4 +501,39 @@ fn measure_the_warm_up_skip() {
             col(|r| r.0 + r.2),
         );
     }
+}
+
+#[test]
+fn a_conversation_carried_up_natively_in_the_background_reads_as_a_fresh_decode() {
+    let _serial = one_at_a_time();
+    let l = common::tiny_ladder();
+    // The re-prefill strategy: the background carry re-reads the history on the big rung, so
+    // after the switch its cache is the big rung's own, whatever the catch-up's batches were.
+    let (mut s, b) = on_small_with(l, Strategy::Reprefill);
+    s.set_budget_source(Some(trace(b.low, &[(4, b.both)])));
+    let (_, events) = answer(&mut s);
+    let w = switches(&events);
+    assert_eq!(w.len(), 1, "{w:?}");
+    let up = w[0];
+    assert_eq!(up.to, l.rungs[0].name());
+    assert!(up.timings.carried_ms > 0.0, "{up:?}");
+    assert_eq!(up.method, molt::session::SwitchMethod::Reprefill, "{up:?}");
+    assert_eq!(up.timings.load_ms, 0.0, "{up:?}");
+
+    let history = s.history().to_vec();
+    let live = s.rung_mut(0).expect("the answer ended on the big rung");
+    let n = live.ctx.n_past();
+    assert!(
+        n > up.at_token && n <= history.len(),
+        "{n} of {}",
+        history.len()
+    );
+    let carried = live.ctx.logits().to_vec();
+    let mut fresh = LiveRung::load(&l.rungs[0], common::cfg()).unwrap();
+    fresh.ctx.decode(&history[..n]).unwrap();
+    let jsd = molt::session::jsd(&carried, fresh.ctx.logits());
+    assert!(
+        jsd < 1e-4,
+        "the carried cache reads as the rung's own: JSD {jsd} against one fresh decode of {n} tokens"
+    );
 }

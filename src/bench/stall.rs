@@ -18,7 +18,11 @@
 //! background while the source goes on decoding ([`SessionOptions::prepare_up`]): the forced
 //! switch up then waits for that load, the leg running up to [`UP_WAIT_TOKENS`] more tokens
 //! on the source, and the row's `load` part is 0 with the overlapped load as its own part,
-//! `prepared_in_background`.
+//! `prepared_in_background`. When the conversation was carried onto the destination in the
+//! background too ([`crate::session`]'s prepare), the projection and re-reads are reported as
+//! `carried_*` parts beside the stall, with `carried_in_background` (their time on the loading
+//! thread) and `caught_up_tokens` (what the destination re-read to catch up with the source,
+//! the last batch of it in the stall as `first_decode`).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -457,11 +461,21 @@ fn parts(s: &Sample) -> BTreeMap<String, f64> {
         p.insert("load_context".into(), lp.context_ms);
         p.insert("load_warmup".into(), lp.warmup_ms);
     }
-    p.insert("export".into(), t.export_ms);
-    p.insert("project".into(), t.project_ms);
-    p.insert("import".into(), t.import_ms);
-    p.insert("head_reread".into(), t.head_ms);
-    p.insert("token_recompute".into(), t.spans_ms);
+    // A switch up carried in the background did its projection and re-reads on the loading
+    // thread: they are reported beside the stall (prefixed `carried_`), which holds only the
+    // destination's catch-up batch (`first_decode`).
+    let pre = if t.carried_ms > 0.0 {
+        p.insert("carried_in_background".into(), t.carried_ms);
+        p.insert("caught_up_tokens".into(), t.caught_up as f64);
+        "carried_"
+    } else {
+        ""
+    };
+    p.insert(format!("{pre}export"), t.export_ms);
+    p.insert(format!("{pre}project"), t.project_ms);
+    p.insert(format!("{pre}import"), t.import_ms);
+    p.insert(format!("{pre}head_reread"), t.head_ms);
+    p.insert(format!("{pre}token_recompute"), t.spans_ms);
     p.insert("topk_recompute".into(), t.recompute_ms);
     p.insert("first_decode".into(), t.first_decode_ms);
     p.insert("switch_total".into(), t.cost_ms);

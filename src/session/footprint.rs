@@ -48,11 +48,38 @@ impl Session {
                     Some(setup) => self.context_bytes[i]
                         .unwrap_or(0)
                         .max(self.base_context_bytes(i) + setup.extra_bytes),
-                    None => self.base_context_bytes(i),
+                    None => self.unloaded_context_bytes(i),
                 };
                 RungCost::new(r.name(), r.facts.total_tensor_bytes.max(1), kv, ctx)
             })
             .collect()
+    }
+
+    /// Rung `index`'s context overhead while it is not loaded: at Molt's default setup, unless
+    /// its load would be forced to another (`--ubatch`, `MOLT_REPACK`): a forced setup ignores
+    /// the budget, so its extra memory must be in the cost the policy compares with the
+    /// budget — left out, the policy climbs onto a rung whose load then overshoots, sheds it,
+    /// sees it fit again and climbs back, a switch every token (seen with `MOLT_REPACK=1
+    /// --ubatch 128` under a constant 1,700 MiB). A measured choice is made within the spare
+    /// at load, so it needs no such margin.
+    fn unloaded_context_bytes(&self, index: usize) -> u64 {
+        let base = self.base_context_bytes(index);
+        let setup =
+            self.opts
+                .speed
+                .choose(self.ladder.rungs[index].name(), self.config.n_ubatch, None);
+        if setup.source != crate::speed::SetupSource::Forced
+            || setup.setting == crate::speed::RungSetup::default_at(self.config.n_ubatch).setting
+        {
+            return base;
+        }
+        // What its last load under this very setting measured, if any.
+        let measured = if self.measured_setting[index] == Some(setup.setting) {
+            self.context_bytes[index].unwrap_or(0)
+        } else {
+            0
+        };
+        measured.max(base + setup.extra_bytes)
     }
 
     /// Rung `index`'s context overhead at Molt's default setup: its last load measurement if

@@ -100,6 +100,17 @@ pub struct SwitchTimings {
     /// Tokens the source decoded while the destination loaded in the background.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub prepared_tokens: usize,
+    /// A switch up carried in the background (see [`super::prepare`]): the time the loading
+    /// thread spent projecting, importing and re-reading (`project_ms`, `import_ms`,
+    /// `head_ms`, `spans_ms` are its parts) while the source went on answering, ms. `cost_ms`
+    /// is then only what the answer waited for: `caught_up` tokens and the sampled one
+    /// decoded on the destination.
+    #[serde(default, skip_serializing_if = "is_zero_f")]
+    pub carried_ms: f64,
+    /// Tokens the destination of a carried switch re-read natively to catch up with the
+    /// source, which had written them after the carry began.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub caught_up: usize,
 }
 
 #[allow(clippy::trivially_copy_pass_by_ref)] // serde's skip_serializing_if passes a reference
@@ -397,14 +408,12 @@ pub struct Exported<'a> {
     pub export_ms: f64,
 }
 
-/// The rest of a transplant once the source's state is exported: project (recomputing the
-/// destination's last k layers natively when `recompute` is given), import into `dst`, decode
-/// `last` there. `reread.head` — the history's first tokens, empty for none — is decoded on
-/// the destination first and its own K/V replace the projected rows of those positions at
-/// every layer (head re-read). `reread.tail` — the history's last tokens, empty for none — is
-/// re-read natively after the import: their projected cells are dropped and the destination
-/// decodes them with `last` in one batch, so the positions nearest the next token carry the
-/// destination's own K/V at every layer (tail recompute). On failure `dst` is left empty.
+/// The rest of a transplant once the source's state is exported: [`carry_exported`], then
+/// decode `last` on the destination. `reread.tail` — the history's last tokens, empty for
+/// none — is re-read natively after the import: their projected cells are dropped and the
+/// destination decodes them with `last` in one batch, so the positions nearest the next token
+/// carry the destination's own K/V at every layer (tail recompute). On failure `dst` is left
+/// empty.
 ///
 /// # Errors
 /// [`SessionError::Migration`] naming the step that failed.
@@ -416,9 +425,66 @@ pub fn transplant_exported(
     reread: Reread<'_>,
     last: Token,
 ) -> Result<SwitchTimings, SessionError> {
+    let tail = reread.tail;
+    if tail.len() > src.n_past {
+        let cause = MigrationCause::LongerThanCache {
+            asked: tail.len(),
+            cached: src.n_past,
+        };
+        return Err(SessionError::Migration {
+            from: src.from.to_string(),
+            to: dst.model().name().to_string(),
+            source: MigrationStep::TailRecompute.fail(cause),
+        });
+    }
+    let t1 = Instant::now();
+    let carried = carry_exported(src, dst, projector, recompute, reread)?;
+    let t3 = Instant::now();
+    let mut next = Vec::with_capacity(tail.len() + 1);
+    next.extend_from_slice(tail);
+    next.push(last);
+    if !tail.is_empty() {
+        dst.truncate(src.n_past - tail.len());
+    }
+    if let Err(e) = dst.decode(&next) {
+        dst.clear();
+        return Err(SessionError::Migration {
+            from: src.from.to_string(),
+            to: dst.model().name().to_string(),
+            source: MigrationStep::FirstDecode.fail(e),
+        });
+    }
+    Ok(SwitchTimings {
+        first_decode_ms: ms(t3),
+        tail: tail.len(),
+        cost_ms: src.export_ms + ms(t1),
+        ..carried
+    })
+}
+
+/// A transplant up to the destination's first decode: project the exported state
+/// (recomputing the destination's last k layers natively when `recompute` is given), import it
+/// into `dst`, and re-read natively what `reread` names besides its tail. `reread.head` — the
+/// history's first tokens, empty for none — is decoded on the destination first and its own
+/// K/V replace the projected rows of those positions at every layer (head re-read);
+/// `reread.spans` are recomputed over the imported cache (selective token recompute). `dst`
+/// then holds exactly the source's `n_past` positions and no logits: the caller decodes the
+/// next tokens on it. This is how a switch up is carried in the background while the source
+/// goes on answering ([`super::SessionOptions::prepare_up`]). `reread.tail` is not read here.
+/// On failure `dst` is left empty.
+///
+/// # Errors
+/// [`SessionError::Migration`] naming the step that failed.
+pub fn carry_exported(
+    src: &Exported<'_>,
+    dst: &mut Context,
+    projector: &Projector,
+    recompute: Option<&Recompute<'_>>,
+    reread: Reread<'_>,
+) -> Result<SwitchTimings, SessionError> {
     let Reread {
         head,
-        tail,
+        tail: _,
         anchor,
         spans,
     } = reread;
@@ -427,17 +493,12 @@ pub fn transplant_exported(
         to: dst.model().name().to_string(),
         source,
     };
-    for (step, asked) in [
-        (MigrationStep::TailRecompute, tail.len()),
-        (MigrationStep::HeadReread, head.len()),
-    ] {
-        if asked > src.n_past {
-            let cause = MigrationCause::LongerThanCache {
-                asked,
-                cached: src.n_past,
-            };
-            return Err(fail(dst, step.fail(cause)));
-        }
+    if head.len() > src.n_past {
+        let cause = MigrationCause::LongerThanCache {
+            asked: head.len(),
+            cached: src.n_past,
+        };
+        return Err(fail(dst, MigrationStep::HeadReread.fail(cause)));
     }
     let t1 = Instant::now();
     let (native_head, head_anchored) = if head.is_empty() {
@@ -492,26 +553,12 @@ pub fn transplant_exported(
         }
     };
     let spans_ms = if spans.is_empty() { 0.0 } else { ms(ts) };
-    let t3 = Instant::now();
-    let mut next = Vec::with_capacity(tail.len() + 1);
-    next.extend_from_slice(tail);
-    next.push(last);
-    if !tail.is_empty() {
-        dst.truncate(src.n_past - tail.len());
-    }
-    if let Err(e) = dst.decode(&next) {
-        dst.clear();
-        return Err(fail(dst, MigrationStep::FirstDecode.fail(e)));
-    }
-    let first_decode_ms = ms(t3);
     Ok(SwitchTimings {
         export_ms: src.export_ms,
         project_ms,
         import_ms,
-        first_decode_ms,
         recompute_ms,
         topk: recompute.map(|r| r.k),
-        tail: tail.len(),
         head: head.len(),
         head_anchored,
         head_ms,

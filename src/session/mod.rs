@@ -110,6 +110,10 @@ pub struct Session {
     preparing: Option<prepare::Preparing>,
     /// What the finished background load cost, for the switch it prepared.
     prepared: Option<prepare::Prepared>,
+    /// The conversation carried onto that destination in the background, catching up.
+    carried: Option<prepare::Carried>,
+    /// Why the background carry did not happen, for the switch's note.
+    carry_note: Option<String>,
     /// A rung whose background load failed during the answer being generated: the answer
     /// stays where it is rather than try it again.
     prepare_failed: Option<usize>,
@@ -164,6 +168,8 @@ impl Session {
             standby: (0..n).map(|_| None).collect(),
             preparing: None,
             prepared: None,
+            carried: None,
+            carry_note: None,
             prepare_failed: None,
             force_taken: false,
             context_bytes: vec![None; n],

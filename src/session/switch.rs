@@ -194,11 +194,16 @@ impl Session {
 
     /// The positions a switch `from → to` re-reads natively between the head and the tail
     /// (selective token recompute): see [`recompute_ranges`].
-    fn recompute_ranges(&self, from: usize, to: usize, n_past: usize) -> Vec<Range<usize>> {
+    pub(super) fn recompute_ranges(
+        &self,
+        from: usize,
+        to: usize,
+        n_past: usize,
+    ) -> Vec<Range<usize>> {
         let kind = routes::route_kind(self.routes.binding(from), self.routes.binding(to));
-        // Sentence ends come from a rung still in the session's list; during a switch both
-        // the source and the destination are out of it, so there are usually none (the batched
-        // server's switch reads none either, to select as this does).
+        // Sentence ends come from a rung still in the session's list; during a switch made on
+        // the spot both the source and the destination are out of it, so there are usually
+        // none (the batched server's switch reads none either, to select as this does).
         let model = self.rungs.iter().flatten().next().map(|l| l.ctx.model());
         recompute_ranges(
             &self.opts,
@@ -213,7 +218,11 @@ impl Session {
     /// The destination's anchor for a head re-read (none when the head re-read is off or no
     /// anchor is shipped); a damaged or foreign anchor is not used, and `note` says why (the
     /// head is then decoded whole).
-    fn anchor_for(&mut self, to: usize, note: &mut Option<String>) -> Option<Arc<Anchor>> {
+    pub(super) fn anchor_for(
+        &mut self,
+        to: usize,
+        note: &mut Option<String>,
+    ) -> Option<Arc<Anchor>> {
         if self.opts.head_reread == 0 {
             return None;
         }
@@ -300,12 +309,18 @@ impl Session {
             load_parts,
             from_standby,
             retired,
-        } = if shed_first {
+        } = if let Some(carried) = self.switch_carried(from, to, last) {
+            carried
+        } else if shed_first {
             self.switch_shed_first(from, to, last)?
         } else {
             self.switch_load_first(from, to, last)?
         };
         let prepared = self.take_prepared();
+        let note = match (self.carry_note.take(), note) {
+            (Some(a), Some(b)) => Some(format!("{a}; {b}")),
+            (a, b) => a.or(b),
+        };
         let note = if shed_first && no_room_up {
             let why = format!(
                 "loaded at the switch, source freed first: the budget {} MiB does not hold both rungs ({} MiB)",
@@ -365,9 +380,72 @@ impl Session {
         Ok(info)
     }
 
+    /// The switch up whose conversation was carried onto `to` in the background
+    /// ([`super::prepare`]): the destination re-reads the tokens the source wrote since the
+    /// carry, with `last`, in one batch — all the answer waits for — and the source is let go.
+    /// `None` when nothing was carried for `to` (or the re-read fails: the carried state is
+    /// dropped and the switch is carried at the token, the reason in its note).
+    fn switch_carried(&mut self, from: usize, to: usize, last: Token) -> Option<SwitchOutcome> {
+        let c = self.carried.take()?;
+        let Some(dst) = self.rungs[to].as_mut().filter(|_| c.to == to) else {
+            self.carried = Some(c);
+            self.drop_carried();
+            return None;
+        };
+        let t0 = Instant::now();
+        let done = dst.ctx.n_past();
+        let mut next = self.history[done.min(self.history.len())..].to_vec();
+        next.push(last);
+        if let Err(e) = dst.ctx.decode(&next) {
+            dst.ctx.clear();
+            self.carry_note = Some(format!(
+                "not carried in the background: catching up failed: {e}"
+            ));
+            return None;
+        }
+        let cost_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let src = self.rungs[from].take().expect("current rung is loaded");
+        let from_name = src.name().to_string();
+        let method = if c.projected {
+            SwitchMethod::Molt
+        } else {
+            self.reread_method()
+        };
+        let note = format!(
+            "{} cells carried in the background in {:.0} ms ({}), {} token(s) caught up at the switch and {} before",
+            c.n_past,
+            c.ms,
+            if c.projected {
+                "projected with its native re-reads"
+            } else {
+                "the history re-read natively"
+            },
+            next.len() - 1,
+            c.caught_up
+        );
+        Some(SwitchOutcome {
+            from_name,
+            timings: migrate::SwitchTimings {
+                cost_ms,
+                first_decode_ms: cost_ms,
+                carried_ms: c.ms,
+                caught_up: c.caught_up + next.len() - 1,
+                ..c.timings
+            },
+            method,
+            note: Some(note),
+            load_ms: 0.0,
+            seam: None,
+            spans: c.ranges,
+            load_parts: None,
+            from_standby: false,
+            retired: (!self.opts.keep_source).then_some(src),
+        })
+    }
+
     /// The route's projector, or why there is none (then the switch re-reads, and the note
     /// says so): resolved once, before anything is freed or loaded.
-    fn resolve_route(
+    pub(super) fn resolve_route(
         &mut self,
         from: usize,
         to: usize,
@@ -385,7 +463,7 @@ impl Session {
 
     /// The method a switch reports: a re-read is a fallback when the strategy wanted a
     /// projection.
-    fn reread_method(&self) -> SwitchMethod {
+    pub(super) fn reread_method(&self) -> SwitchMethod {
         if self.opts.strategy == Strategy::Reprefill {
             SwitchMethod::Reprefill
         } else {

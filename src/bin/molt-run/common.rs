@@ -153,6 +153,27 @@ pub fn measure_rungs(session: &mut molt::session::Session) -> Result<Vec<(String
     Ok(done)
 }
 
+/// What a switch up prepared in the background says beside its line: the destination's
+/// load, and the conversation carried onto it meanwhile (empty when nothing was).
+#[must_use]
+pub fn background_part(s: &molt::session::SwitchInfo) -> String {
+    let t = &s.timings;
+    let mut out = String::new();
+    if t.prepared_ms > 0.0 {
+        out.push_str(&format!(
+            " · {} loaded in the background in {:.0} ms over {} token(s)",
+            s.to, t.prepared_ms, t.prepared_tokens
+        ));
+    }
+    if t.carried_ms > 0.0 {
+        out.push_str(&format!(
+            ", the conversation carried there in {:.0} ms ({} token(s) caught up)",
+            t.carried_ms, t.caught_up
+        ));
+    }
+    out
+}
+
 /// A switch up's background load as one line: `⇡ loading tier0 in the background, answering
 /// on tier2 meanwhile (footprint 1900 of 2400 MiB)`, or why it was dropped or failed.
 pub fn prepare_line(p: &molt::session::PrepareInfo) -> String {

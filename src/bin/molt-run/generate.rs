@@ -298,12 +298,13 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
                     text.clone()
                 }
                 Event::Switch(s) => format!(
-                    "\n⇆ {} → {} ({}, {:.0} ms, pressure {:.2}){}\n",
+                    "\n⇆ {} → {} ({}, {:.0} ms, pressure {:.2}){}{}\n",
                     s.from,
                     s.to,
                     s.method,
                     s.timings.cost_ms,
                     s.pressure,
+                    common::background_part(s),
                     s.setup.map(|u| format!(" · {u}")).unwrap_or_default()
                 ),
                 _ => return,

@@ -153,13 +153,7 @@ impl Renderer {
         if s.timings.load_ms >= 0.5 {
             let _ = write!(line, " · mapped {} in {:.0} ms", s.to, s.timings.load_ms);
         }
-        if s.timings.prepared_ms > 0.0 {
-            let _ = write!(
-                line,
-                " · {} loaded in the background in {:.0} ms over {} token(s)",
-                s.to, s.timings.prepared_ms, s.timings.prepared_tokens
-            );
-        }
+        line.push_str(&crate::common::background_part(s));
         if let Some(setup) = &s.setup {
             let _ = write!(line, " · {setup}");
         }
