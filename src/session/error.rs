@@ -68,6 +68,21 @@ pub enum SessionError {
         /// Context tokens assumed.
         tokens: u64,
     },
+    /// A state file's rung does not fit the budget in force: waking the conversation there
+    /// would load it over the budget (the conversation is re-read on a rung that fits instead).
+    #[error(
+        "the state file's rung {rung} needs {need_mib} MiB for its {tokens} tokens, over the budget of {budget_mib} MiB; not loaded for it"
+    )]
+    WakeOverBudget {
+        /// The rung that wrote the file.
+        rung: String,
+        /// Its footprint, MiB.
+        need_mib: u64,
+        /// Its tokens.
+        tokens: u64,
+        /// The budget, MiB.
+        budget_mib: u64,
+    },
     /// Parked, and the budget source cannot change while the answer waits (a token-clock
     /// trace: its clock is the answer's own progress, which stops while parked).
     #[error(

@@ -65,7 +65,9 @@ impl Session {
     /// [`Session::move_idle`]). The caller has checked the file ([`StateFile::check`]).
     ///
     /// # Errors
-    /// [`SessionError::UnknownRung`] for a rung above the session's home, a load failure, or
+    /// [`SessionError::WakeOverBudget`] when the file's rung is not loaded and the budget last
+    /// read does not hold it (nothing is changed); [`SessionError::UnknownRung`] for a rung
+    /// above the session's home, a load failure, or
     /// [`SessionError::Engine`] when llama.cpp refuses the blob or it does not hold the file's
     /// tokens; the session is then left reset (empty), never half-restored.
     pub fn wake(&mut self, file: &StateFile) -> Result<(), SessionError> {
@@ -76,6 +78,22 @@ impl Session {
             .iter()
             .position(|r| r.name() == m.rung)
             .ok_or_else(|| SessionError::UnknownRung(m.rung.clone()))?;
+        // Waking on a rung the budget no longer holds would load it over the budget (seen in
+        // `bench --serve-qos`: tier0's file woken under a 700 MiB budget, 1.7 GB resident for
+        // a moment); the caller re-reads the conversation on a rung that fits instead.
+        let tokens = m.tokens.len() as u64 + 1;
+        let need = self.modelled_footprint(index, tokens);
+        if let Some(budget) = self.last_budget
+            && need > budget
+            && self.rungs[index].is_none()
+        {
+            return Err(SessionError::WakeOverBudget {
+                rung: m.rung.clone(),
+                need_mib: need >> 20,
+                tokens,
+                budget_mib: budget >> 20,
+            });
+        }
         self.reset();
         self.move_idle(index)?;
         let name = m.rung.clone();

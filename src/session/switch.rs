@@ -497,13 +497,14 @@ impl Session {
             _ => None,
         };
         let (projector, mut note) = self.resolve_route(from, to);
+        // Chosen while the rungs are in place: the sentence boundaries are read with a loaded
+        // rung's tokenizer (none in place, the positions would be picked without them).
+        let ranges = match (&projector, &self.rungs[from]) {
+            (Some(_), Some(src)) => self.recompute_ranges(from, to, src.ctx.n_past()),
+            _ => Vec::new(),
+        };
         let mut src = self.rungs[from].take().expect("current rung is loaded");
         let mut dst = self.rungs[to].take().expect("destination just loaded");
-        let ranges = if projector.is_some() {
-            self.recompute_ranges(from, to, src.ctx.n_past())
-        } else {
-            Vec::new()
-        };
         let result = match &projector {
             None => migrate::reprefill(&src.ctx, &mut dst.ctx, &self.history, last)
                 .map(|t| (t, self.reread_method())),
@@ -581,6 +582,13 @@ impl Session {
     ) -> Result<SwitchOutcome, SessionError> {
         // Resolve the projector before anything is freed: a missing one means a re-prefill.
         let (projector, mut note) = self.resolve_route(from, to);
+        // Chosen before the source is taken out: the sentence boundaries are read with its
+        // tokenizer (with no rung in place they were not, and the positions were picked
+        // without them, the facts' sentences cut).
+        let ranges = match (&projector, &self.rungs[from]) {
+            (Some(_), Some(src)) => self.recompute_ranges(from, to, src.ctx.n_past()),
+            _ => Vec::new(),
+        };
         let t0 = Instant::now();
         let src = self.rungs[from].take().expect("current rung is loaded");
         let from_name = src.name().to_string();
@@ -600,11 +608,6 @@ impl Session {
         let export_ms = t0.elapsed().as_secs_f64() * 1e3;
         let src_config = src.ctx.config();
         let src_setup = src.setup;
-        let ranges = if projector.is_some() {
-            self.recompute_ranges(from, to, n_past)
-        } else {
-            Vec::new()
-        };
         let topk = match projector {
             Some(_) => self.topk_inputs(from, to, &src.ctx).unwrap_or_else(|why| {
                 note = Some(why);
