@@ -414,9 +414,14 @@ fn run_stall(g: &GlobalArgs, a: &Args) -> Result<()> {
         opts.reps = a.reps;
     }
     let longest = opts.lengths.iter().copied().max().unwrap_or(0);
-    // Room for the context and every leg's tokens, three tries each, and a reserve.
+    // Room for the context and every leg's tokens, three tries each, the tokens a switch up
+    // may wait on its source while its destination is loaded and the conversation carried
+    // there in the background (half the legs go up), and a reserve.
     let legs = molt::bench::stall::route_circuit(ladder.rungs.len()).len();
-    let need = longest + 3 * legs * (opts.lead_tokens + 1 + opts.itl_tokens) + 16;
+    let need = longest
+        + 3 * legs * (opts.lead_tokens + 1 + opts.itl_tokens)
+        + legs.div_ceil(2) * stall::UP_WAIT_TOKENS
+        + 16;
     config.n_ctx = config.n_ctx.max(u32::try_from(need).unwrap_or(u32::MAX));
     let corpus = molt::train::read_corpus(&a.corpus)?;
     let info = RunInfo::now();
