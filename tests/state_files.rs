@@ -182,3 +182,38 @@ fn a_blob_another_rung_wrote_is_refused_by_llama_cpp_and_leaves_the_session_empt
     let (_, _, reused) = answer(&mut s, "What is the door code?");
     assert_eq!(reused, 0);
 }
+
+#[test]
+fn a_file_whose_rung_the_budget_no_longer_holds_is_not_woken_there() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = StateDir::open(d.path(), 64).unwrap();
+    let (path, _, _) = hibernated(&dir, "big");
+    let file = StateFile::from_bytes(&path, &std::fs::read(&path).unwrap()).unwrap();
+    // Started on the big rung (the session's home), moved down to the small one.
+    let mut s = session("big");
+    s.move_idle(2).unwrap();
+    answer(&mut s, "Something else entirely.");
+    assert_eq!(s.current_rung(), "small");
+    let before = s.history().to_vec();
+    let tokens = file.meta.tokens.len() as u64 + 1;
+    let big = s.modelled_footprint(0, tokens);
+    // The budget holds the small rung, not the big one the file was written on.
+    s.retune_with(big - 1).unwrap();
+    let e = s.wake(&file).unwrap_err();
+    assert!(
+        matches!(e, molt::session::SessionError::WakeOverBudget { .. }),
+        "{e}"
+    );
+    assert!(e.to_string().contains("big"), "{e}");
+    assert_eq!(
+        s.loaded(),
+        vec![false, false, true],
+        "the big rung was not loaded"
+    );
+    assert_eq!(s.history(), before, "nothing changed");
+    // Memory back: the same file wakes on its rung.
+    s.retune_with(big * 2).unwrap();
+    s.wake(&file).unwrap();
+    assert_eq!(s.current_rung(), "big");
+    assert_eq!(s.history(), file.meta.tokens);
+}
