@@ -639,13 +639,18 @@ fn publish_batch(shared: &Shared, l: &Ladders, engine: &Engine, tenants: &[Tenan
     let mut e = shared.engine();
     e.current_rung = l.name(engine.rung).to_string();
     e.loaded = vec![e.current_rung.clone()];
-    e.running = (!tenants.is_empty()).then(|| {
+    e.running = running_ids(tenants);
+}
+
+/// The running tenants' request ids, comma-separated, as the status lists them.
+fn running_ids(tenants: &[Tenant]) -> Option<String> {
+    (!tenants.is_empty()).then(|| {
         tenants
             .iter()
             .map(|t| t.job.id.as_str())
             .collect::<Vec<_>>()
             .join(",")
-    });
+    })
 }
 
 /// Publishes the batch's state whether or not a rung is loaded (`None`: a park released
@@ -656,13 +661,7 @@ fn publish_engine(shared: &Shared, l: &Ladders, engine: Option<&Engine>, tenants
         None => {
             let mut e = shared.engine();
             e.loaded = Vec::new();
-            e.running = (!tenants.is_empty()).then(|| {
-                tenants
-                    .iter()
-                    .map(|t| t.job.id.as_str())
-                    .collect::<Vec<_>>()
-                    .join(",")
-            });
+            e.running = running_ids(tenants);
         }
     }
 }

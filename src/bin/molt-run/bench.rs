@@ -970,7 +970,7 @@ fn run_footprint(g: &GlobalArgs, a: &Args) -> Result<()> {
 }
 
 fn run_qos(g: &GlobalArgs, a: &Args) -> Result<()> {
-    use molt::pressure::{BudgetSource, Trace, TraceBudget};
+    use molt::pressure::Trace;
     let trace = Trace::load(&a.qos_trace)?;
     let base = g.context_config()?;
     if !(64..=8192).contains(&a.qos_n_ctx) || a.qos_n_batch == 0 {
@@ -986,14 +986,7 @@ fn run_qos(g: &GlobalArgs, a: &Args) -> Result<()> {
         config,
         molt::routes::search_dirs(a.projectors.as_deref()),
     );
-    let mut budget: Box<dyn BudgetSource> = if a.real_hog {
-        Box::new(crate::hog::spawn_budget(
-            trace,
-            a.device_mib.map(|m| m << 20),
-        )?)
-    } else {
-        Box::new(TraceBudget::new(trace))
-    };
+    let mut budget = trace_or_hog(trace, a)?;
     eprintln!("qos: budget from {}", budget.describe());
     let info = RunInfo::now();
     let report = molt::bench::qos::run(&ladder, &opts, budget.as_mut(), &mut |s| eprintln!("{s}"))?;
@@ -1042,7 +1035,7 @@ fn run_qos(g: &GlobalArgs, a: &Args) -> Result<()> {
 
 fn run_serve_qos(g: &GlobalArgs, a: &Args) -> Result<()> {
     use molt::bench::serve_qos::{ServeQosOptions, run, standard_conversations};
-    use molt::pressure::{BudgetSource, Trace, TraceBudget};
+    use molt::pressure::Trace;
     let trace = Trace::load(&a.serve_qos_trace)?;
     let last_step = trace.steps.last().map_or(0, |s| s.at);
     // The server child gets the same ladder, models, context and threads as this command.
@@ -1083,14 +1076,7 @@ fn run_serve_qos(g: &GlobalArgs, a: &Args) -> Result<()> {
         .serve_qos_trace
         .file_name()
         .map(|n| n.to_string_lossy().to_string());
-    let mut budget: Box<dyn BudgetSource> = if a.real_hog {
-        Box::new(crate::hog::spawn_budget(
-            trace,
-            a.device_mib.map(|m| m << 20),
-        )?)
-    } else {
-        Box::new(TraceBudget::new(trace))
-    };
+    let mut budget = trace_or_hog(trace, a)?;
     eprintln!("serve-qos: budget from {}", budget.describe());
     let info = RunInfo::now();
     let report = run(&opts, budget.as_mut(), &mut |s| eprintln!("{s}"))?;
@@ -1181,4 +1167,20 @@ pub enum SweepContexts {
     Chat,
     /// Windows of the raw corpus text.
     Raw,
+}
+
+/// A bench's budget: `trace` replayed as numbers, or made real by the memory hog with
+/// `--real-hog` (the device size `--device-mib`).
+fn trace_or_hog(
+    trace: molt::pressure::Trace,
+    a: &Args,
+) -> Result<Box<dyn molt::pressure::BudgetSource>> {
+    Ok(if a.real_hog {
+        Box::new(crate::hog::spawn_budget(
+            trace,
+            a.device_mib.map(|m| m << 20),
+        )?)
+    } else {
+        Box::new(molt::pressure::TraceBudget::new(trace))
+    })
 }
