@@ -206,7 +206,7 @@ fn bench_stall_quick_writes_the_schema() {
     let text = std::fs::read_to_string(dir.path().join("switch_stall.json")).unwrap();
     let raw: serde_json::Value = serde_json::from_str(&text).unwrap();
     let routes = route_circuit(l.rungs.len()).len();
-    for key in ["rows", "before_rows"] {
+    for key in ["rows", "before_rows", "warned_rows"] {
         let rows = raw[key].as_array().unwrap();
         // Every route, warm and cold, at the one quick length.
         assert_eq!(rows.len(), routes * 2, "{key}: {text}");
@@ -264,6 +264,18 @@ fn bench_stall_quick_writes_the_schema() {
     for r in doc.before_rows.iter().filter(|r| r.direction == "up") {
         assert!(r.parts_ms["load"] > 0.0, "{r:?}");
         assert!(!r.parts_ms.contains_key("prepared_in_background"), "{r:?}");
+    }
+    // A switch down known ahead: carried onto its destination in the background while the
+    // source went on, the stall only the catch-up batch, and the source's gaps meanwhile
+    // measured.
+    for r in doc.warned_rows.iter().filter(|r| r.direction == "down") {
+        assert!(r.parts_ms["carried_in_background"] > 0.0, "{r:?}");
+        assert!(r.parts_ms["prepared_tokens"] >= 1.0, "{r:?}");
+        assert!(r.source_itl_ms_median > 0.0, "{r:?}");
+        assert!(
+            !r.parts_ms.contains_key("token_recompute"),
+            "the sentence re-reads were carried, not in the stall: {r:?}"
+        );
     }
     assert!(doc.before_rows.iter().all(|r| r.from_standby == 0.0));
     assert!(doc.before_rows.iter().all(|r| r.standby_rss_mib == 0.0));

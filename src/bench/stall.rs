@@ -40,7 +40,13 @@ use crate::session::{
 /// Tokens a leg of the `after` setup may decode on the source while a switch up's destination
 /// loads in the background, beyond the leg's own length; the leg is stopped once the
 /// destination's tokens after the switch are in.
-pub const UP_WAIT_TOKENS: usize = 256;
+pub const UP_WAIT_TOKENS: usize = 1024;
+
+/// Tokens a chain's context window holds per leg for the waits of prepared switches, on
+/// average: a leg may wait up to [`UP_WAIT_TOKENS`], and a chain that runs out of window says
+/// so (a carry decoding on half the cores beside the source took 100-300 tokens of the source
+/// on the real ladder).
+pub const WAIT_ROOM_PER_LEG: usize = 384;
 
 /// The page-cache state of the destination's file before a switch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -60,6 +66,10 @@ pub enum Setup {
     Before,
     /// Standby rungs on (the default session).
     After,
+    /// As `After`, with a switch down known ahead, as a falling budget warns of it: the forced
+    /// switch down waits, tokens on the source, for its destination to be carried in the
+    /// background and caught up (the shadow, [`SessionOptions::forced_down_waits`]).
+    Warned,
 }
 
 /// Options of the stall benchmark.
@@ -82,14 +92,14 @@ pub struct StallOptions {
 }
 
 impl StallOptions {
-    /// The real run: ~128 and ~1024 tokens, 3 repetitions, warm and cold, both setups.
+    /// The real run: ~128 and ~1024 tokens, 3 repetitions, warm and cold, every setup.
     #[must_use]
     pub fn full(projector_dirs: Vec<PathBuf>) -> Self {
         Self {
             lengths: vec![128, 1024],
             reps: 3,
             caches: vec![CacheState::Warm, CacheState::Cold],
-            setups: vec![Setup::Before, Setup::After],
+            setups: vec![Setup::Before, Setup::After, Setup::Warned],
             lead_tokens: 2,
             itl_tokens: 8,
             projector_dirs,
@@ -159,6 +169,55 @@ pub struct StallRow {
     pub method: String,
     /// Every repetition's stall, ms.
     pub samples: Vec<f64>,
+    /// The context length asked (the legs add a few tokens each).
+    #[serde(default)]
+    pub length: usize,
+    /// The source's median gap between two tokens before the switch, same runs, ms: for a
+    /// prepared switch, what preparing it cost the answer meanwhile.
+    #[serde(default)]
+    pub source_itl_ms_median: f64,
+}
+
+impl StallRow {
+    /// The context length asked: recorded, or, for a row of an older file, the nearer of the
+    /// full run's two.
+    #[must_use]
+    pub fn asked_length(&self) -> usize {
+        if self.length > 0 {
+            self.length
+        } else if self.context_tokens < 600 {
+            128
+        } else {
+            1024
+        }
+    }
+
+    /// Whether `other` measures the same route, cache state and asked length.
+    #[must_use]
+    pub fn same_cell(&self, other: &Self) -> bool {
+        self.route == other.route
+            && self.cache == other.cache
+            && self.asked_length() == other.asked_length()
+    }
+}
+
+/// `old` with every row `new` measures again replaced, and `new`'s other rows added.
+#[must_use]
+pub fn merge_rows(old: &[StallRow], new: &[StallRow]) -> Vec<StallRow> {
+    let mut out: Vec<StallRow> = old
+        .iter()
+        .filter(|o| !new.iter().any(|n| n.same_cell(o)))
+        .cloned()
+        .collect();
+    out.extend(new.iter().cloned());
+    out.sort_by(|a, b| {
+        (a.asked_length(), &a.route, a.cache == CacheState::Cold).cmp(&(
+            b.asked_length(),
+            &b.route,
+            b.cache == CacheState::Cold,
+        ))
+    });
+    out
 }
 
 /// Rows by setup name (`before`, `after`).
@@ -174,6 +233,9 @@ struct Sample {
     context_tokens: usize,
     stall_ms: f64,
     itl_ms: Vec<f64>,
+    /// The source's gaps before the switch (while a shadow or a load ran, for the prepared
+    /// switches).
+    source_itl_ms: Vec<f64>,
     info: SwitchInfo,
     standby_bytes: u64,
     page_cache_frac: f64,
@@ -259,6 +321,7 @@ fn setup_name(s: Setup) -> &'static str {
     match s {
         Setup::Before => "before",
         Setup::After => "after",
+        Setup::Warned => "warned",
     }
 }
 
@@ -329,9 +392,11 @@ fn chain(
     cache: CacheState,
 ) -> Result<Vec<Sample>, BenchError> {
     let sopts = SessionOptions {
-        standby: setup == Setup::After,
-        prepare_up: setup == Setup::After,
-        forced_up_waits: setup == Setup::After,
+        standby: setup != Setup::Before,
+        prepare_up: setup != Setup::Before,
+        prepare_down: setup != Setup::Before,
+        forced_up_waits: setup != Setup::Before,
+        forced_down_waits: setup == Setup::Warned,
         projector_dirs: if opts.projector_dirs.is_empty() {
             SessionOptions::default().projector_dirs
         } else {
@@ -371,10 +436,10 @@ fn chain(
         let mut sample = None;
         // A leg whose answer ends before the switch is run again from where it stopped.
         // A switch up prepared in the background waits for its load on the source.
-        let wait = if to < from && setup == Setup::After {
-            UP_WAIT_TOKENS
-        } else {
-            0
+        let wait = match setup {
+            Setup::After if to < from => UP_WAIT_TOKENS,
+            Setup::Warned => UP_WAIT_TOKENS,
+            _ => 0,
         };
         let stop = session.cancel_handle();
         for _attempt in 0..3 {
@@ -420,6 +485,13 @@ fn chain(
                     .filter(|(i, _)| *i > at)
                     .map(|&(_, l)| l)
                     .collect(),
+                // The leg's first token follows the previous leg's end, not a gap.
+                source_itl_ms: latencies
+                    .iter()
+                    .skip(1)
+                    .filter(|(i, _)| *i < at)
+                    .map(|&(_, l)| l)
+                    .collect(),
                 info,
                 standby_bytes,
                 page_cache_frac,
@@ -455,6 +527,7 @@ fn parts(s: &Sample) -> BTreeMap<String, f64> {
     if t.prepared_ms > 0.0 {
         // Overlapped with the source's decoding: not in the stall, reported beside it.
         p.insert("prepared_in_background".into(), t.prepared_ms);
+        p.insert("prepared_tokens".into(), t.prepared_tokens as f64);
     }
     if let Some(lp) = t.load_parts {
         p.insert("load_model".into(), lp.model_ms);
@@ -540,6 +613,12 @@ fn rows(ladder: &Ladder, samples: &[Sample]) -> Vec<StallRow> {
                 dst_page_cache_frac: median(&frac),
                 method: first.info.method.as_str().to_string(),
                 samples: stalls,
+                length: first.length,
+                source_itl_ms_median: median(
+                    &g.iter()
+                        .flat_map(|s| s.source_itl_ms.iter().copied())
+                        .collect::<Vec<_>>(),
+                ),
             }
         })
         .collect()
@@ -564,6 +643,10 @@ pub struct StallDoc {
     /// The same measured with the destination loaded at the switch (the landed behaviour).
     #[serde(default)]
     pub before_rows: Vec<StallRow>,
+    /// The same as `rows` with every switch down known ahead (the `warned` setup): its
+    /// destination carried in the background and caught up before the switch.
+    #[serde(default)]
+    pub warned_rows: Vec<StallRow>,
 }
 
 impl StallDoc {
@@ -571,8 +654,17 @@ impl StallDoc {
     /// median inter-token latency.
     #[must_use]
     pub fn down_warm_over(&self, factor: f64) -> Vec<&StallRow> {
-        self.rows
-            .iter()
+        Self::over(&self.rows, factor)
+    }
+
+    /// [`StallDoc::down_warm_over`] of the switches down known ahead (`warned_rows`).
+    #[must_use]
+    pub fn warned_down_warm_over(&self, factor: f64) -> Vec<&StallRow> {
+        Self::over(&self.warned_rows, factor)
+    }
+
+    fn over(rows: &[StallRow], factor: f64) -> Vec<&StallRow> {
+        rows.iter()
             .filter(|r| r.direction == "down" && r.cache == CacheState::Warm)
             .filter(|r| r.stall_ms.median > factor * r.itl_ms_median)
             .collect()

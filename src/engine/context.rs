@@ -422,6 +422,15 @@ impl Context {
         self.decode(next)
     }
 
+    /// Sets the threads this context's decodes use from now on (at least one): a context
+    /// decoding beside another on the same cores is given its share of them, so that neither
+    /// waits on threads the other preempted.
+    pub fn set_threads(&mut self, n: u32) {
+        let n = i32::try_from(n.max(1)).unwrap_or(i32::MAX);
+        // SAFETY: live context; llama.cpp applies the counts to its next decode.
+        unsafe { llama_cpp_sys_2::llama_set_n_threads(self.ptr.as_ptr(), n, n) };
+    }
+
     /// Decodes `tokens` at positions `n_past..`, in chunks of `n_batch`, and keeps the logits
     /// of the last token. An empty slice is a no-op.
     ///

@@ -116,7 +116,8 @@ pub enum PrepareState {
     Failed,
 }
 
-/// A switch up's background load, as it starts, is given up or fails. A load that finishes
+/// A switch prepared in the background — up, or down ahead of a falling budget — as it starts,
+/// is given up or fails. A preparation that finishes
 /// is reported by the switch it prepared ([`SwitchInfo`]'s `prepared_ms`, `prepared_tokens`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PrepareInfo {
@@ -140,6 +141,10 @@ pub struct PrepareInfo {
     /// Why it was dropped, or the load's error.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    /// A switch down prepared ahead as the budget falls (a shadow, `src/session/shadow.rs`):
+    /// `to` is below `from` and the conversation is carried there before the switch.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub down: bool,
 }
 
 /// What the session occupies right after a switch or a lever, measured beside what the policy

@@ -130,6 +130,7 @@ impl Session {
         if !self.opts.observe_footprint || self.is_parked() || self.is_preparing() {
             return;
         }
+        self.join_reaper();
         let Ok(anon) = crate::pressure::process_anon_rss_bytes() else {
             return;
         };

@@ -19,6 +19,7 @@ mod prepare;
 pub mod prompt_file;
 mod refill;
 mod rung;
+mod shadow;
 mod standby;
 mod switch;
 
@@ -31,7 +32,9 @@ pub use events::{
 };
 pub use levers::chat_pinned_prefix;
 pub use options::{DEFAULT_HEAD_REREAD, GenerateOptions, Prompt, SessionOptions, Strategy};
+pub use prepare::{CATCH_UP_STEP, SHADOW_STEP};
 pub use rung::{LiveRung, LoadParts, ParkedRung, StandbyRung};
+pub use shadow::TREND_WINDOW;
 pub use switch::SwitchMethod;
 // What the batched server's switch and prompt read share with the session's (`src/server/batch.rs`).
 pub(crate) use native::{projected_after, refresh as refresh_projected, sentence_ends_of};
@@ -120,6 +123,10 @@ pub struct Session {
     /// The answer's forced switch ([`GenerateOptions::force_switch`]) has been taken (or given
     /// up): a forced switch up may wait tokens for its destination's background load.
     force_taken: bool,
+    /// The budget readings that predict a fall ([`shadow`]).
+    trend: shadow::Trend,
+    /// A rung a switch let go of, being freed off the answer's path ([`Session::reap`]).
+    reaper: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Session {
@@ -172,6 +179,8 @@ impl Session {
             carry_note: None,
             prepare_failed: None,
             force_taken: false,
+            trend: shadow::Trend::default(),
+            reaper: None,
             context_bytes: vec![None; n],
             measured_extra: vec![0; n],
             default_context_bytes: vec![None; n],
@@ -252,6 +261,7 @@ impl Session {
     pub fn set_budget_source(&mut self, source: Option<Box<dyn BudgetSource + Send>>) {
         self.budget = source;
         self.last_budget = None;
+        self.trend.clear();
     }
 
     /// Describes the budget source.
@@ -866,6 +876,8 @@ impl Session {
             "the answer ended before the destination was ready",
             sink,
         );
+        // A rung let go of is freed by the time the answer is done.
+        self.join_reaper();
         sink(&Event::Done(generation.summary()));
         // After the answer, off every token's path: load ahead what a switch down would need.
         self.prepare_standby();
@@ -887,7 +899,7 @@ impl Session {
         sink: &mut dyn FnMut(&Event),
     ) -> Result<Between, SessionError> {
         if let Some((at, to)) = opts.force_switch
-            && (i == at || (i > at && self.opts.forced_up_waits))
+            && (i == at || (i > at && (self.opts.forced_up_waits || self.opts.forced_down_waits)))
             && !self.force_taken
             && to < self.rungs.len()
         {
@@ -895,12 +907,17 @@ impl Session {
             // as the policy's, waits for its destination's background load (the budget is not
             // read meanwhile, as it is not at the forced token itself), and is given up if that
             // load fails.
+            let waits = if to > self.current {
+                self.opts.forced_down_waits
+            } else {
+                self.opts.forced_up_waits
+            };
             let ready = if to == self.current {
                 None
-            } else if to > self.current || !self.opts.forced_up_waits {
+            } else if !waits {
                 Some(true)
             } else {
-                match self.promote_ready(to, i, None, sink)? {
+                match self.prepare_ready(to, i, None, sink)? {
                     prepare::Readiness::Now => Some(true),
                     prepare::Readiness::Wait if self.prepare_failed == Some(to) => None,
                     prepare::Readiness::Wait => Some(false),
@@ -942,6 +959,7 @@ impl Session {
                 }
                 return Ok(Between::Stay);
             };
+            self.trend.push(Instant::now(), b.bytes);
             if self.last_budget != Some(b.bytes) {
                 self.last_budget = Some(b.bytes);
                 sink(&Event::Budget {
@@ -966,16 +984,41 @@ impl Session {
                     > b.bytes;
                 return Ok(if over { Between::Killed } else { Between::Stay });
             }
-            if !matches!(decision, Decision::Promote { .. }) {
-                let why = format!(
-                    "the budget {} MiB no longer moves the answer up",
-                    b.bytes >> 20
-                );
-                self.abandon_prepare(i, &why, sink);
+            // A switch prepared in the background stays wanted while the policy goes on asking
+            // for it: moving up to it, or, for a shadow of a switch down, staying or moving
+            // down to it.
+            if let Some(t) = self.prepare_target() {
+                let keep = match decision {
+                    Decision::Promote { .. } => t < self.current,
+                    Decision::Stay | Decision::Admit { .. } => t > self.current,
+                    Decision::Demote { to } => t == to && t > self.current,
+                    _ => false,
+                };
+                if !keep {
+                    let why = if t < self.current {
+                        format!(
+                            "the budget {} MiB no longer moves the answer up",
+                            b.bytes >> 20
+                        )
+                    } else {
+                        format!(
+                            "the budget {} MiB asks for another move than the switch down prepared",
+                            b.bytes >> 20
+                        )
+                    };
+                    self.abandon_prepare(i, &why, sink);
+                }
             }
             let acted = match decision {
                 Decision::Stay | Decision::Admit { .. } => {
                     if !parked {
+                        // A switch down prepared ahead may be taken now (see `shadow`).
+                        if let Some(to) = self.tend_shadow(i, b.bytes, sink)? {
+                            let info = self.switch_to(to, tok, i, Some(b))?;
+                            self.settle_standby(Some(b.bytes));
+                            self.footprint_due = Some((i, b.bytes));
+                            return Ok(Between::Switched(Box::new(info)));
+                        }
                         self.settle_standby(Some(b.bytes));
                         return Ok(Between::Stay);
                     }
@@ -986,11 +1029,18 @@ impl Session {
                     self.settle_standby(Some(b.bytes));
                     return Ok(Between::Stay);
                 }
+                // No move up into a budget that is falling below the destination (see
+                // `shadow`).
+                Decision::Promote { to } if !parked && self.falling_below(to) => {
+                    self.abandon_prepare(i, "the budget is falling below the destination", sink);
+                    self.settle_standby(Some(b.bytes));
+                    return Ok(Between::Stay);
+                }
                 // Memory came back: load the destination in the background and stay on this
                 // rung until it is ready (see `prepare`).
                 Decision::Promote { to }
                     if !parked
-                        && self.promote_ready(to, i, Some(b.bytes), sink)?
+                        && self.prepare_ready(to, i, Some(b.bytes), sink)?
                             == prepare::Readiness::Wait =>
                 {
                     self.settle_standby(Some(b.bytes));
@@ -998,6 +1048,9 @@ impl Session {
                 }
                 Decision::Demote { to } | Decision::Promote { to } => {
                     if !parked {
+                        // A shadow of this switch down still carrying is waited for, the
+                        // source freed first (see `shadow`).
+                        self.land_shadow(to, i, Some(b.bytes), sink)?;
                         let info = self.switch_to(to, tok, i, Some(b))?;
                         self.settle_standby(Some(b.bytes));
                         self.footprint_due = Some((i, b.bytes));
@@ -1110,6 +1163,7 @@ impl Session {
     /// returning the freed heap to the operating system.
     fn flush_footprint(&mut self, sink: &mut dyn FnMut(&Event)) {
         if let Some((at, budget)) = self.footprint_due.take() {
+            self.join_reaper();
             crate::pressure::trim_heap();
             sink(&Event::Footprint(self.footprint_sample(at, budget)));
         }

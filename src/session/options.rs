@@ -145,6 +145,21 @@ pub struct SessionOptions {
     /// which the benchmarks that switch at chosen points (recall, conditions) rely on;
     /// `bench --stall` turns it on to measure the switch up as the policy takes it.
     pub forced_up_waits: bool,
+    /// Prepare a switch down ahead while the budget falls ([`super::shadow`]): when, at the
+    /// slope of the last readings, the budget would fall below the current rung's footprint
+    /// within [`SessionOptions::shadow_horizon`], the conversation is carried onto the rung
+    /// below in the background and kept caught up, so the switch down, when it comes, is one
+    /// short batch. On by default; off, a switch down carries the conversation at its token.
+    pub prepare_down: bool,
+    /// How far ahead the budget's trend is read for [`SessionOptions::prepare_down`]: about the
+    /// time a carry takes in the background (10 s by default: a size route's sentence re-reads
+    /// share 2 cores with the answer for ~6-10 s on the real ladder).
+    pub shadow_horizon: Duration,
+    /// A forced switch down ([`GenerateOptions::force_switch`]) is prepared as a shadow, the
+    /// decision known ahead: it waits, tokens on the source, until its destination is carried
+    /// and caught up (with [`SessionOptions::prepare_down`]). Off by default; `bench --stall`
+    /// turns it on to measure the switch down a falling budget warns of.
+    pub forced_down_waits: bool,
     /// How each rung's micro-batch and CPU repack are chosen when it loads ([`crate::speed`]):
     /// by default no measurement (every rung at the context configuration's micro-batch,
     /// repack off) and repack forced when `MOLT_REPACK` is set.
@@ -177,6 +192,9 @@ impl Default for SessionOptions {
             standby: true,
             prepare_up: true,
             forced_up_waits: false,
+            prepare_down: true,
+            shadow_horizon: Duration::from_secs(10),
+            forced_down_waits: false,
             speed: crate::speed::SpeedPolicy::from_env(),
         }
     }

@@ -57,6 +57,27 @@ use super::{Event, LiveRung, PrepareInfo, PrepareState, Session, SessionError, m
 /// the switch waits until it is this close.
 pub const CATCH_UP_STEP: usize = 8;
 
+/// Most tokens a shadow (a switch down prepared ahead, [`super::shadow`]) is let fall behind
+/// the source before it re-reads them: the switch down, when it comes, re-reads at most this
+/// many with the sampled token, and the user's gap is that short batch.
+pub const SHADOW_STEP: usize = 2;
+
+/// The threads of the source and of a background carry decoding beside it, out of `n`: half
+/// each, the carry the larger half (one each on 2 cores; both all of them on 1).
+fn split_threads(n: u32) -> (u32, u32) {
+    if n < 2 {
+        (n.max(1), n.max(1))
+    } else {
+        (n / 2, n - n / 2)
+    }
+}
+
+/// The catch-up step of a carried destination: a shadow's is shorter, as its switch cannot
+/// wait.
+fn step_for(down: bool) -> usize {
+    if down { SHADOW_STEP } else { CATCH_UP_STEP }
+}
+
 /// The source's state and what to re-read natively, handed to the loading thread so that it
 /// carries the conversation onto the destination once loaded.
 struct Carry {
@@ -90,6 +111,22 @@ pub(super) struct Carried {
     pub ms: f64,
     /// Tokens re-read at earlier boundaries to catch up.
     pub caught_up: usize,
+}
+
+impl Carried {
+    /// Nothing carried onto `to`: the switch re-reads the whole history there (a shadow whose
+    /// carry failed after its source was freed, [`super::shadow`]).
+    pub(super) fn empty(to: usize) -> Self {
+        Self {
+            to,
+            n_past: 0,
+            timings: migrate::SwitchTimings::default(),
+            projected: false,
+            ranges: Vec::new(),
+            ms: 0.0,
+            caught_up: 0,
+        }
+    }
 }
 
 /// What the loading thread hands back: the loaded rung, and the carry's outcome if one was
@@ -136,11 +173,13 @@ impl Session {
     /// Whether the switch up to `to` can be taken before token `at_token`, under `budget`
     /// (`None`: no budget source, as for a forced switch). Starts the background load the
     /// first time, installs the destination once it has loaded, and applies the rules of the
-    /// module docs, reporting into `sink`.
+    /// module docs, reporting into `sink`. A switch down (`to` below the current rung) is
+    /// prepared the same way as a shadow ([`super::shadow`]), its destination taken off
+    /// standby, and is ready once caught up within [`SHADOW_STEP`].
     ///
     /// # Errors
     /// A thread that cannot be spawned.
-    pub(super) fn promote_ready(
+    pub(super) fn prepare_ready(
         &mut self,
         to: usize,
         at_token: usize,
@@ -148,9 +187,17 @@ impl Session {
         sink: &mut dyn FnMut(&Event),
     ) -> Result<Readiness, SessionError> {
         let carried_here = self.carried.as_ref().is_some_and(|c| c.to == to);
-        if !self.opts.prepare_up
+        // A switch down is prepared as a shadow (see `super::shadow`): its destination comes
+        // off standby rather than being ready on it.
+        let down = to > self.current;
+        let on = if down {
+            self.opts.prepare_down
+        } else {
+            self.opts.prepare_up
+        };
+        if !on
             || (self.rungs[to].is_some() && !carried_here)
-            || self.standby[to].is_some()
+            || (!down && self.standby[to].is_some())
         {
             self.abandon_prepare(at_token, "the destination is ready without it", sink);
             return Ok(Readiness::Now);
@@ -179,7 +226,7 @@ impl Session {
             return Ok(Readiness::Now);
         }
         if carried_here {
-            return Ok(self.catch_up());
+            return Ok(self.catch_up(step_for(down)));
         }
         let finished = match &mut self.preparing {
             Some(p) if p.index == to => p.handle.is_finished(),
@@ -202,7 +249,25 @@ impl Session {
             }
             return Ok(Readiness::Wait);
         }
-        let p = self.preparing.take().expect("matched above");
+        self.install_prepared(at_token, budget, sink)
+    }
+
+    /// Joins the finished background load of `self.preparing` and installs what it loaded
+    /// (and carried); then one boundary of catching up. A failed load is reported into
+    /// `sink` and leaves the answer where it is ([`Readiness::Wait`]).
+    pub(super) fn install_prepared(
+        &mut self,
+        at_token: usize,
+        budget: Option<u64>,
+        sink: &mut dyn FnMut(&Event),
+    ) -> Result<Readiness, SessionError> {
+        let Some(p) = self.preparing.take() else {
+            return Ok(Readiness::Now);
+        };
+        self.source_gets_every_core();
+        let to = p.index;
+        let down = to > self.current;
+        let tokens = self.history.len() as u64 + 1;
         let ms = p.started.elapsed().as_secs_f64() * 1e3;
         let loaded = p.handle.join().unwrap_or_else(|_| {
             Err(SessionError::Prepare(
@@ -221,7 +286,7 @@ impl Session {
                 match carry {
                     Some(Ok(c)) => {
                         self.carried = Some(c);
-                        Ok(self.catch_up())
+                        Ok(self.catch_up(step_for(down)))
                     }
                     Some(Err(why)) => {
                         self.carry_note = Some(format!("not carried in the background: {why}"));
@@ -243,6 +308,7 @@ impl Session {
                     modelled_bytes: self.modelled_now(tokens),
                     budget_bytes: budget.unwrap_or(0),
                     reason: Some(format!("{e}; the answer stays on {}", self.current_rung())),
+                    down: to > self.current,
                 }));
                 Ok(Readiness::Wait)
             }
@@ -250,10 +316,10 @@ impl Session {
     }
 
     /// One boundary of a carried destination catching up with the source: while it is more
-    /// than [`CATCH_UP_STEP`] tokens behind, re-read that many (the answer stays on the source
-    /// for this token); then the switch can be taken, and re-reads the rest with the sampled
-    /// token. A failed re-read drops the carried state (the switch then carries at the token).
-    fn catch_up(&mut self) -> Readiness {
+    /// than `step` tokens behind, re-read that many (the answer stays on the source for this
+    /// token); then the switch can be taken, and re-reads the rest with the sampled token. A
+    /// failed re-read drops the carried state (the switch then carries at the token).
+    pub(super) fn catch_up(&mut self, step: usize) -> Readiness {
         let Some(c) = self.carried.as_mut() else {
             return Readiness::Now;
         };
@@ -262,13 +328,13 @@ impl Session {
             return Readiness::Now;
         };
         let done = dst.ctx.n_past();
-        if self.history.len() <= done + CATCH_UP_STEP {
+        if self.history.len() <= done + step {
             return Readiness::Now;
         }
-        let end = done + CATCH_UP_STEP;
+        let end = done + step;
         match dst.ctx.decode(&self.history[done..end]) {
             Ok(()) => {
-                c.caught_up += CATCH_UP_STEP;
+                c.caught_up += step;
                 if let Some(p) = self.prepared.as_mut() {
                     p.tokens += 1;
                 }
@@ -337,7 +403,7 @@ impl Session {
 
     /// Starts loading rung `to` on a thread of its own, counts it in the footprint, gives up
     /// the standby rungs it needs room from, and says so in `sink`.
-    fn start_prepare(
+    pub(super) fn start_prepare(
         &mut self,
         to: usize,
         at_token: usize,
@@ -346,23 +412,48 @@ impl Session {
     ) -> Result<(), SessionError> {
         let info = self.ladder.rungs[to].clone();
         let config = self.config;
+        // A shadow's destination is taken off standby when it waits there: the thread maps its
+        // pages back instead of loading it.
+        let standby = if to > self.current {
+            self.standby[to].take()
+        } else {
+            None
+        };
         // The source stays while the destination loads: the setup is chosen within what the
         // budget leaves beside it (chosen as if it took the source's place, a faster setup's
         // extra memory pushed the pair over the budget it was started under, and the load was
         // dropped at the next token: seen on the real ladder, 2,451 MiB against 2,400).
         let tokens = self.history.len() as u64 + 1;
-        let setup = self.speed_setup(to, self.modelled_footprint(self.current, tokens));
+        let setup = standby.as_ref().map_or_else(
+            || self.speed_setup(to, self.modelled_footprint(self.current, tokens)),
+            super::StandbyRung::setup,
+        );
         let known = self.known_context_bytes(to, setup);
         let carry = self.carry_for(to);
+        // While the thread decodes, the source and it split the cores: two contexts each
+        // decoding on every core preempt each other's threads at every barrier (the source's
+        // gap between two tokens reached 1.4-3.1 s on 2 cores, against ~0.1-0.2 s alone).
+        let (source_threads, carry_threads) = split_threads(config.n_threads);
+        if carry.is_some()
+            && let Some(src) = self.rungs[self.current].as_mut()
+        {
+            src.ctx.set_threads(source_threads);
+        }
         let cancel = Arc::new(AtomicBool::new(false));
         let stop = cancel.clone();
         let handle = std::thread::Builder::new()
             .name(format!("molt-prepare-{}", info.name()))
             .spawn(move || {
-                let mut live = LiveRung::load_known(&info, config, setup, known)?;
+                let mut live = match standby {
+                    Some(s) => s.activate().0,
+                    None => LiveRung::load_known(&info, config, setup, known)?,
+                };
                 let carried = match carry {
                     Some(c) if !stop.load(Ordering::SeqCst) => {
+                        // The carry decodes beside the source: on its share of the cores.
+                        live.ctx.set_threads(carry_threads);
                         let r = carry_onto(&mut live, c, to);
+                        live.ctx.set_threads(config.n_threads);
                         if r.is_err() {
                             live.ctx.clear();
                         }
@@ -395,6 +486,7 @@ impl Session {
             modelled_bytes: self.modelled_now(tokens),
             budget_bytes: budget.unwrap_or(0),
             reason: None,
+            down: to > self.current,
         }));
         Ok(())
     }
@@ -444,6 +536,7 @@ impl Session {
             let elapsed_ms = self.prepared.map_or(0.0, |p| p.ms);
             let waited = self.prepared.map_or(0, |p| p.tokens);
             self.drop_carried();
+            self.shelve_uncarried(to);
             sink(&Event::Prepare(PrepareInfo {
                 at_token,
                 state: PrepareState::Dropped,
@@ -454,6 +547,7 @@ impl Session {
                 modelled_bytes,
                 budget_bytes: self.last_budget.unwrap_or(0),
                 reason: Some(format!("{reason}; the carried state is dropped")),
+                down: to > self.current,
             }));
         }
         self.carry_note = None;
@@ -462,6 +556,7 @@ impl Session {
             return;
         };
         p.cancel.store(true, Ordering::SeqCst);
+        self.source_gets_every_core();
         let elapsed_ms = p.started.elapsed().as_secs_f64() * 1e3;
         let tokens = self.history.len() as u64 + 1;
         let modelled_bytes = self.modelled_now(tokens) + self.modelled_footprint(p.index, tokens);
@@ -478,6 +573,7 @@ impl Session {
             modelled_bytes,
             budget_bytes: self.last_budget.unwrap_or(0),
             reason: Some(reason.to_string()),
+            down: p.index > self.current,
         }));
     }
 }
@@ -533,4 +629,38 @@ fn carry_onto(live: &mut LiveRung, c: Carry, to: usize) -> Result<Carried, Strin
         ms: t0.elapsed().as_secs_f64() * 1e3,
         caught_up: 0,
     })
+}
+
+impl Session {
+    /// The rung being prepared in the background: loading, or carried and catching up.
+    pub(super) fn prepare_target(&self) -> Option<usize> {
+        self.preparing
+            .as_ref()
+            .map(|p| p.index)
+            .or(self.carried.as_ref().map(|c| c.to))
+    }
+
+    /// Whether the background thread of `self.preparing` is done (true when none runs).
+    pub(super) fn prepare_finished(&self) -> bool {
+        self.preparing
+            .as_ref()
+            .is_none_or(|p| p.handle.is_finished())
+    }
+
+    /// The current rung decodes on every core again (a background carry ended).
+    fn source_gets_every_core(&mut self) {
+        let n = self.config.n_threads;
+        if let Some(src) = self.rungs[self.current].as_mut() {
+            src.ctx.set_threads(n);
+        }
+    }
+
+    /// Counts a token decoded on the source while the background load runs.
+    pub(super) fn prepare_tick(&mut self) {
+        if let Some(p) = self.preparing.as_mut() {
+            p.tokens += 1;
+        } else if let Some(p) = self.prepared.as_mut() {
+            p.tokens += 1;
+        }
+    }
 }

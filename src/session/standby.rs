@@ -39,8 +39,7 @@ impl Session {
     /// the rung below the current one); otherwise it is freed.
     pub(super) fn retire(&mut self, index: usize, mut live: LiveRung) {
         if !self.opts.standby || index <= self.current {
-            drop(live);
-            crate::pressure::trim_heap();
+            self.reap(live);
             return;
         }
         // Its buffers may have grown past the load's measurement while it ran.
@@ -48,6 +47,30 @@ impl Session {
             live.context_bytes = live.context_bytes.max(seen);
         }
         self.standby[index] = Some(StandbyRung::from_live(live));
+    }
+
+    /// Frees a rung a switch let go of on a thread of its own, so that the destination's first
+    /// token does not wait for it: unmapping a 1.5B rung's resident weights, freeing its
+    /// buffers and returning the heap to the system took 90-210 ms of the gap at a switch down
+    /// on the real ladder. The footprint sample after the switch, and the process's own
+    /// footprint reading, wait for it ([`Session::join_reaper`]).
+    pub(super) fn reap(&mut self, live: LiveRung) {
+        self.join_reaper();
+        // A thread that cannot be spawned drops its closure, and the rung with it, here.
+        self.reaper = std::thread::Builder::new()
+            .name("molt-free".into())
+            .spawn(move || {
+                drop(live);
+                crate::pressure::trim_heap();
+            })
+            .ok();
+    }
+
+    /// Waits until the rung [`Session::reap`] frees is gone.
+    pub(super) fn join_reaper(&mut self) {
+        if let Some(h) = self.reaper.take() {
+            let _ = h.join();
+        }
     }
 
     /// Drops the standby rungs the rules no longer allow: those at or above the current rung,

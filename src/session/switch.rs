@@ -309,7 +309,7 @@ impl Session {
             load_parts,
             from_standby,
             retired,
-        } = if let Some(carried) = self.switch_carried(from, to, last) {
+        } = if let Some(carried) = self.switch_carried(from, to, last)? {
             carried
         } else if shed_first {
             self.switch_shed_first(from, to, last)?
@@ -380,39 +380,67 @@ impl Session {
         Ok(info)
     }
 
-    /// The switch up whose conversation was carried onto `to` in the background
-    /// ([`super::prepare`]): the destination re-reads the tokens the source wrote since the
-    /// carry, with `last`, in one batch — all the answer waits for — and the source is let go.
-    /// `None` when nothing was carried for `to` (or the re-read fails: the carried state is
-    /// dropped and the switch is carried at the token, the reason in its note).
-    fn switch_carried(&mut self, from: usize, to: usize, last: Token) -> Option<SwitchOutcome> {
-        let c = self.carried.take()?;
-        let Some(dst) = self.rungs[to].as_mut().filter(|_| c.to == to) else {
+    /// The switch whose conversation was carried onto `to` in the background
+    /// ([`super::prepare`], [`super::shadow`]): the destination re-reads the tokens the source
+    /// wrote since the carry, with `last`, in one batch — all the answer waits for — and the
+    /// source is let go (a shadow's may be gone already). `Ok(None)` when nothing was carried
+    /// for `to` (or the re-read fails with the source still there: the carried state is dropped
+    /// and the switch is carried at the token, the reason in its note).
+    ///
+    /// # Errors
+    /// The re-read failing with the source gone, even of the whole history.
+    fn switch_carried(
+        &mut self,
+        from: usize,
+        to: usize,
+        last: Token,
+    ) -> Result<Option<SwitchOutcome>, SessionError> {
+        let Some(c) = self.carried.take() else {
+            return Ok(None);
+        };
+        if c.to != to || self.rungs[to].is_none() {
             self.carried = Some(c);
             self.drop_carried();
-            return None;
-        };
+            return Ok(None);
+        }
         let t0 = Instant::now();
-        let done = dst.ctx.n_past();
-        let mut next = self.history[done.min(self.history.len())..].to_vec();
+        let source_live = self.rungs[from].is_some();
+        let Some(dst) = self.rungs[to].as_mut() else {
+            return Ok(None);
+        };
+        let done = dst.ctx.n_past().min(self.history.len());
+        let mut next = self.history[done..].to_vec();
         next.push(last);
+        let mut c = c;
         if let Err(e) = dst.ctx.decode(&next) {
             dst.ctx.clear();
-            self.carry_note = Some(format!(
-                "not carried in the background: catching up failed: {e}"
-            ));
-            return None;
+            let why = format!("not carried in the background: catching up failed: {e}");
+            if source_live {
+                self.carry_note = Some(why);
+                return Ok(None);
+            }
+            // The source is gone: the destination re-reads the whole history.
+            next = self.history.clone();
+            next.push(last);
+            dst.ctx
+                .decode(&next)
+                .map_err(|source| SessionError::Engine {
+                    rung: dst.name().to_string(),
+                    source,
+                })?;
+            self.carry_note = Some(why);
+            c = super::prepare::Carried::empty(to);
         }
         let cost_ms = t0.elapsed().as_secs_f64() * 1e3;
-        let src = self.rungs[from].take().expect("current rung is loaded");
-        let from_name = src.name().to_string();
+        let src = self.rungs[from].take();
+        let from_name = self.ladder.rungs[from].name().to_string();
         let method = if c.projected {
             SwitchMethod::Molt
         } else {
             self.reread_method()
         };
         let note = format!(
-            "{} cells carried in the background in {:.0} ms ({}), {} token(s) caught up at the switch and {} before",
+            "{} cells carried in the background in {:.0} ms ({}), {} token(s) caught up at the switch and {} before{}",
             c.n_past,
             c.ms,
             if c.projected {
@@ -421,9 +449,14 @@ impl Session {
                 "the history re-read natively"
             },
             next.len() - 1,
-            c.caught_up
+            c.caught_up,
+            if src.is_none() {
+                "; the source freed before the carry finished"
+            } else {
+                ""
+            }
         );
-        Some(SwitchOutcome {
+        Ok(Some(SwitchOutcome {
             from_name,
             timings: migrate::SwitchTimings {
                 cost_ms,
@@ -439,8 +472,8 @@ impl Session {
             spans: c.ranges,
             load_parts: None,
             from_standby: false,
-            retired: (!self.opts.keep_source).then_some(src),
-        })
+            retired: src.filter(|_| !self.opts.keep_source),
+        }))
     }
 
     /// The route's projector, or why there is none (then the switch re-reads, and the note

@@ -146,6 +146,7 @@ pub(super) fn section(doc: &StallDoc, figures: &FigureSet, figures_rel: &str) ->
             after.join(" / ")
         );
     }
+    warned_section(&mut s, doc);
     if doc.reps < 3 {
         let _ = writeln!(
             s,
@@ -163,4 +164,70 @@ pub(super) fn section(doc: &StallDoc, figures: &FigureSet, figures_rel: &str) ->
         );
     }
     s
+}
+
+/// The switches down known ahead (`warned_rows`): the stall when the destination was carried
+/// in the background and caught up first, beside the same route's sudden switch, the warning it
+/// took, and what it cost the answer meanwhile.
+fn warned_section(s: &mut String, doc: &StallDoc) {
+    let mut rows: Vec<&StallRow> = doc
+        .warned_rows
+        .iter()
+        .filter(|r| r.direction == "down")
+        .collect();
+    if rows.is_empty() {
+        return;
+    }
+    rows.sort_by(|a, b| {
+        (a.asked_length(), &a.route, a.cache == CacheState::Cold).cmp(&(
+            b.asked_length(),
+            &b.route,
+            b.cache == CacheState::Cold,
+        ))
+    });
+    let _ = writeln!(
+        s,
+        "
+**A switch down known ahead** (the `warned` setup: `SessionOptions::forced_down_waits`, as a falling budget warns of it through the trend the session reads, `src/session/shadow.rs`). The conversation is carried onto the destination in the background while the source goes on — projected, its head and sentences re-read natively — and the destination follows the source, re-reading what it wrote every few tokens; the switch is the last short batch. *Warning* is how many tokens the source decoded from the start of the carry to the switch, *carry* the carry's time on its thread; *source ITL* is the source's gap between two tokens meanwhile (what following costs the answer), beside the same gap before a sudden switch.\n"
+    );
+    let _ = writeln!(
+        s,
+        "| route | context | cache | stall known ahead, ms | stall sudden, ms | dst ITL, ms | known ahead / ITL | warning, tokens | carry, ms | source ITL meanwhile / sudden, ms |"
+    );
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|");
+    for r in &rows {
+        let sudden = doc.rows.iter().find(|b| b.same_cell(r));
+        let part = |k: &str| r.parts_ms.get(k).copied().unwrap_or(f64::NAN);
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {:.0} | {} | {:.0} | {:.1} | {:.0} | {:.0} | {:.0} / {} |",
+            r.route.replace("->", " → "),
+            r.context_tokens,
+            cache_word(r.cache),
+            r.stall_ms.median,
+            sudden.map_or_else(|| "–".to_string(), |b| format!("{:.0}", b.stall_ms.median)),
+            r.itl_ms_median,
+            r.stall_ms.median / r.itl_ms_median,
+            part("prepared_tokens"),
+            part("carried_in_background"),
+            r.source_itl_ms_median,
+            sudden.filter(|b| b.source_itl_ms_median > 0.0).map_or_else(
+                || "–".to_string(),
+                |b| format!("{:.0}", b.source_itl_ms_median)
+            ),
+        );
+    }
+    let warm: Vec<&&StallRow> = rows
+        .iter()
+        .filter(|r| r.cache == CacheState::Warm)
+        .collect();
+    let met = warm
+        .iter()
+        .filter(|r| r.stall_ms.median <= GOAL_FACTOR * r.itl_ms_median)
+        .count();
+    let _ = writeln!(
+        s,
+        "\n**Goal, known ahead** (warm cache, every switch down: stall ≤ {GOAL_FACTOR} × the destination's inter-token latency): met on {met} of {} rows. It holds only when the budget's fall is seen at least *warning* tokens before the source stops fitting; a sudden drop is the table above.",
+        warm.len()
+    );
 }

@@ -113,6 +113,15 @@ pub struct Args {
     /// Context lengths of the stall bench, tokens.
     #[arg(long, value_delimiter = ',', default_values_t = vec![128usize, 1024])]
     pub stall_lengths: Vec<usize>,
+    /// Setups of the stall bench: before (the destination loaded at the switch), after
+    /// (standby rungs, switches up prepared in the background), warned (as after, every switch
+    /// down known ahead and prepared as a shadow). The rows of results/switch_stall.json this
+    /// run does not measure again are kept.
+    #[arg(long, value_delimiter = ',', default_values_t = vec!["before".to_string(), "after".to_string(), "warned".to_string()])]
+    pub stall_setups: Vec<String>,
+    /// Page-cache states of the stall bench: warm, cold.
+    #[arg(long, value_delimiter = ',', default_values_t = vec!["warm".to_string(), "cold".to_string()])]
+    pub stall_caches: Vec<String>,
     /// Output directory.
     #[arg(long, default_value = "results")]
     pub out_dir: PathBuf,
@@ -413,19 +422,48 @@ fn run_stall(g: &GlobalArgs, a: &Args) -> Result<()> {
         opts.lengths.clone_from(&a.stall_lengths);
         opts.reps = a.reps;
     }
+    opts.setups = a
+        .stall_setups
+        .iter()
+        .map(|n| match n.as_str() {
+            "before" => Ok(stall::Setup::Before),
+            "after" => Ok(stall::Setup::After),
+            "warned" => Ok(stall::Setup::Warned),
+            other => bail!("--stall-setups: unknown setup {other:?} (before, after, warned)"),
+        })
+        .collect::<Result<_>>()?;
+    opts.caches = a
+        .stall_caches
+        .iter()
+        .map(|n| match n.as_str() {
+            "warm" => Ok(stall::CacheState::Warm),
+            "cold" => Ok(stall::CacheState::Cold),
+            other => bail!("--stall-caches: unknown state {other:?} (warm, cold)"),
+        })
+        .collect::<Result<_>>()?;
+    // The rows this run does not measure again are kept from the file it rewrites.
+    let earlier: Option<StallDoc> = std::fs::read_to_string(a.out_dir.join("switch_stall.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok());
     let longest = opts.lengths.iter().copied().max().unwrap_or(0);
-    // Room for the context and every leg's tokens, three tries each, the tokens a switch up
-    // may wait on its source while its destination is loaded and the conversation carried
-    // there in the background (half the legs go up), and a reserve.
+    // Room for the context and every leg's tokens, three tries each, the tokens a prepared
+    // switch may wait on its source while its destination is loaded and the conversation
+    // carried there in the background, and a reserve.
     let legs = molt::bench::stall::route_circuit(ladder.rungs.len()).len();
     let need = longest
         + 3 * legs * (opts.lead_tokens + 1 + opts.itl_tokens)
-        + legs.div_ceil(2) * stall::UP_WAIT_TOKENS
+        + legs * stall::WAIT_ROOM_PER_LEG
         + 16;
     config.n_ctx = config.n_ctx.max(u32::try_from(need).unwrap_or(u32::MAX));
     let corpus = molt::train::read_corpus(&a.corpus)?;
     let info = RunInfo::now();
     let doc_of = |by_setup: &stall::RowsBySetup, reps: usize| -> Result<StallDoc> {
+        let merged = |name: &str, old: Option<&Vec<stall::StallRow>>| {
+            stall::merge_rows(
+                old.map_or(&[][..], Vec::as_slice),
+                by_setup.get(name).map_or(&[][..], Vec::as_slice),
+            )
+        };
         Ok(StallDoc {
             run: serde_json::to_value(&info)?,
             threads: config.n_threads,
@@ -435,8 +473,9 @@ fn run_stall(g: &GlobalArgs, a: &Args) -> Result<()> {
                 info.cpus, info.loadavg_1m, config.n_threads
             ),
             reps,
-            rows: by_setup.get("after").cloned().unwrap_or_default(),
-            before_rows: by_setup.get("before").cloned().unwrap_or_default(),
+            rows: merged("after", earlier.as_ref().map(|d| &d.rows)),
+            before_rows: merged("before", earlier.as_ref().map(|d| &d.before_rows)),
+            warned_rows: merged("warned", earlier.as_ref().map(|d| &d.warned_rows)),
         })
     };
     let mut saved: Result<()> = Ok(());
@@ -456,9 +495,12 @@ fn run_stall(g: &GlobalArgs, a: &Args) -> Result<()> {
     )?;
     saved?;
     let doc = doc_of(&by_setup, opts.reps)?;
-    for r in &doc.rows {
+    for (setup, r) in by_setup
+        .iter()
+        .flat_map(|(k, rows)| rows.iter().map(move |r| (k, r)))
+    {
         eprintln!(
-            "{:>12} {:>4} ~{:>4} {:<4} stall {:>7.1} ms [{:.1}–{:.1}]  itl {:>6.1} ms  ratio {:>5.1}  standby {:>5.1} MiB",
+            "{setup:>6} {:>12} {:>4} ~{:>4} {:<4} stall {:>7.1} ms [{:.1}–{:.1}]  itl {:>6.1} ms  ratio {:>5.1}  source itl {:>6.1} ms  standby {:>5.1} MiB",
             r.route,
             r.direction,
             r.context_tokens,
@@ -468,6 +510,7 @@ fn run_stall(g: &GlobalArgs, a: &Args) -> Result<()> {
             r.stall_ms.max,
             r.itl_ms_median,
             r.stall_ms.median / r.itl_ms_median,
+            r.source_itl_ms_median,
             r.standby_rss_mib,
         );
     }

@@ -161,7 +161,7 @@ pub fn background_part(s: &molt::session::SwitchInfo) -> String {
     let mut out = String::new();
     if t.prepared_ms > 0.0 {
         out.push_str(&format!(
-            " · {} loaded in the background in {:.0} ms over {} token(s)",
+            " · {} prepared in the background in {:.0} ms over {} token(s)",
             s.to, t.prepared_ms, t.prepared_tokens
         ));
     }
@@ -179,6 +179,17 @@ pub fn background_part(s: &molt::session::SwitchInfo) -> String {
 pub fn prepare_line(p: &molt::session::PrepareInfo) -> String {
     use molt::session::PrepareState;
     let what = match p.state {
+        PrepareState::Started if p.down => format!(
+            "the budget is falling: carrying the conversation down to {} in the background, answering on {} meanwhile (footprint {} of {} MiB)",
+            p.to,
+            p.from,
+            p.modelled_bytes >> 20,
+            p.budget_bytes >> 20
+        ),
+        PrepareState::Dropped if p.down => format!(
+            "the conversation carried down to {} dropped after {:.0} ms, {} tokens",
+            p.to, p.elapsed_ms, p.tokens
+        ),
         PrepareState::Started => format!(
             "loading {} in the background, answering on {} meanwhile (footprint {} of {} MiB)",
             p.to,
@@ -195,9 +206,10 @@ pub fn prepare_line(p: &molt::session::PrepareInfo) -> String {
             p.to, p.elapsed_ms
         ),
     };
+    let mark = if p.down { '⇣' } else { '⇡' };
     match &p.reason {
-        Some(r) => format!("⇡ {what}: {r}"),
-        None => format!("⇡ {what}"),
+        Some(r) => format!("{mark} {what}: {r}"),
+        None => format!("{mark} {what}"),
     }
 }
 

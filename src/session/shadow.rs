@@ -1,0 +1,258 @@
+//! A switch down prepared ahead: the shadow ([`SessionOptions::prepare_down`]).
+//!
+//! A switch down answers pressure and cannot wait; what it can do is start before the pressure
+//! arrives. Memory rarely goes in one reading: an application launching maps its pages over a
+//! second or more, and the budget slides. The session keeps the budget readings of the last
+//! [`TREND_WINDOW`]; when, at their slope, the budget would fall below the current rung's
+//! footprint within [`SessionOptions::shadow_horizon`], it prepares the switch down ahead: the
+//! destination (taken off standby, or loaded) gets the conversation carried onto it on a thread
+//! of its own — projected, its head and sentences re-read natively, what the switch would do —
+//! while the answer goes on on the source ([`super::prepare`]); then it follows the source,
+//! re-reading what the source wrote whenever it is more than [`SHADOW_STEP`] tokens behind.
+//! When the switch down comes, the destination re-reads those few tokens with the sampled one
+//! and the source is let go: the user's gap is one short batch instead of the projection and
+//! the sentence re-reads (5.8-6.9 s on the size routes of the real ladder, measured quiet on a
+//! 2-core machine).
+//!
+//! The rules, at every token boundary the policy stays at:
+//! - **Started** when the predicted budget is below the current rung's modelled footprint and
+//!   the budget now holds the current rung and the destination side by side (standby rungs are
+//!   given up first). The destination is the largest rung below that fits the predicted budget
+//!   and beside the current one now, else the smallest rung if it fits beside.
+//! - **Counted** at the destination's full footprint from the start, as a switch up prepared is.
+//! - **Taken early**: once the budget no longer holds both and the shadow is carried, the switch
+//!   down is taken then — before the policy would — rather than go over the budget or throw the
+//!   carried state away. The trade: the answer moves to the smaller rung about (the
+//!   destination's footprint ÷ the fall's rate) seconds before the current rung stops fitting,
+//!   instead of stalling seconds at the switch when it does.
+//! - **Dropped** when the trend stops predicting the fall within twice the horizon, when the
+//!   budget no longer holds both before the carry finished, when the policy moves elsewhere, or
+//!   at the answer's end; the destination goes back to standby when the rules allow it.
+//! - **Landed**: a switch down the policy takes to the shadow's destination while its carry
+//!   still runs frees the source first (its state went to the thread at the start), then waits
+//!   for the carry: the gap is what was left of it, and the budget is kept.
+//! - **No move up into a falling budget**: while the trend predicts the budget falls below a
+//!   rung's footprint within the horizon, the policy's move up to it waits.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use super::prepare::{Carried, SHADOW_STEP};
+use super::{Event, Session, SessionError};
+
+/// How far back the budget readings that give the trend reach.
+pub const TREND_WINDOW: Duration = Duration::from_secs(3);
+
+/// The budget readings of the last [`TREND_WINDOW`].
+#[derive(Debug, Default)]
+pub(super) struct Trend {
+    readings: VecDeque<(Instant, u64)>,
+}
+
+impl Trend {
+    /// Records a reading taken at `at`.
+    pub(super) fn push(&mut self, at: Instant, bytes: u64) {
+        self.readings.push_back((at, bytes));
+        while self.readings.len() > 2
+            && self
+                .readings
+                .front()
+                .is_some_and(|&(t, _)| at.duration_since(t) > TREND_WINDOW)
+        {
+            self.readings.pop_front();
+        }
+    }
+
+    /// The budget `horizon` after the last reading at the least-squares slope of the window,
+    /// when that slope falls; `None` when it is flat or rising, or the window holds fewer than
+    /// two readings apart in time.
+    pub(super) fn falls_to(&self, horizon: Duration) -> Option<u64> {
+        let (&(t0, _), &(_, last)) = (self.readings.front()?, self.readings.back()?);
+        let pts: Vec<(f64, f64)> = self
+            .readings
+            .iter()
+            .map(|&(t, b)| (t.duration_since(t0).as_secs_f64(), b as f64))
+            .collect();
+        let n = pts.len() as f64;
+        let mt = pts.iter().map(|p| p.0).sum::<f64>() / n;
+        let mb = pts.iter().map(|p| p.1).sum::<f64>() / n;
+        let var = pts.iter().map(|p| (p.0 - mt).powi(2)).sum::<f64>();
+        if var <= 1e-12 {
+            return None;
+        }
+        let slope = pts.iter().map(|p| (p.0 - mt) * (p.1 - mb)).sum::<f64>() / var;
+        if slope >= 0.0 {
+            return None;
+        }
+        let at = last as f64 + slope * horizon.as_secs_f64();
+        // Truncation to whole bytes; a fall past zero is zero.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        Some(at.max(0.0) as u64)
+    }
+
+    /// Forgets every reading (a new budget source).
+    pub(super) fn clear(&mut self) {
+        self.readings.clear();
+    }
+}
+
+impl Session {
+    /// Whether the trend predicts the budget falls below rung `index`'s footprint within the
+    /// horizon (with shadows on): the policy's move up to it then waits.
+    pub(super) fn falling_below(&self, index: usize) -> bool {
+        let tokens = self.history.len() as u64 + 1;
+        self.opts.prepare_down
+            && self
+                .trend
+                .falls_to(self.opts.shadow_horizon)
+                .is_some_and(|p| p < self.modelled_footprint(index, tokens))
+    }
+
+    /// The shadow's part of a boundary the policy stays at, under `budget`: start it, follow
+    /// the source, take the switch early, or drop it (the module docs). Returns the rung to
+    /// switch down to now when the switch is taken early.
+    ///
+    /// # Errors
+    /// A thread that cannot be spawned.
+    pub(super) fn tend_shadow(
+        &mut self,
+        at_token: usize,
+        budget: u64,
+        sink: &mut dyn FnMut(&Event),
+    ) -> Result<Option<usize>, SessionError> {
+        if !self.opts.prepare_down || self.is_parked() {
+            return Ok(None);
+        }
+        let tokens = self.history.len() as u64 + 1;
+        let here = self.modelled_footprint(self.current, tokens);
+        let horizon = self.opts.shadow_horizon;
+        match self.prepare_target() {
+            Some(to) if to > self.current => {
+                if self.preparing.is_some() && self.prepare_finished() {
+                    self.install_prepared(at_token, Some(budget), sink)?;
+                    self.shelve_uncarried(to);
+                    if self.prepare_target().is_none() {
+                        return Ok(None);
+                    }
+                }
+                let both = self.modelled_now(tokens);
+                if both > budget {
+                    if self.carried.is_some() {
+                        self.carry_note = Some(format!(
+                            "taken early: the budget {} MiB, falling, no longer holds {} and {} side by side ({} MiB)",
+                            budget >> 20,
+                            self.current_rung(),
+                            self.ladder.rungs[to].name(),
+                            both >> 20
+                        ));
+                        return Ok(Some(to));
+                    }
+                    let why = format!(
+                        "the budget {} MiB no longer holds {} and {} side by side ({} MiB) before the carry finished",
+                        budget >> 20,
+                        self.current_rung(),
+                        self.ladder.rungs[to].name(),
+                        both >> 20
+                    );
+                    self.abandon_prepare(at_token, &why, sink);
+                    self.shelve_uncarried(to);
+                    return Ok(None);
+                }
+                let falling = self.trend.falls_to(horizon * 2).is_some_and(|p| p < here);
+                if !falling {
+                    let why = format!(
+                        "the budget {} MiB no longer falls toward {}'s footprint ({} MiB)",
+                        budget >> 20,
+                        self.current_rung(),
+                        here >> 20
+                    );
+                    self.abandon_prepare(at_token, &why, sink);
+                    self.shelve_uncarried(to);
+                    return Ok(None);
+                }
+                if self.preparing.is_some() {
+                    self.prepare_tick();
+                } else {
+                    self.catch_up(SHADOW_STEP);
+                }
+                Ok(None)
+            }
+            Some(_) => Ok(None),
+            None => {
+                let n = self.ladder.rungs.len();
+                if self.current + 1 >= n {
+                    return Ok(None);
+                }
+                let Some(predicted) = self.trend.falls_to(horizon) else {
+                    return Ok(None);
+                };
+                if predicted >= here {
+                    return Ok(None);
+                }
+                let beside = |i: usize| here + self.modelled_footprint(i, tokens) <= budget;
+                let Some(to) = (self.current + 1..n)
+                    .find(|&i| self.modelled_footprint(i, tokens) <= predicted && beside(i))
+                    .or_else(|| beside(n - 1).then_some(n - 1))
+                else {
+                    return Ok(None);
+                };
+                if self.prepare_failed == Some(to) || self.rungs[to].is_some() {
+                    return Ok(None);
+                }
+                self.start_prepare(to, at_token, Some(budget), sink)?;
+                Ok(None)
+            }
+        }
+    }
+
+    /// Before the switch down the policy takes to `to`: a shadow of `to` whose carry still runs
+    /// is waited for with the source freed first; a finished one is installed (the module
+    /// docs). If its carry failed with the source gone, the destination re-reads the whole
+    /// history at the switch.
+    ///
+    /// # Errors
+    /// The destination failing to load at all, with the source already freed.
+    pub(super) fn land_shadow(
+        &mut self,
+        to: usize,
+        at_token: usize,
+        budget: Option<u64>,
+        sink: &mut dyn FnMut(&Event),
+    ) -> Result<(), SessionError> {
+        if self.preparing.is_none() || self.prepare_target() != Some(to) {
+            return Ok(());
+        }
+        let from = self.current;
+        let freed = if self.prepare_finished() {
+            false
+        } else if let Some(src) = self.rungs[from].take() {
+            drop(src);
+            crate::pressure::trim_heap();
+            true
+        } else {
+            false
+        };
+        self.install_prepared(at_token, budget, sink)?;
+        if !freed || self.carried.is_some() {
+            return Ok(());
+        }
+        // The carry (or the load) failed and the source is gone: the history is re-read on the
+        // destination at the switch.
+        self.ensure_loaded(to)?.ctx.clear();
+        self.carried = Some(Carried::empty(to));
+        Ok(())
+    }
+
+    /// A shadow's destination left loaded without a carried state (its carry failed, or it
+    /// was dropped) goes back to standby when the rules allow it, else is freed: nothing but
+    /// the current rung is live outside a preparation.
+    pub(super) fn shelve_uncarried(&mut self, to: usize) {
+        if to != self.current
+            && self.carried.is_none()
+            && self.preparing.is_none()
+            && let Some(live) = self.rungs[to].take()
+        {
+            self.retire(to, live);
+        }
+    }
+}

@@ -1,0 +1,310 @@
+//! A switch down on the tiny ladder prepared ahead while the budget falls (the shadow): the
+//! conversation is carried onto the small rung in the background while the big one goes on,
+//! the small one follows it, and the switch, when the budget no longer holds both, is only the
+//! small rung catching up with the last few tokens; the shadow is counted in the footprint, is
+//! dropped when the fall stops, and leaves the small rung's cache reading as its own.
+
+mod common;
+
+use std::time::Duration;
+
+use molt::ladder::Ladder;
+use molt::pressure::{Trace, TraceBudget};
+use molt::sched::Policy;
+use molt::session::{
+    Event, GenerateOptions, LiveRung, PrepareInfo, PrepareState, Prompt, Session, SessionOptions,
+    Strategy, SwitchInfo, SwitchMethod,
+};
+
+const TEXT: &str = "The scheduler parks the weights of a background job while keeping its cache, then maps them back when memory returns.";
+
+/// Tokens every answer here generates.
+const MAX_TOKENS: usize = 60;
+
+/// Rung costs are measured at load as the growth of the process's memory: one test at a time.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Budgets, bytes, from the session's modelled costs at the answer's end: `both` holds the big
+/// and the small rung side by side; `low` holds the small rung only.
+struct Budgets {
+    both: u64,
+    low: u64,
+}
+
+/// A session on the tiny ladder's big rung, exact policy, costs as measured.
+fn on_big(l: &Ladder, strategy: Strategy) -> (Session, Budgets) {
+    let opts = SessionOptions {
+        observe_footprint: false,
+        policy: Policy::exact(),
+        projector_dirs: vec![common::tiny_projectors().clone()],
+        strategy,
+        ..SessionOptions::default()
+    };
+    let s = Session::with_options(l.clone(), common::cfg(), l.rungs[0].name(), opts).unwrap();
+    let small = l.rungs.len() - 1;
+    let end = 200;
+    let fp = |i: usize| s.modelled_footprint(i, end);
+    let b = Budgets {
+        both: fp(0) + fp(small) + (1 << 20),
+        low: fp(small) + (fp(1) - fp(small)) / 2,
+    };
+    (s, b)
+}
+
+/// A token-clocked trace: `initial`, then each `(token, bytes)`.
+fn trace(initial: u64, events: &[(usize, u64)]) -> Box<TraceBudget> {
+    let ev: Vec<String> = events
+        .iter()
+        .map(|(at, b)| format!(r#"{{"at":{at},"budget":{b}}}"#))
+        .collect();
+    let json = format!(
+        r#"{{"name":"t","unit":"B","clock":"token","initial":{initial},"events":[{}]}}"#,
+        ev.join(",")
+    );
+    Box::new(TraceBudget::new(Trace::parse(&json).unwrap()))
+}
+
+/// A budget that starts `margin` above `from` and falls by the same step every token from
+/// token 4, to `to` at token 4 + `steps`.
+fn ramp(from: u64, to: u64, margin: u64, steps: usize) -> Box<TraceBudget> {
+    let top = from + margin;
+    let step = (top - to) / steps as u64;
+    let events: Vec<(usize, u64)> = (1..=steps)
+        .map(|k| (4 + k, top - step * k as u64))
+        .collect();
+    trace(top, &events)
+}
+
+/// One answer, every event in order; the reader is slower than the tiny rungs decode while a
+/// preparation runs, so the carry gets the tokens it needs within the answer.
+fn answer(s: &mut Session) -> (molt::session::Generation, Vec<Event>) {
+    answer_paced(s, MAX_TOKENS, Duration::from_millis(20))
+}
+
+/// [`answer`] with `max_tokens` and the reader's pause per token while a preparation runs.
+fn answer_paced(
+    s: &mut Session,
+    max_tokens: usize,
+    pause: Duration,
+) -> (molt::session::Generation, Vec<Event>) {
+    let mut events: Vec<Event> = Vec::new();
+    let mut preparing = false;
+    let g = s
+        .generate(
+            &Prompt::Text(TEXT.into()),
+            &GenerateOptions {
+                max_tokens,
+                ..GenerateOptions::default()
+            },
+            &mut |e| {
+                match e {
+                    Event::Prepare(p) => preparing = p.state == PrepareState::Started,
+                    Event::Switch(_) => preparing = false,
+                    Event::Token { .. } if preparing => {
+                        std::thread::sleep(pause);
+                    }
+                    _ => {}
+                }
+                events.push(e.clone());
+            },
+        )
+        .unwrap();
+    (g, events)
+}
+
+fn prepares(events: &[Event]) -> Vec<&PrepareInfo> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Prepare(p) => Some(p),
+            _ => None,
+        })
+        .collect()
+}
+
+fn switches(events: &[Event]) -> Vec<&SwitchInfo> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Switch(w) => Some(w),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Every footprint and every preparation started stayed within the budget in force.
+fn assert_never_over(events: &[Event]) {
+    for e in events {
+        if let Event::Footprint(f) = e {
+            assert!(
+                f.modelled_bytes <= f.budget_bytes,
+                "modelled {} B over the budget {} B at token {}",
+                f.modelled_bytes,
+                f.budget_bytes,
+                f.at_token
+            );
+        }
+        if let Event::Prepare(p) = e
+            && p.state == PrepareState::Started
+        {
+            assert!(p.modelled_bytes <= p.budget_bytes, "{p:?}");
+        }
+    }
+}
+
+/// Tokens the switch re-read with the sampled one, from its note.
+fn caught_up_at_switch(w: &SwitchInfo) -> usize {
+    let note = w.note.as_deref().unwrap_or("");
+    let i = note
+        .find(" token(s) caught up at the switch")
+        .unwrap_or_else(|| panic!("no catch-up in the note: {note}"));
+    let head = &note[..i];
+    head[head.rfind(' ').map_or(0, |j| j + 1)..]
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn a_falling_budget_carries_the_conversation_down_ahead_and_the_switch_only_catches_up() {
+    let _serial = one_at_a_time();
+    let l = common::tiny_ladder();
+    let (mut s, b) = on_big(l, Strategy::Molt);
+    let (big, small) = (l.rungs[0].name(), l.rungs[2].name());
+    // Falls from well above the pair to the small rung alone over 30 tokens.
+    s.set_budget_source(Some(ramp(b.both, b.low, b.both - b.low, 30)));
+    let (g, events) = answer(&mut s);
+
+    let p = prepares(&events);
+    assert!(!p.is_empty(), "a shadow was started: {events:?}");
+    let started = p[0];
+    assert_eq!(started.state, PrepareState::Started, "{p:?}");
+    assert_eq!((started.from.as_str(), started.to.as_str()), (big, small));
+    assert!(
+        started.at_token > 4,
+        "the fall began after token 4: {started:?}"
+    );
+    assert!(
+        !p.iter().any(|p| p.state != PrepareState::Started),
+        "neither dropped nor failed: {p:?}"
+    );
+    assert_never_over(&events);
+
+    let w = switches(&events);
+    assert_eq!(w.len(), 1, "one switch, straight to the small rung: {w:?}");
+    let down = w[0];
+    assert_eq!((down.from.as_str(), down.to.as_str()), (big, small));
+    assert!(down.at_token > started.at_token, "{down:?}");
+    assert_eq!(down.method, SwitchMethod::Molt, "{down:?}");
+    assert!(down.timings.carried_ms > 0.0, "{down:?}");
+    assert_eq!(down.timings.load_ms, 0.0, "{down:?}");
+    let note = down.note.as_deref().unwrap_or("");
+    assert!(note.contains("carried in the background"), "{note}");
+    assert!(
+        note.contains("taken early"),
+        "taken when the budget stopped holding both, before the big rung itself stopped fitting: {note}"
+    );
+    assert!(
+        caught_up_at_switch(down) <= molt::session::SHADOW_STEP + 1,
+        "the switch re-read only the last few tokens: {note}"
+    );
+    assert_eq!(
+        down.timings.caught_up,
+        down.at_token - started.at_token,
+        "the small rung re-read every token the big one wrote since the carry began"
+    );
+    assert_eq!(s.current_rung(), small);
+    assert!(g.tokens.len() > down.at_token);
+    for e in &events {
+        if let Event::Token { index, rung, .. } = e {
+            let want = if *index < down.at_token { big } else { small };
+            assert_eq!(rung, want, "token {index}");
+        }
+    }
+}
+
+#[test]
+fn a_shadow_carried_natively_leaves_the_small_rungs_cache_as_its_own() {
+    let _serial = one_at_a_time();
+    let l = common::tiny_ladder();
+    let (mut s, b) = on_big(l, Strategy::Reprefill);
+    s.set_budget_source(Some(ramp(b.both, b.low, b.both - b.low, 30)));
+    let (_, events) = answer(&mut s);
+    let w = switches(&events);
+    assert_eq!(w.len(), 1, "{w:?}");
+    let down = w[0];
+    assert_eq!(down.to, l.rungs[2].name());
+    assert!(down.timings.carried_ms > 0.0, "{down:?}");
+    assert_eq!(down.method, SwitchMethod::Reprefill, "{down:?}");
+
+    let history = s.history().to_vec();
+    let live = s.rung_mut(2).expect("the answer ended on the small rung");
+    let n = live.ctx.n_past();
+    assert!(
+        n > down.at_token && n <= history.len(),
+        "{n} of {}",
+        history.len()
+    );
+    let carried = live.ctx.logits().to_vec();
+    let mut fresh = LiveRung::load(&l.rungs[2], common::cfg()).unwrap();
+    fresh.ctx.decode(&history[..n]).unwrap();
+    let jsd = molt::session::jsd(&carried, fresh.ctx.logits());
+    assert!(
+        jsd < 1e-4,
+        "the shadow's catch-ups read as the rung's own decode: JSD {jsd} over {n} tokens"
+    );
+}
+
+#[test]
+fn a_fall_that_stops_drops_the_shadow_and_the_answer_stays_on_the_big_rung() {
+    let _serial = one_at_a_time();
+    let l = common::tiny_ladder();
+    let (mut s, b) = on_big(l, Strategy::Molt);
+    let top = b.both + (b.both - b.low);
+    // Falls for 4 tokens, then holds well above the pair for the rest of the answer.
+    let hold = b.both + (b.both - b.low) / 2;
+    let mut ev: Vec<(usize, u64)> = (1..=4)
+        .map(|k| (4 + k, top - (top - hold) * k as u64 / 4))
+        .collect();
+    ev.push((9, hold));
+    s.set_budget_source(Some(trace(top, &ev)));
+    // The trend reads the last 3 s of the wall clock: the reader keeps the shadow's tokens
+    // slow enough for the fall to leave that window within the answer.
+    let (_, events) = answer_paced(&mut s, 120, Duration::from_millis(60));
+    let p = prepares(&events);
+    assert_eq!(
+        p.first().map(|p| p.state),
+        Some(PrepareState::Started),
+        "{p:?}"
+    );
+    let dropped = p
+        .iter()
+        .find(|p| p.state == PrepareState::Dropped)
+        .unwrap_or_else(|| panic!("the shadow was dropped once the fall stopped: {p:?}"));
+    assert!(
+        dropped
+            .reason
+            .as_deref()
+            .is_some_and(|r| r.contains("no longer falls")),
+        "{dropped:?}"
+    );
+    assert!(switches(&events).is_empty(), "no switch: {events:?}");
+    assert_eq!(s.current_rung(), l.rungs[0].name());
+    assert_never_over(&events);
+}
+
+#[test]
+fn a_flat_budget_starts_no_shadow() {
+    let _serial = one_at_a_time();
+    let l = common::tiny_ladder();
+    let (mut s, b) = on_big(l, Strategy::Molt);
+    s.set_budget_source(Some(trace(b.both, &[])));
+    let (_, events) = answer(&mut s);
+    assert!(prepares(&events).is_empty(), "{events:?}");
+    assert!(switches(&events).is_empty());
+}
