@@ -53,13 +53,14 @@ use super::{Event, LiveRung, PrepareInfo, PrepareState, Session, SessionError, m
 
 /// Most tokens the destination of a carried switch up re-reads between two tokens to catch up
 /// with the source: each such boundary costs the answer a batch of this many tokens on the
-/// destination (~0.4 s for tier0 on a 2-core AVX2 machine, whose prefill runs ~20 tok/s), and
-/// the switch waits until it is this close.
+/// destination (~0.4 s for tier0 on a 2-core AVX2 machine, whose prefill runs ~20 tok/s); the
+/// switch waits until it is within [`SHADOW_STEP`].
 pub const CATCH_UP_STEP: usize = 8;
 
 /// Most tokens a shadow (a switch down prepared ahead, [`super::shadow`]) is let fall behind
-/// the source before it re-reads them: the switch down, when it comes, re-reads at most this
-/// many with the sampled token, and the user's gap is that short batch.
+/// the source before it re-reads them, and how close any carried destination gets before its
+/// switch: the switch re-reads at most this many with the sampled token, and the user's gap is
+/// that short batch.
 pub const SHADOW_STEP: usize = 2;
 
 /// The threads of the source and of a background carry decoding beside it, out of `n`: half
@@ -317,8 +318,9 @@ impl Session {
 
     /// One boundary of a carried destination catching up with the source: while it is more
     /// than `step` tokens behind, re-read that many (the answer stays on the source for this
-    /// token); then the switch can be taken, and re-reads the rest with the sampled token. A
-    /// failed re-read drops the carried state (the switch then carries at the token).
+    /// token), then re-read to within [`SHADOW_STEP`]; then the switch can be taken, and
+    /// re-reads the rest with the sampled token. A failed re-read drops the carried state (the
+    /// switch then carries at the token).
     pub(super) fn catch_up(&mut self, step: usize) -> Readiness {
         let Some(c) = self.carried.as_mut() else {
             return Readiness::Now;
@@ -328,13 +330,21 @@ impl Session {
             return Readiness::Now;
         };
         let done = dst.ctx.n_past();
-        if self.history.len() <= done + step {
+        let lag = self.history.len().saturating_sub(done);
+        // `step` at a time while far behind, then what it takes to be within SHADOW_STEP: the
+        // switch's own batch stays short (a switch up's last batch of up to 9 tokens on a 1.5B
+        // rung was ~1 s of the gap on 2 cores); at most SHADOW_STEP + 2 tokens with the
+        // sampled one.
+        // Within one token of SHADOW_STEP (the source writes one more before the next
+        // boundary): the switch can be taken.
+        if lag <= SHADOW_STEP + 1 {
             return Readiness::Now;
         }
-        let end = done + step;
+        let n = step.min(lag - SHADOW_STEP);
+        let end = done + n;
         match dst.ctx.decode(&self.history[done..end]) {
             Ok(()) => {
-                c.caught_up += step;
+                c.caught_up += n;
                 if let Some(p) = self.prepared.as_mut() {
                     p.tokens += 1;
                 }

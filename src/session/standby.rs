@@ -54,13 +54,13 @@ impl Session {
     /// buffers and returning the heap to the system took 90-210 ms of the gap at a switch down
     /// on the real ladder. The footprint sample after the switch, and the process's own
     /// footprint reading, wait for it ([`Session::join_reaper`]).
-    pub(super) fn reap(&mut self, live: LiveRung) {
+    pub(super) fn reap<T: Send + 'static>(&mut self, garbage: T) {
         self.join_reaper();
         // A thread that cannot be spawned drops its closure, and the rung with it, here.
         self.reaper = std::thread::Builder::new()
             .name("molt-free".into())
             .spawn(move || {
-                drop(live);
+                drop(garbage);
                 crate::pressure::trim_heap();
             })
             .ok();
@@ -77,23 +77,25 @@ impl Session {
     /// and, with a budget, as many as it takes (smallest rung first) for the current rung's
     /// modelled footprint and the rest to fit it. Returns whether any was dropped.
     pub(super) fn settle_standby(&mut self, budget: Option<u64>) -> bool {
-        let mut dropped = false;
+        let mut dropped: Vec<StandbyRung> = Vec::new();
         for i in 0..=self.current.min(self.standby.len().saturating_sub(1)) {
-            dropped |= self.standby[i].take().is_some();
+            dropped.extend(self.standby[i].take());
         }
         if let Some(b) = budget {
             let tokens = self.history.len() as u64 + 1;
             while self.standby.iter().any(Option::is_some) && self.modelled_now(tokens) > b {
                 if let Some(slot) = self.standby.iter_mut().rev().find(|s| s.is_some()) {
-                    *slot = None;
-                    dropped = true;
+                    dropped.extend(slot.take());
                 }
             }
         }
-        if dropped {
-            crate::pressure::trim_heap();
+        // Freed off the answer's path, as a switch's source is: two standby rungs dropped after
+        // a switch down from tier0 took 240 ms of the gap before the destination's first token.
+        let any = !dropped.is_empty();
+        if any {
+            self.reap(dropped);
         }
-        dropped
+        any
     }
 
     /// Prepares the missing standby rungs, largest first, each only if the budget last read

@@ -1,5 +1,6 @@
 //! `switch_stall.png`: the stall a user sees at a switch, per route, before (destination
-//! loaded at the switch) and after (standby), warm and cold page cache, one panel per context
+//! loaded at the switch), after (standby) and known ahead (a switch down prepared as a shadow),
+//! warm and cold page cache, one panel per context
 //! length, with three times the destination's inter-token latency marked (the goal for down
 //! routes, warm) — from `switch_stall.json` ([`StallDoc`]).
 
@@ -11,13 +12,26 @@ use super::{FAMILY, Figure, fig_err, tick};
 use crate::bench::BenchError;
 use crate::bench::stall::{CacheState, StallDoc, StallRow};
 
-/// The four bars of a route: (setup, cache, colour).
-const SERIES: [(&str, CacheState, RGBColor); 4] = [
+/// The bars of a route: (setup, cache, colour).
+const SERIES: [(&str, CacheState, RGBColor); 6] = [
     ("before, warm", CacheState::Warm, RGBColor(158, 158, 158)),
     ("after, warm", CacheState::Warm, RGBColor(31, 119, 180)),
+    ("known ahead, warm", CacheState::Warm, RGBColor(44, 160, 44)),
     ("before, cold", CacheState::Cold, RGBColor(214, 160, 120)),
     ("after, cold", CacheState::Cold, RGBColor(214, 39, 40)),
+    ("known ahead, cold", CacheState::Cold, RGBColor(148, 103, 189)),
 ];
+
+/// The rows of a series by its label.
+fn series_rows<'a>(doc: &'a StallDoc, label: &str) -> &'a [StallRow] {
+    if label.starts_with("before") {
+        &doc.before_rows
+    } else if label.starts_with("known ahead") {
+        &doc.warned_rows
+    } else {
+        &doc.rows
+    }
+}
 
 /// The context lengths of the document's rows, in order (rows of a length cluster around it).
 fn lengths(doc: &StallDoc) -> Vec<usize> {
@@ -25,6 +39,7 @@ fn lengths(doc: &StallDoc) -> Vec<usize> {
         .rows
         .iter()
         .chain(&doc.before_rows)
+        .chain(&doc.warned_rows)
         .map(|r| r.context_tokens)
         .collect();
     v.sort_unstable();
@@ -42,7 +57,7 @@ fn in_group(r: &StallRow, lo: usize) -> bool {
     r.context_tokens >= lo && r.context_tokens <= lo * 2
 }
 
-/// One panel per context length; per route four bars (before/after × warm/cold) with
+/// One panel per context length; per route six bars (before/after/known ahead × warm/cold) with
 /// min–max whiskers, and a black tick at 3 × the destination's inter-token latency.
 ///
 /// # Errors
@@ -73,6 +88,7 @@ pub fn stall(doc: &StallDoc, path: &Path) -> Result<Figure, BenchError> {
         .rows
         .iter()
         .chain(&doc.before_rows)
+        .chain(&doc.warned_rows)
         .flat_map(|r| [r.stall_ms.min, r.stall_ms.max, 3.0 * r.itl_ms_median])
         .filter(|v| v.is_finite() && *v > 0.0)
         .collect();
@@ -116,11 +132,7 @@ pub fn stall(doc: &StallDoc, path: &Path) -> Result<Figure, BenchError> {
             .draw()
             .map_err(&e)?;
         for (k, (label, cache, color)) in SERIES.iter().enumerate() {
-            let rows = if label.starts_with("before") {
-                &doc.before_rows
-            } else {
-                &doc.rows
-            };
+            let rows = series_rows(doc, label);
             let mut bars = Vec::new();
             let mut whiskers = Vec::new();
             for (i, (route, _)) in routes.iter().enumerate() {
@@ -130,9 +142,9 @@ pub fn stall(doc: &StallDoc, path: &Path) -> Result<Figure, BenchError> {
                 else {
                     continue;
                 };
-                let x = i as f64 - 0.3 + 0.2 * k as f64;
+                let x = i as f64 - 0.375 + 0.15 * k as f64;
                 bars.push(Rectangle::new(
-                    [(x - 0.09, lo), (x + 0.09, r.stall_ms.median)],
+                    [(x - 0.065, lo), (x + 0.065, r.stall_ms.median)],
                     color.filled(),
                 ));
                 whiskers.push(PathElement::new(
@@ -180,7 +192,7 @@ pub fn stall(doc: &StallDoc, path: &Path) -> Result<Figure, BenchError> {
         name: name.into(),
         path: path.to_path_buf(),
         caption: format!(
-            "The gap a user sees at a switch (last token on the source to first on the destination, everything included), every route, {} reps, {} thread(s) on a shared machine: before = the destination loaded at the switch, after = off standby; warm and cold page cache; the black tick is 3 × the destination's inter-token latency.",
+            "The gap a user sees at a switch (last token on the source to first on the destination, everything included), every route, {} reps, {} thread(s) on a shared machine: before = the destination loaded at the switch, after = off standby (a switch up loaded and carried in the background), known ahead = a switch down prepared as a shadow while the budget falls; warm and cold page cache; the black tick is 3 × the destination's inter-token latency.",
             doc.reps, doc.threads
         ),
     })
