@@ -308,3 +308,67 @@ fn a_flat_budget_starts_no_shadow() {
     assert!(prepares(&events).is_empty(), "{events:?}");
     assert!(switches(&events).is_empty());
 }
+
+/// What a user checks by hand, on the real ladder: a conversation whose first answer was moved
+/// down to the 0.5B rung by a switch prepared ahead (carried in the background, then caught
+/// up) still answers a question about its first turn.
+#[test]
+fn real_ladder_a_conversation_carried_down_ahead_remembers_its_first_turn() {
+    let Some(l) = common::real_ladder() else {
+        return;
+    };
+    let opts = SessionOptions {
+        forced_down_waits: true,
+        ..SessionOptions::default()
+    };
+    let tier2 = common::rung(l, "tier2").index;
+    let mut s =
+        Session::with_options(l.clone(), common::context(2048, 256), "tier0", opts).unwrap();
+    let mut switches: Vec<SwitchInfo> = Vec::new();
+    let mut started: Vec<PrepareInfo> = Vec::new();
+    s.generate(
+        &Prompt::User(
+            "Keep this in mind for later: the build server's address is 10.42.7.19 and the release manager is Oyelaran Fitzgibbon. Now write four sentences about code review.".into(),
+        ),
+        &GenerateOptions {
+            max_tokens: 96,
+            force_switch: Some((4, tier2)),
+            ..GenerateOptions::default()
+        },
+        &mut |e| match e {
+            Event::Switch(x) => switches.push(x.clone()),
+            Event::Prepare(p) => started.push(p.clone()),
+            _ => {}
+        },
+    )
+    .unwrap();
+    assert_eq!(switches.len(), 1, "{switches:?}");
+    let down = &switches[0];
+    assert_eq!(down.to, "tier2");
+    assert!(
+        down.timings.carried_ms > 0.0,
+        "carried in the background: {down:?}, {started:?}"
+    );
+    assert!(down.timings.recomputed > 0, "{down:?}");
+    let g = s
+        .generate(
+            &Prompt::User(
+                "What is the build server's address, and who is the release manager? Answer in one sentence."
+                    .into(),
+            ),
+            &GenerateOptions {
+                max_tokens: 40,
+                ..GenerateOptions::default()
+            },
+            &mut |_| {},
+        )
+        .unwrap();
+    eprintln!("second turn: {:?}", g.text);
+    assert_eq!(g.rungs_used, vec!["tier2".to_string()]);
+    let text = g.text.to_lowercase();
+    assert!(
+        text.contains("10.42.7.19") && text.contains("fitzgibbon"),
+        "the conversation carried down ahead lost its first turn: {:?}",
+        g.text
+    );
+}

@@ -125,8 +125,8 @@ pub struct Session {
     force_taken: bool,
     /// The budget readings that predict a fall ([`shadow`]).
     trend: shadow::Trend,
-    /// A rung a switch let go of, being freed off the answer's path ([`Session::reap`]).
-    reaper: Option<std::thread::JoinHandle<()>>,
+    /// Rungs a switch let go of, being freed off the answer's path ([`Session::reap`]).
+    reapers: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl Session {
@@ -180,7 +180,7 @@ impl Session {
             prepare_failed: None,
             force_taken: false,
             trend: shadow::Trend::default(),
-            reaper: None,
+            reapers: Vec::new(),
             context_bytes: vec![None; n],
             measured_extra: vec![0; n],
             default_context_bytes: vec![None; n],

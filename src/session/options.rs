@@ -151,10 +151,15 @@ pub struct SessionOptions {
     /// below in the background and kept caught up, so the switch down, when it comes, is one
     /// short batch. On by default; off, a switch down carries the conversation at its token.
     pub prepare_down: bool,
-    /// How far ahead the budget's trend is read for [`SessionOptions::prepare_down`]: about the
-    /// time a carry takes in the background (10 s by default: a size route's sentence re-reads
-    /// share 2 cores with the answer for ~6-10 s on the real ladder).
+    /// How far ahead the budget's trend is read for [`SessionOptions::prepare_down`]: long
+    /// enough for a carry to finish before the budget stops holding both rungs (30 s by
+    /// default: a size route's carry took 13-18 s on half of 2 cores on the real ladder, the
+    /// precision routes' 1-2 s). A longer horizon reacts to slower falls, and to noise.
     pub shadow_horizon: Duration,
+    /// How soon the current rung must be predicted to stop fitting for a carried shadow to be
+    /// taken early once the budget no longer holds both rungs (5 s by default); otherwise the
+    /// shadow is dropped ([`super::shadow`]).
+    pub shadow_early: Duration,
     /// A forced switch down ([`GenerateOptions::force_switch`]) is prepared as a shadow, the
     /// decision known ahead: it waits, tokens on the source, until its destination is carried
     /// and caught up (with [`SessionOptions::prepare_down`]). Off by default; `bench --stall`
@@ -193,7 +198,8 @@ impl Default for SessionOptions {
             prepare_up: true,
             forced_up_waits: false,
             prepare_down: true,
-            shadow_horizon: Duration::from_secs(10),
+            shadow_horizon: Duration::from_secs(30),
+            shadow_early: Duration::from_secs(5),
             forced_down_waits: false,
             speed: crate::speed::SpeedPolicy::from_env(),
         }

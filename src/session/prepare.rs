@@ -333,14 +333,14 @@ impl Session {
         let lag = self.history.len().saturating_sub(done);
         // `step` at a time while far behind, then what it takes to be within SHADOW_STEP: the
         // switch's own batch stays short (a switch up's last batch of up to 9 tokens on a 1.5B
-        // rung was ~1 s of the gap on 2 cores); at most SHADOW_STEP + 2 tokens with the
+        // rung was ~1 s of the gap on 2 cores); at most SHADOW_STEP + 1 tokens with the
         // sampled one.
-        // Within one token of SHADOW_STEP (the source writes one more before the next
-        // boundary): the switch can be taken.
-        if lag <= SHADOW_STEP + 1 {
+        if lag <= SHADOW_STEP {
             return Readiness::Now;
         }
-        let n = step.min(lag - SHADOW_STEP);
+        // To one token short of SHADOW_STEP at most: the source writes one more before the
+        // next boundary, where the switch can then be taken.
+        let n = step.min(lag + 1 - SHADOW_STEP);
         let end = done + n;
         match dst.ctx.decode(&self.history[done..end]) {
             Ok(()) => {

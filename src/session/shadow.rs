@@ -21,12 +21,14 @@
 //!   and beside the current one now, else the smallest rung if it fits beside.
 //! - **Counted** at the destination's full footprint from the start, as a switch up prepared is.
 //! - **Taken early**: once the budget no longer holds both and the shadow is carried, the switch
-//!   down is taken then — before the policy would — rather than go over the budget or throw the
-//!   carried state away. The trade: the answer moves to the smaller rung about (the
-//!   destination's footprint ÷ the fall's rate) seconds before the current rung stops fitting,
-//!   instead of stalling seconds at the switch when it does.
+//!   down is taken then — before the policy would — if the trend says the current rung stops
+//!   fitting within [`SessionOptions::shadow_early`]: a few seconds on the smaller rung instead
+//!   of a stall of seconds at the switch. When the current rung would still fit for longer,
+//!   the shadow is dropped instead (a slow fall would otherwise move the answer to a worse rung
+//!   long before it must), and the switch, when it comes, is carried at its token.
 //! - **Dropped** when the trend stops predicting the fall within twice the horizon, when the
-//!   budget no longer holds both before the carry finished, when the policy moves elsewhere, or
+//!   budget no longer holds both before the carry finished (or too long before the current
+//!   rung stops fitting), when the policy moves elsewhere, or
 //!   at the answer's end; the destination goes back to standby when the rules allow it.
 //! - **Landed**: a switch down the policy takes to the shadow's destination while its carry
 //!   still runs frees the source first (its state went to the thread at the start), then waits
@@ -67,6 +69,23 @@ impl Trend {
     /// when that slope falls; `None` when it is flat or rising, or the window holds fewer than
     /// two readings apart in time.
     pub(super) fn falls_to(&self, horizon: Duration) -> Option<u64> {
+        let (slope, last) = self.slope()?;
+        let at = last as f64 + slope * horizon.as_secs_f64();
+        // Truncation to whole bytes; a fall past zero is zero.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        Some(at.max(0.0) as u64)
+    }
+
+    /// Seconds until the budget, falling at the window's slope, is below `level`; `None` when
+    /// it does not fall.
+    pub(super) fn seconds_to(&self, level: u64) -> Option<f64> {
+        let (slope, last) = self.slope()?;
+        Some(((last as f64 - level as f64) / -slope).max(0.0))
+    }
+
+    /// The window's least-squares slope, bytes per second, when it falls, with the last
+    /// reading.
+    fn slope(&self) -> Option<(f64, u64)> {
         let (&(t0, _), &(_, last)) = (self.readings.front()?, self.readings.back()?);
         let pts: Vec<(f64, f64)> = self
             .readings
@@ -81,13 +100,7 @@ impl Trend {
             return None;
         }
         let slope = pts.iter().map(|p| (p.0 - mt) * (p.1 - mb)).sum::<f64>() / var;
-        if slope >= 0.0 {
-            return None;
-        }
-        let at = last as f64 + slope * horizon.as_secs_f64();
-        // Truncation to whole bytes; a fall past zero is zero.
-        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-        Some(at.max(0.0) as u64)
+        (slope < 0.0).then_some((slope, last))
     }
 
     /// Forgets every reading (a new budget source).
@@ -137,7 +150,11 @@ impl Session {
                 }
                 let both = self.modelled_now(tokens);
                 if both > budget {
-                    if self.carried.is_some() {
+                    let soon = self
+                        .trend
+                        .seconds_to(here)
+                        .is_some_and(|t| t <= self.opts.shadow_early.as_secs_f64());
+                    if self.carried.is_some() && soon {
                         self.carry_note = Some(format!(
                             "taken early: the budget {} MiB, falling, no longer holds {} and {} side by side ({} MiB)",
                             budget >> 20,
@@ -148,11 +165,16 @@ impl Session {
                         return Ok(Some(to));
                     }
                     let why = format!(
-                        "the budget {} MiB no longer holds {} and {} side by side ({} MiB) before the carry finished",
+                        "the budget {} MiB no longer holds {} and {} side by side ({} MiB) {}",
                         budget >> 20,
                         self.current_rung(),
                         self.ladder.rungs[to].name(),
-                        both >> 20
+                        both >> 20,
+                        if self.carried.is_some() {
+                            "while the current rung still fits for longer than it is worth moving early"
+                        } else {
+                            "before the carry finished"
+                        }
                     );
                     self.abandon_prepare(at_token, &why, sink);
                     self.shelve_uncarried(to);

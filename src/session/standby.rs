@@ -55,20 +55,25 @@ impl Session {
     /// on the real ladder. The footprint sample after the switch, and the process's own
     /// footprint reading, wait for it ([`Session::join_reaper`]).
     pub(super) fn reap<T: Send + 'static>(&mut self, garbage: T) {
-        self.join_reaper();
+        // Not waiting for an earlier one: a switch lets go of its source and then of the
+        // standby rungs above its destination, and the second waiting for the first put 146 ms
+        // back into the gap.
+        self.reapers.retain(|h| !h.is_finished());
         // A thread that cannot be spawned drops its closure, and the rung with it, here.
-        self.reaper = std::thread::Builder::new()
+        if let Ok(h) = std::thread::Builder::new()
             .name("molt-free".into())
             .spawn(move || {
                 drop(garbage);
                 crate::pressure::trim_heap();
             })
-            .ok();
+        {
+            self.reapers.push(h);
+        }
     }
 
-    /// Waits until the rung [`Session::reap`] frees is gone.
+    /// Waits until every rung [`Session::reap`] frees is gone.
     pub(super) fn join_reaper(&mut self) {
-        if let Some(h) = self.reaper.take() {
+        for h in self.reapers.drain(..) {
             let _ = h.join();
         }
     }

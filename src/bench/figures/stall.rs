@@ -19,7 +19,11 @@ const SERIES: [(&str, CacheState, RGBColor); 6] = [
     ("known ahead, warm", CacheState::Warm, RGBColor(44, 160, 44)),
     ("before, cold", CacheState::Cold, RGBColor(214, 160, 120)),
     ("after, cold", CacheState::Cold, RGBColor(214, 39, 40)),
-    ("known ahead, cold", CacheState::Cold, RGBColor(148, 103, 189)),
+    (
+        "known ahead, cold",
+        CacheState::Cold,
+        RGBColor(148, 103, 189),
+    ),
 ];
 
 /// The rows of a series by its label.
