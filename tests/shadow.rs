@@ -6,10 +6,12 @@
 
 mod common;
 
+use common::events::{assert_never_over, one_at_a_time, prepares, switches, token_trace as trace};
+
 use std::time::Duration;
 
 use molt::ladder::Ladder;
-use molt::pressure::{Trace, TraceBudget};
+use molt::pressure::TraceBudget;
 use molt::sched::Policy;
 use molt::session::{
     Event, GenerateOptions, LiveRung, PrepareInfo, PrepareState, Prompt, Session, SessionOptions,
@@ -20,15 +22,6 @@ const TEXT: &str = "The scheduler parks the weights of a background job while ke
 
 /// Tokens every answer here generates.
 const MAX_TOKENS: usize = 60;
-
-/// Rung costs are measured at load as the growth of the process's memory: one test at a time.
-static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
 
 /// Budgets, bytes, from the session's modelled costs at the answer's end: `both` holds the big
 /// and the small rung side by side; `low` holds the small rung only.
@@ -55,19 +48,6 @@ fn on_big(l: &Ladder, strategy: Strategy) -> (Session, Budgets) {
         low: fp(small) + (fp(1) - fp(small)) / 2,
     };
     (s, b)
-}
-
-/// A token-clocked trace: `initial`, then each `(token, bytes)`.
-fn trace(initial: u64, events: &[(usize, u64)]) -> Box<TraceBudget> {
-    let ev: Vec<String> = events
-        .iter()
-        .map(|(at, b)| format!(r#"{{"at":{at},"budget":{b}}}"#))
-        .collect();
-    let json = format!(
-        r#"{{"name":"t","unit":"B","clock":"token","initial":{initial},"events":[{}]}}"#,
-        ev.join(",")
-    );
-    Box::new(TraceBudget::new(Trace::parse(&json).unwrap()))
 }
 
 /// A budget that starts `margin` above `from` and falls by the same step every token from
@@ -116,46 +96,6 @@ fn answer_paced(
         )
         .unwrap();
     (g, events)
-}
-
-fn prepares(events: &[Event]) -> Vec<&PrepareInfo> {
-    events
-        .iter()
-        .filter_map(|e| match e {
-            Event::Prepare(p) => Some(p),
-            _ => None,
-        })
-        .collect()
-}
-
-fn switches(events: &[Event]) -> Vec<&SwitchInfo> {
-    events
-        .iter()
-        .filter_map(|e| match e {
-            Event::Switch(w) => Some(w),
-            _ => None,
-        })
-        .collect()
-}
-
-/// Every footprint and every preparation started stayed within the budget in force.
-fn assert_never_over(events: &[Event]) {
-    for e in events {
-        if let Event::Footprint(f) = e {
-            assert!(
-                f.modelled_bytes <= f.budget_bytes,
-                "modelled {} B over the budget {} B at token {}",
-                f.modelled_bytes,
-                f.budget_bytes,
-                f.at_token
-            );
-        }
-        if let Event::Prepare(p) = e
-            && p.state == PrepareState::Started
-        {
-            assert!(p.modelled_bytes <= p.budget_bytes, "{p:?}");
-        }
-    }
 }
 
 /// Tokens the switch re-read with the sampled one, from its note.

@@ -8,14 +8,16 @@
 
 mod common;
 
+use common::events::{
+    assert_never_over, one_at_a_time, prepares, switches, token_rungs, token_trace as trace,
+};
+
 use std::time::Duration;
 
 use molt::ladder::Ladder;
-use molt::pressure::{Trace, TraceBudget};
 use molt::sched::Policy;
 use molt::session::{
-    Event, GenerateOptions, LiveRung, PrepareInfo, PrepareState, Prompt, Session, SessionOptions,
-    Strategy, SwitchInfo,
+    Event, GenerateOptions, LiveRung, PrepareState, Prompt, Session, SessionOptions, Strategy,
 };
 
 const TEXT: &str = "The scheduler parks the weights of a background job while keeping its cache, then maps them back when memory returns.";
@@ -32,18 +34,6 @@ struct Budgets {
     big_only: u64,
     /// The two rungs' footprints at the prompt's length, summed.
     pair_at_prompt: u64,
-}
-
-/// The tests of this file one at a time: a rung's cost is measured at its load as the growth of
-/// the process's anonymous memory, and a test loading rungs beside another in the same process
-/// would be charged for the other's allocations (seen once in the full suite: the small rung
-/// measured larger than the q8 one).
-static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    ONE_AT_A_TIME
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// A session on the tiny ladder `l`, moved idle to its smallest rung, with the costs the policy
@@ -94,19 +84,6 @@ fn on_small_with(l: &Ladder, strategy: Strategy) -> (Session, Budgets) {
     (s, b)
 }
 
-/// A token-clocked trace: `initial`, then each `(token, bytes)`.
-fn trace(initial: u64, events: &[(usize, u64)]) -> Box<TraceBudget> {
-    let ev: Vec<String> = events
-        .iter()
-        .map(|(at, b)| format!(r#"{{"at":{at},"budget":{b}}}"#))
-        .collect();
-    let json = format!(
-        r#"{{"name":"t","unit":"B","clock":"token","initial":{initial},"events":[{}]}}"#,
-        ev.join(",")
-    );
-    Box::new(TraceBudget::new(Trace::parse(&json).unwrap()))
-}
-
 /// One answer; every event, in order. While a background load runs the reader is slower than
 /// the tiny rungs decode, so the load gets the tokens it needs within the answer.
 fn answer(s: &mut Session) -> (molt::session::Generation, Vec<Event>) {
@@ -133,57 +110,6 @@ fn answer(s: &mut Session) -> (molt::session::Generation, Vec<Event>) {
         )
         .unwrap();
     (g, events)
-}
-
-fn prepares(events: &[Event]) -> Vec<&PrepareInfo> {
-    events
-        .iter()
-        .filter_map(|e| match e {
-            Event::Prepare(p) => Some(p),
-            _ => None,
-        })
-        .collect()
-}
-
-fn switches(events: &[Event]) -> Vec<&SwitchInfo> {
-    events
-        .iter()
-        .filter_map(|e| match e {
-            Event::Switch(w) => Some(w),
-            _ => None,
-        })
-        .collect()
-}
-
-/// The rung of every token, by index.
-fn token_rungs(events: &[Event]) -> Vec<(usize, String)> {
-    events
-        .iter()
-        .filter_map(|e| match e {
-            Event::Token { index, rung, .. } => Some((*index, rung.clone())),
-            _ => None,
-        })
-        .collect()
-}
-
-/// Every footprint the session reported stayed within the budget in force.
-fn assert_never_over(events: &[Event]) {
-    for e in events {
-        if let Event::Footprint(f) = e {
-            assert!(
-                f.modelled_bytes <= f.budget_bytes,
-                "modelled {} B over the budget {} B at token {}",
-                f.modelled_bytes,
-                f.budget_bytes,
-                f.at_token
-            );
-        }
-        if let Event::Prepare(p) = e
-            && p.state == PrepareState::Started
-        {
-            assert!(p.modelled_bytes <= p.budget_bytes, "{p:?}");
-        }
-    }
 }
 
 #[test]

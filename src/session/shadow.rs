@@ -15,9 +15,10 @@
 //! 2-core machine).
 //!
 //! The rules, at every token boundary the policy stays at:
-//! - **Started** when the predicted budget is below the current rung's modelled footprint and
-//!   the budget now holds the current rung and the destination side by side (standby rungs are
-//!   given up first). The destination is the largest rung below that fits the predicted budget
+//! - **Started** when the predicted budget is below the current rung's modelled footprint, the
+//!   budget now holds the current rung and the destination side by side (standby rungs are
+//!   given up first), and the fall is fast enough for the shadow to be taken when they no
+//!   longer fit (see *taken early*). The destination is the largest rung below that fits the predicted budget
 //!   and beside the current one now, else the smallest rung if it fits beside.
 //! - **Counted** at the destination's full footprint from the start, as a switch up prepared is.
 //! - **Taken early**: once the budget no longer holds both and the shadow is carried, the switch
@@ -219,6 +220,17 @@ impl Session {
                     return Ok(None);
                 };
                 if self.prepare_failed == Some(to) || self.rungs[to].is_some() {
+                    return Ok(None);
+                }
+                // A shadow that would be dropped when the budget stops holding both (the
+                // current rung fitting on for longer than `shadow_early` after that) is not
+                // started: the carry would only have slowed the answer.
+                let pair = here + self.modelled_footprint(to, tokens);
+                let early = match (self.trend.seconds_to(here), self.trend.seconds_to(pair)) {
+                    (Some(a), Some(b)) => a - b,
+                    _ => f64::INFINITY,
+                };
+                if early > self.opts.shadow_early.as_secs_f64() {
                     return Ok(None);
                 }
                 self.start_prepare(to, at_token, Some(budget), sink)?;

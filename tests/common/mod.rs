@@ -3,6 +3,8 @@
 //! `molt-run fetch`).
 #![allow(dead_code)]
 
+pub mod events;
+
 use molt::engine::{ContextConfig, Token};
 use molt::ladder::{FetchOptions, Ladder, Manifest, fetch};
 use std::path::{Path, PathBuf};

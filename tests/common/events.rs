@@ -1,0 +1,84 @@
+//! What the session tests read from an answer's events: token-clocked traces, the switches and
+//! background preparations, and the footprint rule.
+
+use molt::pressure::{Trace, TraceBudget};
+use molt::session::{Event, PrepareInfo, PrepareState, SwitchInfo};
+
+/// Tests that measure rung costs one at a time within a process: a rung's cost is measured at
+/// its load as the growth of the process's anonymous memory, and a test loading rungs beside
+/// another would be charged for the other's allocations.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Holds [`ONE_AT_A_TIME`] for the caller's test.
+pub fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A token-clocked trace: `initial`, then each `(token, bytes)`.
+pub fn token_trace(initial: u64, events: &[(usize, u64)]) -> Box<TraceBudget> {
+    let ev: Vec<String> = events
+        .iter()
+        .map(|(at, b)| format!(r#"{{"at":{at},"budget":{b}}}"#))
+        .collect();
+    let json = format!(
+        r#"{{"name":"t","unit":"B","clock":"token","initial":{initial},"events":[{}]}}"#,
+        ev.join(",")
+    );
+    Box::new(TraceBudget::new(Trace::parse(&json).unwrap()))
+}
+
+/// The background preparations, in order.
+pub fn prepares(events: &[Event]) -> Vec<&PrepareInfo> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Prepare(p) => Some(p),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The switches, in order.
+pub fn switches(events: &[Event]) -> Vec<&SwitchInfo> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Switch(w) => Some(w),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The rung of every token, by index.
+pub fn token_rungs(events: &[Event]) -> Vec<(usize, String)> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Token { index, rung, .. } => Some((*index, rung.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Every footprint the session reported, and every preparation started, stayed within the
+/// budget in force.
+pub fn assert_never_over(events: &[Event]) {
+    for e in events {
+        if let Event::Footprint(f) = e {
+            assert!(
+                f.modelled_bytes <= f.budget_bytes,
+                "modelled {} B over the budget {} B at token {}",
+                f.modelled_bytes,
+                f.budget_bytes,
+                f.at_token
+            );
+        }
+        if let Event::Prepare(p) = e
+            && p.state == PrepareState::Started
+        {
+            assert!(p.modelled_bytes <= p.budget_bytes, "{p:?}");
+        }
+    }
+}
