@@ -15,7 +15,7 @@ use molt::pressure::TraceBudget;
 use molt::sched::Policy;
 use molt::session::{
     Event, GenerateOptions, LiveRung, PrepareInfo, PrepareState, Prompt, Session, SessionOptions,
-    Strategy, SwitchInfo, SwitchMethod,
+    Strategy, SwitchInfo, SwitchMethod, TokenControl,
 };
 
 const TEXT: &str = "The scheduler parks the weights of a background job while keeping its cache, then maps them back when memory returns.";
@@ -61,6 +61,32 @@ fn ramp(from: u64, to: u64, margin: u64, steps: usize) -> Box<TraceBudget> {
     trace(top, &events)
 }
 
+/// Keeps the random-weight rungs from ending an answer (end of text) before the budget has
+/// fallen: the answer runs to its length.
+struct NoEndOfText(Vec<usize>);
+
+impl NoEndOfText {
+    fn of(s: &mut Session) -> Self {
+        let i = s.current_index();
+        let model = s.rung_mut(i).expect("the current rung is loaded").model();
+        Self(
+            (0..model.n_vocab())
+                .filter(|&t| molt::engine::Token::try_from(t).is_ok_and(|t| model.is_eog(t)))
+                .collect(),
+        )
+    }
+}
+
+impl TokenControl for NoEndOfText {
+    fn shape(&mut self, logits: &mut [f32]) {
+        for &t in &self.0 {
+            if let Some(l) = logits.get_mut(t) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
+}
+
 /// One answer, every event in order; the reader is slower than the tiny rungs decode while a
 /// preparation runs, so the carry gets the tokens it needs within the answer.
 fn answer(s: &mut Session) -> (molt::session::Generation, Vec<Event>) {
@@ -75,13 +101,15 @@ fn answer_paced(
 ) -> (molt::session::Generation, Vec<Event>) {
     let mut events: Vec<Event> = Vec::new();
     let mut preparing = false;
+    let mut no_end = NoEndOfText::of(s);
     let g = s
-        .generate(
+        .generate_with(
             &Prompt::Text(TEXT.into()),
             &GenerateOptions {
                 max_tokens,
                 ..GenerateOptions::default()
             },
+            &mut no_end,
             &mut |e| {
                 match e {
                     Event::Prepare(p) => preparing = p.state == PrepareState::Started,
@@ -254,6 +282,8 @@ fn a_flat_budget_starts_no_shadow() {
 /// up) still answers a question about its first turn.
 #[test]
 fn real_ladder_a_conversation_carried_down_ahead_remembers_its_first_turn() {
+    // Its loads would be charged to a tiny test's rungs measured meanwhile.
+    let _serial = one_at_a_time();
     let Some(l) = common::real_ladder() else {
         return;
     };
