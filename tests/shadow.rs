@@ -6,7 +6,10 @@
 
 mod common;
 
-use common::events::{assert_never_over, one_at_a_time, prepares, switches, token_trace as trace};
+use common::events::{
+    assert_never_over, assert_reads_as_fresh, one_at_a_time, prepares, switches,
+    token_trace as trace,
+};
 
 use std::time::Duration;
 
@@ -14,8 +17,8 @@ use molt::ladder::Ladder;
 use molt::pressure::TraceBudget;
 use molt::sched::Policy;
 use molt::session::{
-    Event, GenerateOptions, LiveRung, PrepareInfo, PrepareState, Prompt, Session, SessionOptions,
-    Strategy, SwitchInfo, SwitchMethod, TokenControl,
+    Event, GenerateOptions, PrepareInfo, PrepareState, Prompt, Session, SessionOptions, Strategy,
+    SwitchInfo, SwitchMethod, TokenControl,
 };
 
 const TEXT: &str = "The scheduler parks the weights of a background job while keeping its cache, then maps them back when memory returns.";
@@ -210,22 +213,7 @@ fn a_shadow_carried_natively_leaves_the_small_rungs_cache_as_its_own() {
     assert!(down.timings.carried_ms > 0.0, "{down:?}");
     assert_eq!(down.method, SwitchMethod::Reprefill, "{down:?}");
 
-    let history = s.history().to_vec();
-    let live = s.rung_mut(2).expect("the answer ended on the small rung");
-    let n = live.ctx.n_past();
-    assert!(
-        n > down.at_token && n <= history.len(),
-        "{n} of {}",
-        history.len()
-    );
-    let carried = live.ctx.logits().to_vec();
-    let mut fresh = LiveRung::load(&l.rungs[2], common::cfg()).unwrap();
-    fresh.ctx.decode(&history[..n]).unwrap();
-    let jsd = molt::session::jsd(&carried, fresh.ctx.logits());
-    assert!(
-        jsd < 1e-4,
-        "the shadow's catch-ups read as the rung's own decode: JSD {jsd} over {n} tokens"
-    );
+    assert_reads_as_fresh(&mut s, 2, down.at_token, "the shadow's catch-ups");
 }
 
 #[test]

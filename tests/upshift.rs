@@ -9,7 +9,8 @@
 mod common;
 
 use common::events::{
-    assert_never_over, one_at_a_time, prepares, switches, token_rungs, token_trace as trace,
+    assert_never_over, assert_reads_as_fresh, one_at_a_time, prepares, switches, token_rungs,
+    token_trace as trace,
 };
 
 use std::time::Duration;
@@ -446,20 +447,5 @@ fn a_conversation_carried_up_natively_in_the_background_reads_as_a_fresh_decode(
     assert_eq!(up.method, molt::session::SwitchMethod::Reprefill, "{up:?}");
     assert_eq!(up.timings.load_ms, 0.0, "{up:?}");
 
-    let history = s.history().to_vec();
-    let live = s.rung_mut(0).expect("the answer ended on the big rung");
-    let n = live.ctx.n_past();
-    assert!(
-        n > up.at_token && n <= history.len(),
-        "{n} of {}",
-        history.len()
-    );
-    let carried = live.ctx.logits().to_vec();
-    let mut fresh = LiveRung::load(&l.rungs[0], common::cfg()).unwrap();
-    fresh.ctx.decode(&history[..n]).unwrap();
-    let jsd = molt::session::jsd(&carried, fresh.ctx.logits());
-    assert!(
-        jsd < 1e-4,
-        "the carried cache reads as the rung's own: JSD {jsd} against one fresh decode of {n} tokens"
-    );
+    assert_reads_as_fresh(&mut s, 0, up.at_token, "the carried cache");
 }

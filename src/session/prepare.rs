@@ -669,8 +669,6 @@ impl Session {
     pub(super) fn prepare_tick(&mut self) {
         if let Some(p) = self.preparing.as_mut() {
             p.tokens += 1;
-        } else if let Some(p) = self.prepared.as_mut() {
-            p.tokens += 1;
         }
     }
 }

@@ -82,3 +82,31 @@ pub fn assert_never_over(events: &[Event]) {
         }
     }
 }
+
+/// The cache rung `index` of `s` ended the answer with reads as one fresh decode of the same
+/// tokens on that rung: holds more than `at_token` positions, and its last logits are within
+/// JSD 1e-4 of a fresh context's. `what` names the cache in the failure.
+pub fn assert_reads_as_fresh(
+    s: &mut molt::session::Session,
+    index: usize,
+    at_token: usize,
+    what: &str,
+) {
+    let history = s.history().to_vec();
+    let info = s.ladder().rungs[index].clone();
+    let live = s.rung_mut(index).expect("the answer ended on that rung");
+    let n = live.ctx.n_past();
+    assert!(
+        n > at_token && n <= history.len(),
+        "{n} of {}",
+        history.len()
+    );
+    let carried = live.ctx.logits().to_vec();
+    let mut fresh = molt::session::LiveRung::load(&info, super::cfg()).unwrap();
+    fresh.ctx.decode(&history[..n]).unwrap();
+    let jsd = molt::session::jsd(&carried, fresh.ctx.logits());
+    assert!(
+        jsd < 1e-4,
+        "{what} reads as the rung's own: JSD {jsd} against one fresh decode of {n} tokens"
+    );
+}
