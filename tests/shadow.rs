@@ -2,7 +2,7 @@
 //! conversation is carried onto the small rung in the background while the big one goes on,
 //! the small one follows it, and the switch, when the budget no longer holds both, is only the
 //! small rung catching up with the last few tokens; the shadow is counted in the footprint, is
-//! dropped when the fall stops, and leaves the small rung's cache reading as its own.
+//! dropped when the fall stops, is not started by a single step down, and leaves the small rung's cache reading as its own.
 
 mod common;
 
@@ -263,6 +263,22 @@ fn a_flat_budget_starts_no_shadow() {
     let (_, events) = answer(&mut s);
     assert!(prepares(&events).is_empty(), "{events:?}");
     assert!(switches(&events).is_empty());
+}
+
+#[test]
+fn a_single_step_down_starts_no_shadow() {
+    // An application taking its memory at once: the budget steps down once, to a level that
+    // still holds both rungs. Nothing more is coming; the window's slope alone would predict a
+    // fall to zero and carry the conversation down for nothing while the answer slows.
+    let _serial = one_at_a_time();
+    let l = common::tiny_ladder();
+    let (mut s, b) = on_big(l, Strategy::Molt);
+    let top = b.both + (b.both - b.low);
+    s.set_budget_source(Some(trace(top, &[(5, b.both)])));
+    let (_, events) = answer(&mut s);
+    assert!(prepares(&events).is_empty(), "{:?}", prepares(&events));
+    assert!(switches(&events).is_empty());
+    assert_eq!(s.current_rung(), l.rungs[0].name());
 }
 
 /// What a user checks by hand, on the real ladder: a conversation whose first answer was moved

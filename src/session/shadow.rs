@@ -3,7 +3,9 @@
 //! A switch down answers pressure and cannot wait; what it can do is start before the pressure
 //! arrives. Memory rarely goes in one reading: an application launching maps its pages over a
 //! second or more, and the budget slides. The session keeps the budget readings of the last
-//! [`TREND_WINDOW`]; when, at their slope, the budget would fall below the current rung's
+//! [`TREND_WINDOW`]; while the budget slides (two drops or more in the window, the last within
+//! [`FALL_STALE`]: a single step has happened already and is the policy's to answer), and,
+//! at the window's slope, the budget would fall below the current rung's
 //! footprint within [`SessionOptions::shadow_horizon`], it prepares the switch down ahead: the
 //! destination (taken off standby, or loaded) gets the conversation carried onto it on a thread
 //! of its own — projected, its head and sentences re-read natively, what the switch would do —
@@ -46,6 +48,10 @@ use super::{Event, Session, SessionError};
 /// How far back the budget readings that give the trend reach.
 pub const TREND_WINDOW: Duration = Duration::from_secs(3);
 
+/// How recent the last drop of the budget must be for the fall to be going on: a budget that
+/// has held since is not falling, whatever the slope of the window says.
+pub const FALL_STALE: Duration = Duration::from_secs(1);
+
 /// The budget readings of the last [`TREND_WINDOW`].
 #[derive(Debug, Default)]
 pub(super) struct Trend {
@@ -67,8 +73,8 @@ impl Trend {
     }
 
     /// The budget `horizon` after the last reading at the least-squares slope of the window,
-    /// when that slope falls; `None` when it is flat or rising, or the window holds fewer than
-    /// two readings apart in time.
+    /// while the budget falls ([`Trend::falling`]); `None` when it does not, or the window
+    /// holds fewer than two readings apart in time.
     pub(super) fn falls_to(&self, horizon: Duration) -> Option<u64> {
         let (slope, last) = self.slope()?;
         let at = last as f64 + slope * horizon.as_secs_f64();
@@ -84,9 +90,31 @@ impl Trend {
         Some(((last as f64 - level as f64) / -slope).max(0.0))
     }
 
-    /// The window's least-squares slope, bytes per second, when it falls, with the last
-    /// reading.
+    /// Whether the budget is still falling: at least two drops in the window, the last one
+    /// within [`FALL_STALE`] of the last reading. A single step (one application's memory
+    /// taken at once) has already happened: the policy answers it at the next boundary, and
+    /// the slope of a window that holds it predicts a fall that will not come.
+    fn falling(&self) -> bool {
+        let Some(&(now, _)) = self.readings.back() else {
+            return false;
+        };
+        let mut drops = 0;
+        let mut last_drop = None;
+        for (a, b) in self.readings.iter().zip(self.readings.iter().skip(1)) {
+            if b.1 < a.1 {
+                drops += 1;
+                last_drop = Some(b.0);
+            }
+        }
+        drops >= 2 && last_drop.is_some_and(|t| now.duration_since(t) <= FALL_STALE)
+    }
+
+    /// The window's least-squares slope, bytes per second, while the budget falls (see
+    /// [`Trend::falling`]), with the last reading.
     fn slope(&self) -> Option<(f64, u64)> {
+        if !self.falling() {
+            return None;
+        }
         let (&(t0, _), &(_, last)) = (self.readings.front()?, self.readings.back()?);
         let pts: Vec<(f64, f64)> = self
             .readings
@@ -288,5 +316,73 @@ impl Session {
         {
             self.retire(to, live);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    /// A trend fed `(ms, MiB)` readings.
+    fn trend(readings: &[(u64, u64)]) -> Trend {
+        let t0 = Instant::now();
+        let mut t = Trend::default();
+        for &(ms, mib) in readings {
+            t.push(t0 + Duration::from_millis(ms), mib * MIB);
+        }
+        t
+    }
+
+    #[test]
+    fn a_sliding_budget_falls_at_its_slope() {
+        // 20 MiB every 100 ms: 200 MiB/s.
+        let t = trend(
+            &(0..10)
+                .map(|k| (k * 100, 2400 - k * 20))
+                .collect::<Vec<_>>(),
+        );
+        let at = t.falls_to(Duration::from_secs(1)).unwrap();
+        assert!((at / MIB).abs_diff(2220 - 200) <= 1, "{}", at / MIB);
+        let s = t.seconds_to(2020 * MIB).unwrap();
+        assert!((s - 1.0).abs() < 0.01, "{s}");
+    }
+
+    #[test]
+    fn a_single_step_is_not_a_fall() {
+        let t = trend(&[
+            (0, 2400),
+            (200, 2400),
+            (400, 1700),
+            (600, 1700),
+            (800, 1700),
+        ]);
+        assert_eq!(t.falls_to(Duration::from_secs(30)), None);
+        assert_eq!(t.seconds_to(0), None);
+    }
+
+    #[test]
+    fn a_slide_that_has_stopped_is_not_a_fall() {
+        // Slid for 0.3 s, then held for 1.5 s: the window's slope still falls.
+        let mut r: Vec<(u64, u64)> = (0..4).map(|k| (k * 100, 2400 - k * 100)).collect();
+        r.extend((1..=15).map(|k| (300 + k * 100, 2100)));
+        assert_eq!(trend(&r).falls_to(Duration::from_secs(30)), None);
+        // The same slide still going on half a second after its last drop is one.
+        r.truncate(9);
+        assert!(trend(&r).falls_to(Duration::from_secs(30)).is_some());
+    }
+
+    #[test]
+    fn a_rising_or_flat_budget_is_not_a_fall() {
+        assert_eq!(
+            trend(&[(0, 700), (100, 800), (200, 900)]).falls_to(Duration::from_secs(1)),
+            None
+        );
+        assert_eq!(
+            trend(&[(0, 700), (100, 700), (200, 700)]).falls_to(Duration::from_secs(1)),
+            None
+        );
+        assert_eq!(trend(&[(0, 700)]).falls_to(Duration::from_secs(1)), None);
     }
 }
