@@ -3,10 +3,10 @@
 //! A switch down answers pressure and cannot wait; what it can do is start before the pressure
 //! arrives. Memory rarely goes in one reading: an application launching maps its pages over a
 //! second or more, and the budget slides. The session keeps the budget readings of the last
-//! [`TREND_WINDOW`]; while the budget slides (two drops or more in the window, the last within
-//! [`FALL_STALE`]: a single step has happened already and is the policy's to answer), and,
-//! at the window's slope, the budget would fall below the current rung's
-//! footprint within [`SessionOptions::shadow_horizon`], it prepares the switch down ahead: the
+//! [`TREND_WINDOW`]; while the budget slides (two drops or more, each within [`FALL_STALE`] of
+//! the next and of the last reading: a single step has happened already and is the policy's to
+//! answer), and, at the least-squares slope of the readings since the slide began, the budget
+//! would fall below the current rung's footprint within [`SessionOptions::shadow_horizon`], it prepares the switch down ahead: the
 //! destination (taken off standby, or loaded) gets the conversation carried onto it on a thread
 //! of its own — projected, its head and sentences re-read natively, what the switch would do —
 //! while the answer goes on on the source ([`super::prepare`]); then it follows the source,
@@ -20,8 +20,11 @@
 //! - **Started** when the predicted budget is below the current rung's modelled footprint, the
 //!   budget now holds the current rung and the destination side by side (standby rungs are
 //!   given up first), and the fall is fast enough for the shadow to be taken when they no
-//!   longer fit (see *taken early*). The destination is the largest rung below that fits the predicted budget
-//!   and beside the current one now, else the smallest rung if it fits beside.
+//!   longer fit (see *taken early*). The destination is where the policy would go when the
+//!   current rung stops fitting, with a second on it at the fall's pace: the largest rung
+//!   below that fits the budget then, beside the current one now, and would be taken early —
+//!   a precision rung before the size route — else the smallest rung if it fits beside and
+//!   would be taken early.
 //! - **Counted** at the destination's full footprint from the start, as a switch up prepared is.
 //! - **Taken early**: once the budget no longer holds both and the shadow is carried, the switch
 //!   down is taken then — before the policy would — if the trend says the current rung stops
@@ -73,7 +76,7 @@ impl Trend {
     }
 
     /// The budget `horizon` after the last reading at the least-squares slope of the window,
-    /// while the budget falls ([`Trend::falling`]); `None` when it does not, or the window
+    /// while the budget falls ([`Trend::fall_start`]); `None` when it does not, or the window
     /// holds fewer than two readings apart in time.
     pub(super) fn falls_to(&self, horizon: Duration) -> Option<u64> {
         let (slope, last) = self.slope()?;
@@ -90,35 +93,41 @@ impl Trend {
         Some(((last as f64 - level as f64) / -slope).max(0.0))
     }
 
-    /// Whether the budget is still falling: at least two drops in the window, the last one
-    /// within [`FALL_STALE`] of the last reading. A single step (one application's memory
-    /// taken at once) has already happened: the policy answers it at the next boundary, and
-    /// the slope of a window that holds it predicts a fall that will not come.
-    fn falling(&self) -> bool {
-        let Some(&(now, _)) = self.readings.back() else {
-            return false;
-        };
+    /// Where the fall going on began: the index of the reading before its first drop. A fall
+    /// is two drops or more, each within [`FALL_STALE`] of the next and the last within it of
+    /// the last reading; `None` when the budget is not falling so. A single step (one
+    /// application's memory taken at once) has already happened: the policy answers it at the
+    /// next boundary, and the slope of a window that holds it predicts a fall that will not
+    /// come. Readings from before the fall would flatten its slope and delay the warning.
+    fn fall_start(&self) -> Option<usize> {
+        let &(now, _) = self.readings.back()?;
         let mut drops = 0;
-        let mut last_drop = None;
-        for (a, b) in self.readings.iter().zip(self.readings.iter().skip(1)) {
-            if b.1 < a.1 {
-                drops += 1;
-                last_drop = Some(b.0);
+        let mut start = None;
+        let mut next = now;
+        for i in (1..self.readings.len()).rev() {
+            let (a, b) = (self.readings[i - 1], self.readings[i]);
+            if b.1 >= a.1 {
+                continue;
             }
+            if next.duration_since(b.0) > FALL_STALE {
+                break;
+            }
+            drops += 1;
+            start = Some(i - 1);
+            next = b.0;
         }
-        drops >= 2 && last_drop.is_some_and(|t| now.duration_since(t) <= FALL_STALE)
+        start.filter(|_| drops >= 2)
     }
 
-    /// The window's least-squares slope, bytes per second, while the budget falls (see
-    /// [`Trend::falling`]), with the last reading.
+    /// The least-squares slope of the fall going on ([`Trend::fall_start`]), bytes per second,
+    /// with the last reading.
     fn slope(&self) -> Option<(f64, u64)> {
-        if !self.falling() {
-            return None;
-        }
-        let (&(t0, _), &(_, last)) = (self.readings.front()?, self.readings.back()?);
+        let start = self.fall_start()?;
+        let (&(t0, _), &(_, last)) = (self.readings.get(start)?, self.readings.back()?);
         let pts: Vec<(f64, f64)> = self
             .readings
             .iter()
+            .skip(start)
             .map(|&(t, b)| (t.duration_since(t0).as_secs_f64(), b as f64))
             .collect();
         let n = pts.len() as f64;
@@ -177,6 +186,8 @@ impl Session {
                         return Ok(None);
                     }
                 }
+                // Standby rungs are given up before the shadow is.
+                self.settle_standby(Some(budget));
                 let both = self.modelled_now(tokens);
                 if both > budget {
                     let soon = self
@@ -240,25 +251,34 @@ impl Session {
                 if predicted >= here {
                     return Ok(None);
                 }
-                let beside = |i: usize| here + self.modelled_footprint(i, tokens) <= budget;
+                let fp = |i: usize| self.modelled_footprint(i, tokens);
+                let beside = |i: usize| here + fp(i) <= budget;
+                // A shadow that would be dropped when the budget stops holding both (the
+                // current rung fitting on for longer than `shadow_early` after that) is not
+                // started: the carry would only have slowed the answer.
+                let taken_early = |i: usize| match (
+                    self.trend.seconds_to(here),
+                    self.trend.seconds_to(here + fp(i)),
+                ) {
+                    (Some(a), Some(b)) => a - b <= self.opts.shadow_early.as_secs_f64(),
+                    _ => false,
+                };
+                // Where the policy would go when the current rung stops fitting, with a second
+                // on it at the fall's pace: the largest rung below that fits the budget then
+                // (a precision rung before the size route: it carries in a second or two and
+                // keeps the facts), else the smallest.
+                let crossing = self.trend.seconds_to(here).unwrap_or(0.0);
+                let landing = self
+                    .trend
+                    .falls_to(Duration::from_secs_f64(crossing) + FALL_STALE)
+                    .unwrap_or(0);
                 let Some(to) = (self.current + 1..n)
-                    .find(|&i| self.modelled_footprint(i, tokens) <= predicted && beside(i))
-                    .or_else(|| beside(n - 1).then_some(n - 1))
+                    .find(|&i| fp(i) <= landing && beside(i) && taken_early(i))
+                    .or_else(|| (beside(n - 1) && taken_early(n - 1)).then_some(n - 1))
                 else {
                     return Ok(None);
                 };
                 if self.prepare_failed == Some(to) || self.rungs[to].is_some() {
-                    return Ok(None);
-                }
-                // A shadow that would be dropped when the budget stops holding both (the
-                // current rung fitting on for longer than `shadow_early` after that) is not
-                // started: the carry would only have slowed the answer.
-                let pair = here + self.modelled_footprint(to, tokens);
-                let early = match (self.trend.seconds_to(here), self.trend.seconds_to(pair)) {
-                    (Some(a), Some(b)) => a - b,
-                    _ => f64::INFINITY,
-                };
-                if early > self.opts.shadow_early.as_secs_f64() {
                     return Ok(None);
                 }
                 self.start_prepare(to, at_token, Some(budget), sink)?;
@@ -346,6 +366,16 @@ mod tests {
         let at = t.falls_to(Duration::from_secs(1)).unwrap();
         assert!((at / MIB).abs_diff(2220 - 200) <= 1, "{}", at / MIB);
         let s = t.seconds_to(2020 * MIB).unwrap();
+        assert!((s - 1.0).abs() < 0.01, "{s}");
+    }
+
+    #[test]
+    fn the_slope_is_the_falls_own_not_diluted_by_the_flat_budget_before_it() {
+        // 2.5 s flat, then two drops of 20 MiB 100 ms apart: 200 MiB/s already.
+        let mut r: Vec<(u64, u64)> = (0..26).map(|k| (k * 100, 2400)).collect();
+        r.extend([(2600, 2380), (2700, 2360)]);
+        let t = trend(&r);
+        let s = t.seconds_to(2160 * MIB).unwrap();
         assert!((s - 1.0).abs() < 0.01, "{s}");
     }
 
