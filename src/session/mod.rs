@@ -985,11 +985,14 @@ impl Session {
                 return Ok(if over { Between::Killed } else { Between::Stay });
             }
             // A switch prepared in the background stays wanted while the policy goes on asking
-            // for it: moving up to it, or, for a shadow of a switch down, staying or moving
-            // down to it.
+            // for it: moving up to it, or, for a shadow of a switch down, staying, moving down
+            // to it, or moving up into a falling budget (which waits).
             if let Some(t) = self.prepare_target() {
                 let keep = match decision {
-                    Decision::Promote { .. } => t < self.current,
+                    // A move up held back by the fall (see `shadow`) keeps the shadow.
+                    Decision::Promote { to } => {
+                        t < self.current || (t > self.current && self.falling_below(to))
+                    }
                     Decision::Stay | Decision::Admit { .. } => t > self.current,
                     Decision::Demote { to } => t == to && t > self.current,
                     _ => false,
@@ -1032,7 +1035,21 @@ impl Session {
                 // No move up into a budget that is falling below the destination (see
                 // `shadow`).
                 Decision::Promote { to } if !parked && self.falling_below(to) => {
-                    self.abandon_prepare(i, "the budget is falling below the destination", sink);
+                    if self.prepare_target().is_some_and(|t| t <= self.current) {
+                        self.abandon_prepare(
+                            i,
+                            "the budget is falling below the destination",
+                            sink,
+                        );
+                    }
+                    // The fall that holds the move up back may bring the switch down: the
+                    // shadow is tended as at any boundary the policy stays at.
+                    if let Some(to) = self.tend_shadow(i, b.bytes, sink)? {
+                        let info = self.switch_to(to, tok, i, Some(b))?;
+                        self.settle_standby(Some(b.bytes));
+                        self.footprint_due = Some((i, b.bytes));
+                        return Ok(Between::Switched(Box::new(info)));
+                    }
                     self.settle_standby(Some(b.bytes));
                     return Ok(Between::Stay);
                 }
