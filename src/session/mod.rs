@@ -884,6 +884,25 @@ impl Session {
         Ok(generation)
     }
 
+    /// A boundary the policy stays at, running: the shadow is tended (see `shadow`) and the
+    /// switch down it prepared is taken when it says so.
+    fn stay_tending_shadow(
+        &mut self,
+        tok: Token,
+        i: usize,
+        b: Budget,
+        sink: &mut dyn FnMut(&Event),
+    ) -> Result<Between, SessionError> {
+        if let Some(to) = self.tend_shadow(i, b.bytes, sink)? {
+            let info = self.switch_to(to, tok, i, Some(b))?;
+            self.settle_standby(Some(b.bytes));
+            self.footprint_due = Some((i, b.bytes));
+            return Ok(Between::Switched(Box::new(info)));
+        }
+        self.settle_standby(Some(b.bytes));
+        Ok(Between::Stay)
+    }
+
     /// Between token `i − 1` (sampled as `tok`, not yet decoded) and token `i`: read the budget
     /// and act on the one-tenant policy — switch rung, park, shed, resume — until the session
     /// can take its step. Parked, it waits on the wall clock (re-reading the budget every
@@ -1015,15 +1034,7 @@ impl Session {
             let acted = match decision {
                 Decision::Stay | Decision::Admit { .. } => {
                     if !parked {
-                        // A switch down prepared ahead may be taken now (see `shadow`).
-                        if let Some(to) = self.tend_shadow(i, b.bytes, sink)? {
-                            let info = self.switch_to(to, tok, i, Some(b))?;
-                            self.settle_standby(Some(b.bytes));
-                            self.footprint_due = Some((i, b.bytes));
-                            return Ok(Between::Switched(Box::new(info)));
-                        }
-                        self.settle_standby(Some(b.bytes));
-                        return Ok(Between::Stay);
+                        return self.stay_tending_shadow(tok, i, b, sink);
                     }
                     false
                 }
@@ -1044,14 +1055,7 @@ impl Session {
                     }
                     // The fall that holds the move up back may bring the switch down: the
                     // shadow is tended as at any boundary the policy stays at.
-                    if let Some(to) = self.tend_shadow(i, b.bytes, sink)? {
-                        let info = self.switch_to(to, tok, i, Some(b))?;
-                        self.settle_standby(Some(b.bytes));
-                        self.footprint_due = Some((i, b.bytes));
-                        return Ok(Between::Switched(Box::new(info)));
-                    }
-                    self.settle_standby(Some(b.bytes));
-                    return Ok(Between::Stay);
+                    return self.stay_tending_shadow(tok, i, b, sink);
                 }
                 // Memory came back: load the destination in the background and stay on this
                 // rung until it is ready (see `prepare`).
