@@ -37,28 +37,23 @@ fn series_rows<'a>(doc: &'a StallDoc, label: &str) -> &'a [StallRow] {
     }
 }
 
-/// The context lengths of the document's rows, in order (rows of a length cluster around it).
+/// The context lengths the document's rows were asked for, in order: one panel each (a row's
+/// measured context grows along the route circuit, so it cannot tell the runs apart).
 fn lengths(doc: &StallDoc) -> Vec<usize> {
     let mut v: Vec<usize> = doc
         .rows
         .iter()
         .chain(&doc.before_rows)
         .chain(&doc.warned_rows)
-        .map(|r| r.context_tokens)
+        .map(StallRow::asked_length)
         .collect();
     v.sort_unstable();
-    // Rows of one asked length differ by the tokens each leg adds: group within a factor 2.
-    let mut groups: Vec<usize> = Vec::new();
-    for x in v {
-        if groups.last().is_none_or(|&g| x > g * 2) {
-            groups.push(x);
-        }
-    }
-    groups
+    v.dedup();
+    v
 }
 
-fn in_group(r: &StallRow, lo: usize) -> bool {
-    r.context_tokens >= lo && r.context_tokens <= lo * 2
+fn in_group(r: &StallRow, len: usize) -> bool {
+    r.asked_length() == len
 }
 
 /// One panel per context length; per route six bars (before/after/known ahead × warm/cold) with
@@ -115,7 +110,7 @@ pub fn stall(doc: &StallDoc, path: &Path) -> Result<Figure, BenchError> {
         let mut chart = ChartBuilder::on(panel)
             .caption(
                 format!(
-                    "stall at a switch, context ~{len} tokens (median of {} reps, min-max; black tick: 3 × the destination's inter-token latency)",
+                    "stall at a switch, context asked ~{len} tokens (median of {} reps, min-max; black tick: 3 × the destination's inter-token latency)",
                     doc.reps
                 ),
                 (FAMILY, 18),

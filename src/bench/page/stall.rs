@@ -72,11 +72,7 @@ pub(super) fn section(doc: &StallDoc, figures: &FigureSet, figures_rel: &str) ->
             ))
     });
     for r in &rows {
-        let before = doc.before_rows.iter().find(|b| {
-            b.route == r.route
-                && b.cache == r.cache
-                && b.context_tokens.abs_diff(r.context_tokens) * 4 < r.context_tokens.max(1)
-        });
+        let before = doc.before_rows.iter().find(|b| b.same_cell(r));
         let _ = writeln!(
             s,
             "| {} | {} | {} | {} | {:.0}% | {} | {:.0} [{:.0}–{:.0}] | {:.0} | {:.1} | {:.0} | {} |",
@@ -124,11 +120,7 @@ pub(super) fn section(doc: &StallDoc, figures: &FigureSet, figures_rel: &str) ->
     let pairs: Vec<(f64, f64)> = down_warm
         .iter()
         .filter_map(|r| {
-            let b = doc.before_rows.iter().find(|b| {
-                b.route == r.route
-                    && b.cache == r.cache
-                    && b.context_tokens.abs_diff(r.context_tokens) * 4 < r.context_tokens.max(1)
-            })?;
+            let b = doc.before_rows.iter().find(|b| b.same_cell(r))?;
             Some((
                 *b.parts_ms.get("load")?,
                 r.parts_ms.get("standby_activate").copied().unwrap_or(0.0)
