@@ -1046,7 +1046,7 @@ impl Session {
                 // No move up into a budget that is falling below the destination (see
                 // `shadow`).
                 Decision::Promote { to } if !parked && self.falling_below(to) => {
-                    if self.prepare_target().is_some_and(|t| t <= self.current) {
+                    if self.prepare_target().is_some_and(|t| t < self.current) {
                         self.abandon_prepare(
                             i,
                             "the budget is falling below the destination",

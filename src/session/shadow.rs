@@ -86,11 +86,16 @@ impl Trend {
         Some(at.max(0.0) as u64)
     }
 
-    /// Seconds until the budget, falling at the window's slope, is below `level`; `None` when
+    /// Seconds until the budget, falling at the fall's slope, is below `level`; `None` when
     /// it does not fall.
     pub(super) fn seconds_to(&self, level: u64) -> Option<f64> {
         let (slope, last) = self.slope()?;
         Some(((last as f64 - level as f64) / -slope).max(0.0))
+    }
+
+    /// How fast the budget falls, bytes per second; `None` when it does not fall.
+    pub(super) fn fall_rate(&self) -> Option<f64> {
+        self.slope().map(|(slope, _)| -slope)
     }
 
     /// Where the fall going on began: the index of the reading before its first drop. A fall
@@ -251,29 +256,25 @@ impl Session {
                 if predicted >= here {
                     return Ok(None);
                 }
+                let Some(rate) = self.trend.fall_rate() else {
+                    return Ok(None);
+                };
                 let fp = |i: usize| self.modelled_footprint(i, tokens);
                 let beside = |i: usize| here + fp(i) <= budget;
                 // A shadow that would be dropped when the budget stops holding both (the
                 // current rung fitting on for longer than `shadow_early` after that) is not
-                // started: the carry would only have slowed the answer.
-                let taken_early = |i: usize| match (
-                    self.trend.seconds_to(here),
-                    self.trend.seconds_to(here + fp(i)),
-                ) {
-                    (Some(a), Some(b)) => a - b <= self.opts.shadow_early.as_secs_f64(),
-                    _ => false,
-                };
+                // started: the carry would only have slowed the answer. From holding both to
+                // holding the current rung alone, the budget falls by the destination's
+                // footprint.
+                let taken_early =
+                    |i: usize| fp(i) as f64 <= rate * self.opts.shadow_early.as_secs_f64();
                 // Where the policy would go when the current rung stops fitting, with a second
                 // on it at the fall's pace: the largest rung below that fits the budget then
                 // (a precision rung before the size route: it carries in a second or two and
                 // keeps the facts), else the smallest.
-                let crossing = self.trend.seconds_to(here).unwrap_or(0.0);
-                let landing = self
-                    .trend
-                    .falls_to(Duration::from_secs_f64(crossing) + FALL_STALE)
-                    .unwrap_or(0);
+                let landing = here as f64 - rate * FALL_STALE.as_secs_f64();
                 let Some(to) = (self.current + 1..n)
-                    .find(|&i| fp(i) <= landing && beside(i) && taken_early(i))
+                    .find(|&i| fp(i) as f64 <= landing && beside(i) && taken_early(i))
                     .or_else(|| (beside(n - 1) && taken_early(n - 1)).then_some(n - 1))
                 else {
                     return Ok(None);
