@@ -114,6 +114,10 @@ pub enum PrepareState {
     /// The load failed; the answer stays on `from` (no switch up for the rest of it), and
     /// `reason` holds the error.
     Failed,
+    /// A switch down prepared ahead was not started: carrying the conversation would take
+    /// longer, at the pace measured on earlier carries, than the falling budget holds both
+    /// rungs; `reason` gives both times. Said once per answer and rung.
+    Skipped,
 }
 
 /// A switch prepared in the background — up, or down ahead of a falling budget — as it starts,

@@ -125,6 +125,13 @@ pub struct Session {
     force_taken: bool,
     /// The budget readings that predict a fall ([`shadow`]).
     trend: shadow::Trend,
+    /// What carrying a conversation onto each rung has cost in this process, to tell a shadow
+    /// that could finish before the budget stops holding it from one that could not
+    /// ([`shadow::CarryPace`]).
+    carry_pace: Vec<shadow::CarryPace>,
+    /// The rung a shadow was last not started for because its carry would not finish in
+    /// time: said once per answer.
+    shadow_skipped: Option<usize>,
     /// Rungs a switch let go of, being freed off the answer's path ([`Session::reap`]).
     reapers: Vec<std::thread::JoinHandle<()>>,
 }
@@ -180,6 +187,8 @@ impl Session {
             prepare_failed: None,
             force_taken: false,
             trend: shadow::Trend::default(),
+            carry_pace: vec![shadow::CarryPace::default(); n],
+            shadow_skipped: None,
             reapers: Vec::new(),
             context_bytes: vec![None; n],
             measured_extra: vec![0; n],
@@ -612,6 +621,7 @@ impl Session {
         // An earlier answer that ended in an error may have left a background load behind.
         self.abandon_prepare(0, "a new answer starts", &mut |_| {});
         self.prepare_failed = None;
+        self.shadow_skipped = None;
         self.force_taken = false;
         let tokens = self.prompt_tokens(prompt)?;
         let n_ctx = self.config.n_ctx;

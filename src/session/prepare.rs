@@ -73,6 +73,11 @@ fn split_threads(n: u32) -> (u32, u32) {
     }
 }
 
+/// The threads a background carry decodes on beside the source, out of `n`.
+pub(super) fn carry_threads(n: u32) -> u32 {
+    split_threads(n).1
+}
+
 /// The catch-up step of a carried destination: a shadow's is shorter, as its switch cannot
 /// wait.
 fn step_for(down: bool) -> usize {
@@ -142,6 +147,8 @@ pub(super) struct Preparing {
     setup: crate::speed::RungSetup,
     /// When the load started.
     started: Instant,
+    /// Whether the rung came off standby (not loaded from its file).
+    from_standby: bool,
     /// Tokens decoded on the source since.
     tokens: usize,
     /// Set when the load is no longer wanted: the thread skips the carry.
@@ -286,6 +293,9 @@ impl Session {
                 });
                 match carry {
                     Some(Ok(c)) => {
+                        let load_ms = (!p.from_standby).then_some(ms - c.ms);
+                        let threads = carry_threads(self.config.n_threads);
+                        self.record_carry(to, c.n_past, c.ms, threads, load_ms);
                         self.carried = Some(c);
                         Ok(self.catch_up(step_for(down)))
                     }
@@ -429,6 +439,7 @@ impl Session {
         } else {
             None
         };
+        let from_standby = standby.is_some() || self.rungs[to].is_some();
         // The source stays while the destination loads: the setup is chosen within what the
         // budget leaves beside it (chosen as if it took the source's place, a faster setup's
         // extra memory pushed the pair over the budget it was started under, and the load was
@@ -478,6 +489,7 @@ impl Session {
             index: to,
             setup,
             started: Instant::now(),
+            from_standby,
             // This token is decoded on the source.
             tokens: 1,
             cancel,
@@ -529,6 +541,30 @@ impl Session {
             .map(|p| p.index)
             .or(self.carried.as_ref().map(|c| c.to))
             .map_or(0, |i| self.modelled_footprint(i, tokens))
+    }
+
+    /// Says in `sink` that a shadow onto `to` is not started, and why.
+    pub(super) fn skip_prepare(
+        &self,
+        to: usize,
+        at_token: usize,
+        budget: u64,
+        reason: &str,
+        sink: &mut dyn FnMut(&Event),
+    ) {
+        let tokens = self.history.len() as u64 + 1;
+        sink(&Event::Prepare(PrepareInfo {
+            at_token,
+            state: PrepareState::Skipped,
+            from: self.current_rung().to_string(),
+            to: self.ladder.rungs[to].name().to_string(),
+            elapsed_ms: 0.0,
+            tokens: 0,
+            modelled_bytes: self.modelled_now(tokens),
+            budget_bytes: budget,
+            reason: Some(reason.to_string()),
+            down: to > self.current,
+        }));
     }
 
     /// Waits for a background load that is no longer wanted and frees what it loaded; says

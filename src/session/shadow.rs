@@ -24,7 +24,16 @@
 //!   current rung stops fitting, with a second on it at the fall's pace: the largest rung
 //!   below that fits the budget then, beside the current one now, and would be taken early —
 //!   a precision rung before the size route — else the smallest rung if it fits beside and
-//!   would be taken early.
+//!   would be taken early ([`Fall::destination`]).
+//! - **Not started when it could not finish**: a carry onto a rung runs at the pace measured on
+//!   the last carry onto it in this process (in the background, or at a switch scaled to the
+//!   background's share of the cores), plus the rung's load unless it is live or on standby.
+//!   A rung whose carry would outlast the time the falling budget holds it beside the current
+//!   rung is passed over for the next qualifying rung; when none would finish, no shadow
+//!   starts ([`PrepareState::Skipped`](super::PrepareState::Skipped), said once per answer):
+//!   such a shadow would only halve the answer's speed until dropped (seen on the real ladder
+//!   at ~1,400 tokens: tier1 → tier2 dropped after 3.0 s and 21 tokens, then carried at its
+//!   token anyway). Before any carry onto a rung is measured, its shadow is tried.
 //! - **Counted** at the destination's full footprint from the start, as a switch up prepared is.
 //! - **Taken early**: once the budget no longer holds both and the shadow is carried, the switch
 //!   down is taken then — before the policy would — if the trend says the current rung stops
@@ -152,7 +161,136 @@ impl Trend {
     }
 }
 
+/// What carrying a conversation onto one rung has cost in this process: how long a shadow
+/// onto it would take, so that one that could not finish before the budget stops holding it
+/// beside the current rung is not started ([`Start::TooSlow`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(super) struct CarryPace {
+    /// The carry's time per carried cell, ms, on a background carry's share of the cores
+    /// (the last carry measured: one in the background as it was, one at a switch scaled
+    /// from every core to that share).
+    pub ms_per_cell: Option<f64>,
+    /// The rung's last load from its file, ms.
+    pub load_ms: Option<f64>,
+}
+
+/// The budget falling, as the shadow's start reads it: the rung the answer is on, the budget
+/// now, and how fast it falls.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Fall {
+    /// The rung the answer is on.
+    pub current: usize,
+    /// The budget now, bytes.
+    pub budget: u64,
+    /// How fast it falls, bytes per second.
+    pub rate: f64,
+    /// [`SessionOptions::shadow_early`](super::SessionOptions::shadow_early), seconds.
+    pub early_s: f64,
+}
+
+/// Where the shadow's start goes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) enum Start {
+    /// Carry the conversation down to this rung.
+    To(usize),
+    /// No rung below qualifies: nothing to start.
+    Nowhere,
+    /// The rung the rules choose would not be carried before the budget stops holding it
+    /// beside the current rung (`carry_s` against `holds_s`), and no other qualifying rung
+    /// would be: starting it would only slow the answer down (the source and the carry split
+    /// the cores) until it is dropped.
+    TooSlow {
+        to: usize,
+        carry_s: f64,
+        holds_s: f64,
+    },
+}
+
+impl Fall {
+    /// Seconds the budget, falling at the fall's rate, still holds `bytes`.
+    fn holds_s(&self, bytes: u64) -> f64 {
+        (self.budget as f64 - bytes as f64).max(0.0) / self.rate
+    }
+
+    /// The shadow's destination given the rungs' modelled footprints `fps` (the current
+    /// rung's included) and `carry_s`, the seconds a carry onto a rung is expected to take
+    /// (`None`: nothing measured yet, so it is tried). A rung qualifies when it fits beside the
+    /// current rung now and its shadow would be taken early: from holding both to holding the
+    /// current rung alone the budget falls by the rung's footprint, which must take no longer
+    /// than `early_s` (else the shadow would be dropped then, having only slowed the answer).
+    /// The destination is where the policy would go when the current rung stops fitting, with
+    /// a second on it at the fall's pace ([`FALL_STALE`]): the largest qualifying rung that
+    /// fits the budget then (a precision rung before the size route: it carries in a second or
+    /// two and keeps the facts), else the smallest rung if it qualifies. A rung whose carry
+    /// would not end while the budget still holds both is passed over for the next that
+    /// would; when none would, [`Start::TooSlow`] names the one the rules chose.
+    pub(super) fn destination(&self, fps: &[u64], carry_s: impl Fn(usize) -> Option<f64>) -> Start {
+        let n = fps.len();
+        let Some(&here) = fps.get(self.current) else {
+            return Start::Nowhere;
+        };
+        let beside = |i: usize| here + fps[i] <= self.budget;
+        let taken_early = |i: usize| fps[i] as f64 <= self.rate * self.early_s;
+        let qualifies = |i: usize| beside(i) && taken_early(i);
+        let landing = here as f64 - self.rate * FALL_STALE.as_secs_f64();
+        let mut ranked: Vec<usize> = (self.current + 1..n)
+            .filter(|&i| fps[i] as f64 <= landing && qualifies(i))
+            .collect();
+        if n > self.current + 1 && qualifies(n - 1) && !ranked.contains(&(n - 1)) {
+            ranked.push(n - 1);
+        }
+        let in_time = |i: usize| carry_s(i).is_none_or(|c| c <= self.holds_s(here + fps[i]));
+        match (ranked.iter().copied().find(|&i| in_time(i)), ranked.first()) {
+            (Some(to), _) => Start::To(to),
+            (None, Some(&to)) => Start::TooSlow {
+                to,
+                carry_s: carry_s(to).unwrap_or(0.0),
+                holds_s: self.holds_s(here + fps[to]),
+            },
+            (None, None) => Start::Nowhere,
+        }
+    }
+}
+
 impl Session {
+    /// Seconds a shadow onto rung `to` is expected to take with the conversation as it is
+    /// now: its load from the file (unless it is live or on standby) and the carry of every
+    /// cell at the pace measured last; `None` before any carry onto it was measured.
+    pub(super) fn carry_estimate_s(&self, to: usize) -> Option<f64> {
+        let pace = self.carry_pace.get(to)?;
+        let cells = self.history.len() as f64;
+        let load = if self.rungs[to].is_some() || self.standby[to].is_some() {
+            0.0
+        } else {
+            pace.load_ms.unwrap_or(0.0)
+        };
+        pace.ms_per_cell.map(|ms| (ms * cells + load) / 1e3)
+    }
+
+    /// Records what a carry of `cells` cells onto `to` took, `ms` on `threads` threads (the
+    /// pace is kept on a background carry's share of the cores), and the load before it,
+    /// `load_ms` (`None`: not loaded from the file).
+    pub(super) fn record_carry(
+        &mut self,
+        to: usize,
+        cells: usize,
+        ms: f64,
+        threads: u32,
+        load_ms: Option<f64>,
+    ) {
+        let Some(pace) = self.carry_pace.get_mut(to) else {
+            return;
+        };
+        if cells > 0 && ms > 0.0 {
+            let share = super::prepare::carry_threads(self.config.n_threads);
+            pace.ms_per_cell =
+                Some(ms / cells as f64 * f64::from(threads) / f64::from(share.max(1)));
+        }
+        if let Some(l) = load_ms.filter(|&l| l > 0.0) {
+            pace.load_ms = Some(l);
+        }
+    }
+
     /// Whether the trend predicts the budget falls below rung `index`'s footprint within the
     /// horizon (with shadows on): the policy's move up to it then waits.
     pub(super) fn falling_below(&self, index: usize) -> bool {
@@ -259,25 +397,35 @@ impl Session {
                 let Some(rate) = self.trend.fall_rate() else {
                     return Ok(None);
                 };
-                let fp = |i: usize| self.modelled_footprint(i, tokens);
-                let beside = |i: usize| here + fp(i) <= budget;
-                // A shadow that would be dropped when the budget stops holding both (the
-                // current rung fitting on for longer than `shadow_early` after that) is not
-                // started: the carry would only have slowed the answer. From holding both to
-                // holding the current rung alone, the budget falls by the destination's
-                // footprint.
-                let taken_early =
-                    |i: usize| fp(i) as f64 <= rate * self.opts.shadow_early.as_secs_f64();
-                // Where the policy would go when the current rung stops fitting, with a second
-                // on it at the fall's pace: the largest rung below that fits the budget then
-                // (a precision rung before the size route: it carries in a second or two and
-                // keeps the facts), else the smallest.
-                let landing = here as f64 - rate * FALL_STALE.as_secs_f64();
-                let Some(to) = (self.current + 1..n)
-                    .find(|&i| fp(i) as f64 <= landing && beside(i) && taken_early(i))
-                    .or_else(|| (beside(n - 1) && taken_early(n - 1)).then_some(n - 1))
-                else {
-                    return Ok(None);
+                let fps: Vec<u64> = (0..n).map(|i| self.modelled_footprint(i, tokens)).collect();
+                let fall = Fall {
+                    current: self.current,
+                    budget,
+                    rate,
+                    early_s: self.opts.shadow_early.as_secs_f64(),
+                };
+                let carry_s = |i: usize| self.carry_estimate_s(i);
+                let to = match fall.destination(&fps, carry_s) {
+                    Start::To(to) => to,
+                    Start::Nowhere => return Ok(None),
+                    Start::TooSlow {
+                        to,
+                        carry_s,
+                        holds_s,
+                    } => {
+                        if self.shadow_skipped != Some(to) {
+                            self.shadow_skipped = Some(to);
+                            let why = format!(
+                                "carrying it would take ~{carry_s:.1} s (measured on earlier carries) and the budget {} MiB, falling at {:.0} MiB/s, holds {} and {} side by side for ~{holds_s:.1} s; the switch, when it comes, is carried at its token",
+                                budget >> 20,
+                                rate / f64::from(1u32 << 20),
+                                self.current_rung(),
+                                self.ladder.rungs[to].name(),
+                            );
+                            self.skip_prepare(to, at_token, budget, &why, sink);
+                        }
+                        return Ok(None);
+                    }
                 };
                 if self.prepare_failed == Some(to) || self.rungs[to].is_some() {
                     return Ok(None);
@@ -415,5 +563,75 @@ mod tests {
             None
         );
         assert_eq!(trend(&[(0, 700)]).falls_to(Duration::from_secs(1)), None);
+    }
+    /// The real ladder's footprints at ~128 tokens, MiB: tier0, q3km, tier1, tier2.
+    const LADDER: [u64; 4] = [1200, 1020, 860, 570];
+
+    fn fall(budget_mib: u64, rate_mib_s: f64) -> Fall {
+        Fall {
+            current: 0,
+            budget: budget_mib * MIB,
+            rate: rate_mib_s * MIB as f64,
+            early_s: 5.0,
+        }
+    }
+
+    fn fps() -> Vec<u64> {
+        LADDER.iter().map(|m| m * MIB).collect()
+    }
+
+    #[test]
+    fn the_shadow_goes_where_the_policy_will_when_the_current_rung_stops_fitting() {
+        // 200 MiB/s from 2,400: a second after tier0 stops fitting the budget is 1,000 MiB,
+        // which holds tier1; q3km (1,020) would not be taken early (its footprint takes more
+        // than 5 s of the fall).
+        assert_eq!(
+            fall(2400, 200.0).destination(&fps(), |_| None),
+            Start::To(2)
+        );
+        // Twice as fast: a second after tier0 stops fitting, 800 MiB holds tier2 only.
+        assert_eq!(
+            fall(2400, 400.0).destination(&fps(), |_| None),
+            Start::To(3)
+        );
+        // Slowly: no rung's shadow would be taken early, so none starts.
+        assert_eq!(
+            fall(2400, 100.0).destination(&fps(), |_| None),
+            Start::Nowhere
+        );
+        // No room beside tier0 for anything but the smallest rung.
+        assert_eq!(
+            fall(1800, 200.0).destination(&fps(), |_| None),
+            Start::To(3)
+        );
+        assert_eq!(
+            fall(1700, 200.0).destination(&fps(), |_| None),
+            Start::Nowhere
+        );
+    }
+
+    #[test]
+    fn a_shadow_whose_carry_would_outlast_the_room_for_both_is_not_started() {
+        let f = fall(2400, 200.0);
+        // tier1 beside tier0 for (2,400 - 2,060) / 200 = 1.7 s; tier2 for 3.15 s.
+        let slow = |i: usize| Some(if i == 2 { 10.0 } else { 20.0 });
+        match f.destination(&fps(), slow) {
+            Start::TooSlow {
+                to,
+                carry_s,
+                holds_s,
+            } => {
+                assert_eq!(to, 2);
+                assert!((carry_s - 10.0).abs() < 1e-9);
+                assert!((holds_s - 1.7).abs() < 1e-6, "{holds_s}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // A rung that would be carried in time is taken instead of the one the rules chose.
+        let quick_small = |i: usize| Some(if i == 2 { 10.0 } else { 3.0 });
+        assert_eq!(f.destination(&fps(), quick_small), Start::To(3));
+        // In time, or not measured yet: the rules' choice.
+        assert_eq!(f.destination(&fps(), |_| Some(1.5)), Start::To(2));
+        assert_eq!(f.destination(&fps(), |_| None), Start::To(2));
     }
 }

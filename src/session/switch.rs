@@ -366,6 +366,13 @@ impl Session {
             note,
             setup: Some(dst.setup),
         };
+        // A switch carried at its token shows what a carry onto `to` costs, on every core.
+        if timings.carried_ms == 0.0 {
+            let cells = self.history.len();
+            let threads = self.config.n_threads;
+            let load = (load_ms > 0.0 && !from_standby).then_some(load_ms);
+            self.record_carry(to, cells, timings.cost_ms, threads, load);
+        }
         self.current = to;
         if let Some(src) = retired {
             self.retire(from, src);

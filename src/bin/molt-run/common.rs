@@ -201,6 +201,10 @@ pub fn prepare_line(p: &molt::session::PrepareInfo) -> String {
             "background load of {} dropped after {:.0} ms, {} tokens",
             p.to, p.elapsed_ms, p.tokens
         ),
+        PrepareState::Skipped => format!(
+            "the budget is falling, but the conversation is not carried down to {} in the background",
+            p.to
+        ),
         PrepareState::Failed => format!(
             "background load of {} failed after {:.0} ms",
             p.to, p.elapsed_ms
