@@ -248,6 +248,9 @@ struct Row {
     tokens: usize,
     reps: usize,
     load_avg_1m: Option<f64>,
+    /// Whether the rung's weights were repacked for llama.cpp's CPU kernels (the same for
+    /// every server in the cell).
+    repack: bool,
 }
 
 /// A server process under test.
@@ -355,7 +358,31 @@ async fn start_molt(a: &Args, rung: &str, serial: bool) -> Result<Proc> {
     Ok(p)
 }
 
-async fn start_llama(a: &Args, bin: &PathBuf, gguf: &PathBuf, np: usize) -> Result<Proc> {
+/// Whether Molt's server loads `rung` with llama.cpp's CPU repack, as its speed policy decides
+/// with room to spare (`MOLT_REPACK`, else the ladder's measured settings for this processor,
+/// else off): the peer is started the same way. On a processor with AMX, llama.cpp's repack
+/// also routes matrix products through AMX tiles, which a virtual machine may refuse (SIGILL).
+fn molt_repacks(ladder: &molt::ladder::Ladder, rung: &str) -> bool {
+    let (measured, _) = molt::speed::Measured::find(&molt::routes::search_dirs(None), ladder);
+    let policy = molt::speed::SpeedPolicy {
+        measured: measured.map(std::sync::Arc::new),
+        forced_ubatch: None,
+        forced_repack: molt::speed::forced_repack_from_env(),
+    };
+    let n_ubatch = molt::bench::speed::Setting::molt_default().n_ubatch;
+    policy
+        .choose(rung, n_ubatch, Some(u64::MAX / 4))
+        .setting
+        .repack
+}
+
+async fn start_llama(
+    a: &Args,
+    bin: &PathBuf,
+    gguf: &PathBuf,
+    np: usize,
+    repack: bool,
+) -> Result<Proc> {
     let addr = free_port()?;
     let child = Command::new(bin)
         .arg("-m")
@@ -372,6 +399,7 @@ async fn start_llama(a: &Args, bin: &PathBuf, gguf: &PathBuf, np: usize) -> Resu
             // Molt's contexts run without flash attention (see `ContextConfig`): the same here.
             "-fa",
             "off",
+            if repack { "--repack" } else { "--no-repack" },
             "--host",
             "127.0.0.1",
             "--port",
@@ -435,6 +463,7 @@ impl Cell {
             tokens,
             reps,
             load_avg_1m: load,
+            repack: false,
         }
     }
 }
@@ -454,12 +483,16 @@ async fn main() -> Result<()> {
             .iter()
             .find(|r| r.name() == rung)
             .with_context(|| format!("the ladder has no rung {rung}"))?;
-        eprintln!("[{rung}] starting molt and molt-serial …");
+        let repack = molt_repacks(&ladder, rung);
+        eprintln!(
+            "[{rung}] starting molt and molt-serial (llama.cpp's repack {}) …",
+            if repack { "on" } else { "off" }
+        );
         let molt = start_molt(&a, rung, false).await?;
         let serial = start_molt(&a, rung, true).await?;
         for &n in &a.streams {
             let llama = match &a.llama_server {
-                Some(bin) => Some(start_llama(&a, bin, &info.path, n).await?),
+                Some(bin) => Some(start_llama(&a, bin, &info.path, n, repack).await?),
                 None => None,
             };
             let mut servers: Vec<&Proc> = vec![&molt, &serial];
@@ -490,7 +523,10 @@ async fn main() -> Result<()> {
             let load = (!loads.is_empty())
                 .then(|| (loads.iter().sum::<f64>() / loads.len() as f64 * 100.0).round() / 100.0);
             for (p, cell) in servers.iter().zip(cells) {
-                let row = cell.row(p.name, rung, n, a.reps, p.peak_mib(), load);
+                let row = Row {
+                    repack,
+                    ..cell.row(p.name, rung, n, a.reps, p.peak_mib(), load)
+                };
                 eprintln!(
                     "  {:<12} {:>6.2} tok/s  TTFT p50 {:>8.1} ms  ITL p50 {:>7.1} ms  errors {}  peak {:?} MiB",
                     row.server,
@@ -516,7 +552,7 @@ async fn main() -> Result<()> {
         "load_avg_1m_end": load_avg(),
         "cores": std::thread::available_parallelism().map(std::num::NonZero::get).ok(),
         "wall_s": (started.elapsed().as_secs_f64() * 10.0).round() / 10.0,
-        "method": "each server its own process, same GGUF, threads and total context; in each (rung, streams) cell the servers alternate round by round; greedy, one prompt per request; aggregate = tokens streamed / round wall time",
+        "method": "each server its own process, same GGUF, threads, total context and llama.cpp repack setting (Molt's choice for the rung); in each (rung, streams) cell the servers alternate round by round; greedy, one prompt per request; aggregate = tokens streamed / round wall time",
         "rows": rows,
     });
     if let Some(d) = a.out.parent() {

@@ -61,12 +61,40 @@ pub struct ConcurrencyRow {
     /// Load average while the cell ran.
     #[serde(default)]
     pub load_avg_1m: Option<f64>,
+    /// Whether the rung's weights were repacked for llama.cpp's CPU kernels; `None` in files
+    /// written before the benchmark set it (the peer then ran with llama.cpp's default, on).
+    #[serde(default)]
+    pub repack: Option<bool>,
 }
 
 /// The stream count the goals are stated at.
 pub const GOAL_STREAMS: usize = 4;
 
 impl ConcurrencyDoc {
+    /// The repack setting of the rows, per rung: `off`, `on`, or `tier0 off, tier2 on`.
+    fn repack_text(&self) -> String {
+        let mut per: Vec<(&str, Option<bool>)> = Vec::new();
+        for r in &self.rows {
+            if !per.iter().any(|(n, _)| *n == r.rung) {
+                per.push((&r.rung, r.repack));
+            }
+        }
+        let word = |b: Option<bool>| match b {
+            Some(true) => "on",
+            Some(false) => "off",
+            None => "not recorded",
+        };
+        match per.as_slice() {
+            [] => "–".into(),
+            [(_, b), rest @ ..] if rest.iter().all(|(_, c)| c == b) => word(*b).into(),
+            _ => per
+                .iter()
+                .map(|(n, b)| format!("{n} {}", word(*b)))
+                .collect::<Vec<_>>()
+                .join(", "),
+        }
+    }
+
     fn find(&self, server: &str, rung: &str, streams: usize) -> Option<&ConcurrencyRow> {
         self.rows
             .iter()
@@ -127,9 +155,10 @@ pub fn section(doc: &ConcurrencyDoc) -> String {
     let _ = writeln!(s, "\n## Several streams at once\n");
     let _ = writeln!(
         s,
-        "`molt-run serve --parallel N` decodes every running answer in one `llama_decode` per step (continuous batching, opt-in); `--serial` (the default) answers one request at a time; `llama-server -np N` is llama.cpp's own server on the same GGUF. Every server its own process with the same decode threads ({}) and total context ({} tokens), {} tokens per answer, {} rounds per server and cell, the servers taking turns round by round. Load average {} at the start, {} at the end (2 cores shared with other work: absolute numbers are low, the comparison is side by side). From `cargo bench --bench serve_concurrency`.\n",
+        "`molt-run serve --parallel N` (`molt`, the default with N = 4) decodes every running answer in one `llama_decode` per step (continuous batching); `--serial` (`molt-serial`) answers one request at a time; `llama-server -np N` is llama.cpp's own server on the same GGUF. Every server its own process with the same decode threads ({}), total context ({} tokens) and llama.cpp CPU repack setting (Molt's choice for the rung: {}), {} tokens per answer, {} rounds per server and cell, the servers taking turns round by round. Load average {} at the start, {} at the end (2 cores shared with other work: absolute numbers are low, the comparison is side by side). From `cargo bench --bench serve_concurrency`.\n",
         doc.threads.map_or("–".into(), |t| t.to_string()),
         doc.n_ctx_total.map_or("–".into(), |t| t.to_string()),
+        doc.repack_text(),
         doc.max_tokens.map_or("–".into(), |t| t.to_string()),
         doc.reps.map_or("–".into(), |t| t.to_string()),
         opt(doc.load_avg_1m_start, 1),
@@ -191,6 +220,7 @@ mod tests {
             errors: 0,
             rss_peak_mib: None,
             load_avg_1m: None,
+            repack: Some(false),
         }
     }
 
@@ -216,5 +246,27 @@ mod tests {
         let page = section(&doc);
         assert!(page.contains("| tier2 | 4 | molt | 9.00 |"), "{page}");
         assert!(page.contains("**not met**"));
+    }
+
+    #[test]
+    fn the_repack_setting_is_stated_once_when_alike_and_per_rung_when_not() {
+        let mut doc = ConcurrencyDoc {
+            rows: vec![row("molt", 9.0, 1000.0), row("llama-server", 9.0, 1000.0)],
+            max_tokens: None,
+            reps: None,
+            threads: None,
+            n_ctx_total: None,
+            load_avg_1m_start: None,
+            load_avg_1m_end: None,
+            note: None,
+        };
+        assert_eq!(doc.repack_text(), "off");
+        let mut t0 = row("molt", 4.0, 3000.0);
+        t0.rung = "tier0".into();
+        t0.repack = Some(true);
+        doc.rows.push(t0);
+        assert_eq!(doc.repack_text(), "tier2 off, tier0 on");
+        doc.rows.iter_mut().for_each(|r| r.repack = None);
+        assert_eq!(doc.repack_text(), "not recorded");
     }
 }
