@@ -82,12 +82,26 @@ fn rendered(messages: &[Value]) -> Vec<i32> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_budget_that_falls_while_idle_hibernates_the_conversation_and_frees_every_rung() {
+    idle_under_a_falling_budget(1).await;
+}
+
+/// The same with answers decoded together (the default loop): it blocked waiting for the
+/// next request and held its rung and kept conversations whatever the budget did.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batched_server_idle_under_a_falling_budget_hibernates_and_frees_its_rung() {
+    idle_under_a_falling_budget(4).await;
+}
+
+/// A conversation kept on an idle server with `parallel` answers at once; the budget falls
+/// below what it holds; nothing is asked of it; then a request comes while no rung fits, and
+/// memory returns.
+async fn idle_under_a_falling_budget(parallel: usize) {
     let _serial = serial().await;
     let d = tempfile::tempdir().unwrap();
     let state = d.path().join("state");
     let st_dir = state.clone();
     let srv = start(move |c| {
-        c.parallel = 1;
+        c.parallel = parallel;
         c.state_dir = Some(st_dir);
     })
     .await;

@@ -36,7 +36,11 @@
 //! ([`Shared::still_deferred`]), and requests the budget holds go ahead of it. A batch no rung
 //! holds parks (its stall event names the rung and the park deadline), answers parked past the
 //! deadline end with `park_deadline`, and when memory returns the batch resumes on the largest
-//! rung that holds it, a switch for every answer.
+//! rung that holds it, a switch for every answer. An engine with no tenant (idle, or waiting
+//! with a deferred request) follows a falling budget as the serial loop does: when the budget
+//! no longer holds its rung with the conversations kept in it, they go to their state files
+//! and the rung is freed (`follow_budget_idle`); the next request loads the largest rung that
+//! then holds it.
 //!
 //! What still differs from the serial loop: a switch carries the cache by projection alone
 //! (no head re-read or token recompute), so a cache with projected cells is not kept for the
@@ -53,7 +57,7 @@ use std::time::{Duration, Instant};
 use super::control::RequestControl;
 use super::conversations::JobConversation;
 use super::error::ApiError;
-use super::worker::{Deferral, Job, Shared, Update};
+use super::worker::{Deferral, IDLE_POLL, Job, Next, Shared, Update};
 use crate::engine::{
     BatchContext, ChatMessage, Context, ContextConfig, EngineError, Model, ModelOptions, Sampler,
     SeqChunk, SeqId, Span, Token, Utf8Stream,
@@ -142,7 +146,11 @@ impl Engine {
         // The conversation's cache goes to its state file (or stays in RAM when the write
         // fails), as the one-at-a-time loop hibernates the conversation it displaces; a file
         // written when its answer ended is not written again.
-        if !(persisted && shared.conversations.hibernate_persisted(&id)) {
+        if !(persisted
+            && shared
+                .conversations
+                .hibernate_persisted(&id, &shared.recorder))
+        {
             // As the session hibernates: a file carries no record of projected cells, so a
             // cache holding some is not written (the conversation is re-read).
             let snapshot = if projected.is_empty() {
@@ -503,12 +511,19 @@ pub fn run(mut session: Session, shared: &Shared, slots: usize) {
         }
         if tenants.is_empty() {
             if held.is_none() {
-                let Some(job) = shared.queue.pop() else {
-                    // Shutting down: kept conversations go to their state files.
-                    if let Some(e) = engine.as_mut() {
-                        e.let_go_all(shared);
+                let job = match shared.queue.next(IDLE_POLL) {
+                    Next::Job(job) => *job,
+                    Next::Idle => {
+                        follow_budget_idle(shared, &l, &mut engine, None);
+                        continue;
                     }
-                    return;
+                    Next::Closed => {
+                        // Shutting down: kept conversations go to their state files.
+                        if let Some(e) = engine.as_mut() {
+                            e.let_go_all(shared);
+                        }
+                        return;
+                    }
                 };
                 if job.cancelled() {
                     skipped(shared, &job, "client gone while queued");
@@ -529,7 +544,11 @@ pub fn run(mut session: Session, shared: &Shared, slots: usize) {
                 }
             };
             let Some(t) = t else {
-                if held.is_some() {
+                if let Some(h) = &held {
+                    // Waiting for memory is idle time: what the engine holds follows the
+                    // budget down.
+                    let id = h.job.id.clone();
+                    follow_budget_idle(shared, &l, &mut engine, Some(&id));
                     std::thread::sleep(STALL_POLL);
                 }
                 continue;
@@ -599,6 +618,54 @@ pub fn run(mut session: Session, shared: &Shared, slots: usize) {
 }
 
 /// A request that never ran because its client left.
+/// What the idle engine does between jobs (and while a job waits for memory), as the
+/// one-at-a-time loop does: when the budget no longer holds its rung with the conversations
+/// kept in it, they go to their state files and the rung is freed — weights, context and its
+/// KV pages — so the server's memory follows a falling budget down to the process's own floor
+/// instead of waiting for the next request. Nothing is lost: a conversation's next request
+/// wakes it from its file, and the next answer loads the largest rung the budget then holds.
+/// `waiting` is the job deferred for memory meanwhile, if any: it stays published as running.
+fn follow_budget_idle(
+    shared: &Shared,
+    l: &Ladders,
+    engine: &mut Option<Engine>,
+    waiting: Option<&str>,
+) {
+    let Some(e) = engine.as_ref() else {
+        return;
+    };
+    let Ok(b) = shared.budget.read(Tick::default()) else {
+        return;
+    };
+    let held = l.need(e.rung, e.kept_cells());
+    if held <= b.bytes {
+        return;
+    }
+    let Some(mut e) = engine.take() else {
+        return;
+    };
+    let hibernated: Vec<String> = e.kept.iter().map(|k| k.conversation.clone()).collect();
+    e.let_go_all(shared);
+    let rung = l.name(e.rung).to_string();
+    drop(e);
+    crate::pressure::trim_heap();
+    shared.counters.released.fetch_add(1, Ordering::Relaxed);
+    shared.recorder.service(
+        "",
+        "released",
+        serde_json::json!({
+            "budget_mib": b.bytes >> 20,
+            "held_mib": held >> 20,
+            "rung": rung,
+            "hibernated": hibernated,
+        }),
+    );
+    publish_engine(shared, l, None, &[]);
+    if let Some(id) = waiting {
+        shared.engine().running = Some(id.to_string());
+    }
+}
+
 fn skipped(shared: &Shared, job: &Job, reason: &str) {
     shared.conversations.unqueue(job.conversation.as_ref());
     shared.counters.cancelled.fetch_add(1, Ordering::Relaxed);
@@ -636,10 +703,14 @@ fn read_budget(shared: &Shared, tenants: &[Tenant]) -> Budget {
 
 /// Publishes the batch's state for `GET /v1/molt/status`.
 fn publish_batch(shared: &Shared, l: &Ladders, engine: &Engine, tenants: &[Tenant]) {
+    let cells = engine.kept_cells() + tenants.iter().map(Tenant::holding).sum::<u64>();
     let mut e = shared.engine();
     e.current_rung = l.name(engine.rung).to_string();
     e.loaded = vec![e.current_rung.clone()];
     e.running = running_ids(tenants);
+    // The policy's usage: the rung with every cached cell, kept or running.
+    e.modelled_bytes = l.need(engine.rung, cells);
+    e.released = false;
 }
 
 /// The running tenants' request ids, comma-separated, as the status lists them.
@@ -662,6 +733,12 @@ fn publish_engine(shared: &Shared, l: &Ladders, engine: Option<&Engine>, tenants
             let mut e = shared.engine();
             e.loaded = Vec::new();
             e.running = running_ids(tenants);
+            // No rung and no answer: the idle engine released everything
+            // (`follow_budget_idle`). A parked batch keeps its caches' figure.
+            if tenants.is_empty() {
+                e.modelled_bytes = 0;
+                e.released = true;
+            }
         }
     }
 }

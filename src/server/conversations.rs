@@ -613,16 +613,15 @@ impl Conversations {
     /// `id`'s cache leaves RAM with its state file already written by
     /// [`Conversations::persist`] (and not evicted since): it is hibernated without writing it
     /// again. False, nothing changed, when it has no file.
-    pub fn hibernate_persisted(&self, id: &str) -> bool {
+    pub fn hibernate_persisted(&self, id: &str, recorder: &Recorder) -> bool {
         let mut s = self.lock();
         let Some(c) = s.convs.get_mut(id) else {
             return false;
         };
-        let Some(size) = c
+        let Some((file, size)) = c
             .file
             .as_ref()
-            .and_then(|p| std::fs::metadata(p).ok())
-            .map(|m| m.len())
+            .and_then(|p| std::fs::metadata(p).ok().map(|m| (p.clone(), m.len())))
         else {
             return false;
         };
@@ -631,6 +630,12 @@ impl Conversations {
         if s.live.as_deref() == Some(id) {
             s.live = None;
         }
+        drop(s);
+        recorder.service(
+            "",
+            "hibernated",
+            serde_json::json!({"conversation": id, "file": file, "bytes": size, "written": "when its answer ended"}),
+        );
         true
     }
 

@@ -161,23 +161,6 @@ impl Queue {
         Ok(n)
     }
 
-    /// Takes the next job, waiting for one; `None` once closed and empty.
-    pub fn pop(&self) -> Option<Job> {
-        let mut g = self.lock();
-        loop {
-            if let Some(j) = g.jobs.pop_front() {
-                return Some(j);
-            }
-            if g.closed {
-                return None;
-            }
-            g = self
-                .cv
-                .wait(g)
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-        }
-    }
-
     /// Takes the waiting job that goes first — foreground before background, then the higher
     /// priority, then the one that came first — waiting at most `wait` for one: what the
     /// one-at-a-time loop answers next. [`Next::Idle`] when none came within `wait` (the engine
@@ -280,7 +263,7 @@ fn first_in_order(jobs: &VecDeque<Job>, take: impl Fn(&Job) -> bool) -> Option<u
 }
 
 /// How long the idle engine waits for a job before it looks at the budget again.
-const IDLE_POLL: Duration = Duration::from_millis(100);
+pub(super) const IDLE_POLL: Duration = Duration::from_millis(100);
 
 /// Counters since the server started.
 #[derive(Debug, Default)]
