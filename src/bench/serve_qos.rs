@@ -91,6 +91,8 @@ pub struct ServeQosOptions {
     pub max_rounds: usize,
     /// Where the state files, the record file and the server's log go.
     pub work_dir: PathBuf,
+    /// The server's `--parallel`: answers decoded together (1: one at a time, `--serial`).
+    pub parallel: usize,
 }
 
 /// The shipped conversations: a foreground chat and two background jobs of different
@@ -267,6 +269,17 @@ pub struct ServeQosReport {
     pub round_ms: u64,
     /// Wall time, s.
     pub wall_s: f64,
+    /// The server's `--parallel` (1: one answer at a time); absent in files written before
+    /// the benchmark could run the batched loop (they ran `--serial`).
+    #[serde(default = "one")]
+    pub parallel: usize,
+    /// Rounds a conversation waited between two of its turns.
+    #[serde(default = "one")]
+    pub think_rounds: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// The server child; killed and reaped on drop.
@@ -308,7 +321,12 @@ fn start_server(opts: &ServeQosOptions) -> Result<ServerChild, ServeQosError> {
     let mut child = Command::new(&opts.program)
         .args(&opts.global_args)
         .arg("serve")
-        .args(["--port", "0", "--serial"])
+        .args([
+            "--port",
+            "0",
+            "--parallel",
+            &opts.parallel.max(1).to_string(),
+        ])
         .args(["--max-tokens", &opts.max_tokens.to_string()])
         .args([
             "--admission-timeout-s",
@@ -715,5 +733,7 @@ async fn run_async(
         budget_source: budget.describe(),
         round_ms,
         wall_s: t0.elapsed().as_secs_f64(),
+        parallel: opts.parallel.max(1),
+        think_rounds: opts.think_rounds,
     })
 }

@@ -60,6 +60,14 @@ pub struct Args {
     /// `max_tokens` of every --serve-qos answer.
     #[arg(long, default_value_t = 32)]
     pub serve_qos_max_tokens: usize,
+    /// The --serve-qos server's answers decoded together (`serve --parallel`; 1 answers one
+    /// at a time, as `serve --serial`).
+    #[arg(long, default_value_t = molt::server::DEFAULT_PARALLEL, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
+    pub serve_qos_parallel: usize,
+    /// Rounds a --serve-qos conversation waits between two of its turns (answered together,
+    /// the batched loop finishes every turn before a slow trace has fallen far).
+    #[arg(long, default_value_t = 1)]
+    pub serve_qos_think_rounds: usize,
     /// The device size for --real-hog, MiB (default: the trace's initial budget).
     #[arg(long, requires = "real_hog")]
     pub device_mib: Option<u64>,
@@ -1108,12 +1116,13 @@ fn run_serve_qos(g: &GlobalArgs, a: &Args) -> Result<()> {
         conversations: standard_conversations(),
         max_tokens: a.serve_qos_max_tokens,
         round_ms: a.serve_qos_round_ms,
-        think_rounds: 1,
+        think_rounds: a.serve_qos_think_rounds,
         min_rounds: usize::try_from(last_step)
             .unwrap_or(usize::MAX)
             .saturating_add(2),
         max_rounds: 400,
         work_dir: std::env::temp_dir().join(format!("molt-{name}-{}", std::process::id())),
+        parallel: a.serve_qos_parallel,
     };
     let trace_name = a
         .serve_qos_trace
