@@ -497,19 +497,13 @@ impl Session {
         });
         // Standby rungs are the first thing given up: the rung loading takes their room.
         self.settle_standby(budget);
-        let tokens = self.history.len() as u64 + 1;
-        sink(&Event::Prepare(PrepareInfo {
+        sink(&self.prepare_news(
+            PrepareState::Started,
+            to,
             at_token,
-            state: PrepareState::Started,
-            from: self.current_rung().to_string(),
-            to: self.ladder.rungs[to].name().to_string(),
-            elapsed_ms: 0.0,
-            tokens: 0,
-            modelled_bytes: self.modelled_now(tokens),
-            budget_bytes: budget.unwrap_or(0),
-            reason: None,
-            down: to > self.current,
-        }));
+            budget.unwrap_or(0),
+            None,
+        ));
         Ok(())
     }
 
@@ -552,19 +546,32 @@ impl Session {
         reason: &str,
         sink: &mut dyn FnMut(&Event),
     ) {
+        sink(&self.prepare_news(PrepareState::Skipped, to, at_token, budget, Some(reason)));
+    }
+
+    /// The event of a preparation onto `to` as it starts (or is not started): nothing
+    /// elapsed, the footprint as the session now counts it.
+    fn prepare_news(
+        &self,
+        state: PrepareState,
+        to: usize,
+        at_token: usize,
+        budget_bytes: u64,
+        reason: Option<&str>,
+    ) -> Event {
         let tokens = self.history.len() as u64 + 1;
-        sink(&Event::Prepare(PrepareInfo {
+        Event::Prepare(PrepareInfo {
             at_token,
-            state: PrepareState::Skipped,
+            state,
             from: self.current_rung().to_string(),
             to: self.ladder.rungs[to].name().to_string(),
             elapsed_ms: 0.0,
             tokens: 0,
             modelled_bytes: self.modelled_now(tokens),
-            budget_bytes: budget,
-            reason: Some(reason.to_string()),
+            budget_bytes,
+            reason: reason.map(str::to_string),
             down: to > self.current,
-        }));
+        })
     }
 
     /// Waits for a background load that is no longer wanted and frees what it loaded; says

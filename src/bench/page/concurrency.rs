@@ -224,14 +224,10 @@ mod tests {
         }
     }
 
-    #[test]
-    fn goals_are_judged_from_the_rows_at_four_streams() {
-        let doc = ConcurrencyDoc {
-            rows: vec![
-                row("molt", 9.0, 1000.0),
-                row("molt-serial", 6.0, 2500.0),
-                row("llama-server", 10.5, 900.0),
-            ],
+    /// A file of `rows` and nothing else.
+    fn doc(rows: Vec<ConcurrencyRow>) -> ConcurrencyDoc {
+        ConcurrencyDoc {
+            rows,
             max_tokens: None,
             reps: None,
             threads: None,
@@ -239,7 +235,16 @@ mod tests {
             load_avg_1m_start: None,
             load_avg_1m_end: None,
             note: None,
-        };
+        }
+    }
+
+    #[test]
+    fn goals_are_judged_from_the_rows_at_four_streams() {
+        let doc = doc(vec![
+            row("molt", 9.0, 1000.0),
+            row("molt-serial", 6.0, 2500.0),
+            row("llama-server", 10.5, 900.0),
+        ]);
         let met: Vec<bool> = doc.goals().iter().map(|g| g.2).collect();
         // 9.0 < 0.9 × 10.5; above serial; 1000 × 3 > 2500.
         assert_eq!(met, [false, true, false]);
@@ -250,16 +255,10 @@ mod tests {
 
     #[test]
     fn the_repack_setting_is_stated_once_when_alike_and_per_rung_when_not() {
-        let mut doc = ConcurrencyDoc {
-            rows: vec![row("molt", 9.0, 1000.0), row("llama-server", 9.0, 1000.0)],
-            max_tokens: None,
-            reps: None,
-            threads: None,
-            n_ctx_total: None,
-            load_avg_1m_start: None,
-            load_avg_1m_end: None,
-            note: None,
-        };
+        let mut doc = doc(vec![
+            row("molt", 9.0, 1000.0),
+            row("llama-server", 9.0, 1000.0),
+        ]);
         assert_eq!(doc.repack_text(), "off");
         let mut t0 = row("molt", 4.0, 3000.0);
         t0.rung = "tier0".into();
