@@ -547,8 +547,7 @@ pub fn run(mut session: Session, shared: &Shared, slots: usize) {
                 if let Some(h) = &held {
                     // Waiting for memory is idle time: what the engine holds follows the
                     // budget down.
-                    let id = h.job.id.clone();
-                    follow_budget_idle(shared, &l, &mut engine, Some(&id));
+                    follow_budget_idle(shared, &l, &mut engine, Some(&h.job.id));
                     std::thread::sleep(STALL_POLL);
                 }
                 continue;
@@ -631,13 +630,12 @@ fn follow_budget_idle(
     engine: &mut Option<Engine>,
     waiting: Option<&str>,
 ) {
-    let Some(e) = engine.as_ref() else {
-        return;
-    };
     let Ok(b) = shared.budget.read(Tick::default()) else {
         return;
     };
-    let held = l.need(e.rung, e.kept_cells());
+    let held = engine
+        .as_ref()
+        .map_or(0, |e| l.need(e.rung, e.kept_cells()));
     if held <= b.bytes {
         return;
     }
@@ -654,8 +652,8 @@ fn follow_budget_idle(
         "",
         "released",
         serde_json::json!({
-            "budget_mib": b.bytes >> 20,
-            "held_mib": held >> 20,
+            "budget_mib": super::openai::mib(b.bytes),
+            "held_mib": super::openai::mib(held),
             "rung": rung,
             "hibernated": hibernated,
         }),
