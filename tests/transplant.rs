@@ -11,7 +11,9 @@ use molt::engine::{Context, Model, ModelOptions, Sampler, SamplingParams, log_so
 use molt::kv::KvSnapshot;
 use molt::ladder::Ladder;
 use molt::routes::{Routes, Variant, binding};
-use molt::session::migrate::{Reread, reprefill, transplant, transplant_with};
+use molt::session::migrate::{
+    Exported, HEAD_IN_FIRST_BATCH, Reread, carry_exported, reprefill, transplant, transplant_with,
+};
 use molt::session::{
     Event, GenerateOptions, Generation, Prompt, Session, SessionOptions, Strategy, jsd,
 };
@@ -747,9 +749,10 @@ fn background_refill_takes_over_with_the_native_cache() {
 
 fn an_anchor_supplies_the_head_it_covers_on(route: TinyRoute) {
     // An anchor is the destination's own state over the history's first tokens, so splicing
-    // it gives the same cache as decoding them at the switch, to the bit, whether it covers
-    // part of the head (the rest decoded), all of it, or more (cut to the head). An anchor of
-    // other tokens is not used.
+    // it gives the same cache as decoding them, to the bit, whether it covers part of the head
+    // (the rest decoded), all of it, or more (cut to the head). An anchor of other tokens is
+    // not used. (Carried, then the next token decoded: a switch on the spot decodes the head's
+    // rest in its first batch, see below.)
     let TinyRoute {
         p,
         src,
@@ -758,22 +761,26 @@ fn an_anchor_supplies_the_head_it_covers_on(route: TinyRoute) {
         next,
     } = route;
     let h = 4;
+    let blob = src.export_state().unwrap();
+    let exported = Exported {
+        blob: &blob,
+        n_past: src.n_past(),
+        from: "big",
+        export_ms: 0.0,
+    };
+    let head = &toks[..h];
+    fn reread<'a>(head: &'a [molt::engine::Token], anchor: Option<&'a Anchor>) -> Reread<'a> {
+        Reread {
+            head,
+            tail: &[],
+            anchor,
+            spans: &[],
+        }
+    }
     let switch = |dst: &mut Context, anchor: Option<&Anchor>| {
-        let t = transplant_with(
-            &src,
-            dst,
-            &p,
-            None,
-            Reread {
-                head: &toks[..h],
-                tail: &[],
-                anchor,
-                spans: &[],
-            },
-            next,
-        )
-        .unwrap();
+        let t = carry_exported(&exported, dst, &p, None, reread(head, anchor)).unwrap();
         assert_eq!(t.head, h);
+        dst.decode(&[next]).unwrap();
         assert_eq!(dst.n_past(), toks.len() + 1);
         (t.head_anchored, dst.logits().to_vec())
     };
@@ -808,6 +815,46 @@ fn an_anchor_supplies_the_head_it_covers_on(route: TinyRoute) {
     let (anchored, logits) = switch(&mut dst, Some(&broken));
     assert_eq!(anchored, 0, "an unimportable anchor is not spliced");
     assert_eq!(max_abs(&logits, &decoded), 0.0);
+
+    // On the spot, the head's rest is decoded in the first batch with the sampled token: the
+    // cache ends holding the same cells at every position the carry holds, to the bit; only
+    // the sampled token's own cell and logits saw the rest's positions as projected.
+    let a = anchor_of(&mut dst, 3);
+    switch(&mut dst, Some(&a));
+    let carried = dst.export_state().unwrap();
+    let carried_logits = dst.logits().to_vec();
+    let t = transplant_with(&src, &mut dst, &p, None, reread(head, Some(&a)), next).unwrap();
+    assert_eq!((t.head, t.head_anchored), (h, 3), "{t:?}");
+    assert!(h - 3 <= HEAD_IN_FIRST_BATCH);
+    assert_eq!(t.head_ms, 0.0, "the rest is in the first decode: {t:?}");
+    assert_eq!(dst.n_past(), toks.len() + 1);
+    let (_, want) = KvSnapshot::parse_single_stream(&carried).unwrap();
+    let (_, got) = KvSnapshot::parse_single_stream(&dst.export_state().unwrap()).unwrap();
+    let last = i32::try_from(toks.len()).unwrap();
+    let rows = |st: &molt::kv::KvStream| {
+        let mut r: Vec<(i32, Vec<f32>)> = st
+            .cells
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.pos < last)
+            .map(|(i, c)| {
+                let mut v = Vec::new();
+                for l in &st.layers {
+                    v.extend(l.k.row(i).iter().chain(l.v.row(i)));
+                }
+                (c.pos, v)
+            })
+            .collect();
+        r.sort_by_key(|(pos, _)| *pos);
+        r
+    };
+    assert_eq!(got.n_cells(), want.n_cells());
+    assert!(
+        rows(&got) == rows(&want),
+        "every cell before the sampled token's"
+    );
+    let d = jsd(dst.logits(), &carried_logits);
+    assert!(d < 0.05, "first logits near the carry's: {d}");
 }
 
 #[test]

@@ -548,21 +548,21 @@ impl Context {
         let mut group_tokens = 0;
         for piece in pieces {
             if group.len() == SCRATCH_SEQS as usize || group_tokens + piece.1.len() > cap {
-                done += self.recompute_group(&group)?;
+                done += self.recompute_group(&group, &[])?;
                 group.clear();
                 group_tokens = 0;
             }
             // A later piece of the same span must see the earlier piece's new cells: the
             // earlier piece's batch has to run first.
             if group.last().is_some_and(|(s, t)| s + t.len() == piece.0) {
-                done += self.recompute_group(&group)?;
+                done += self.recompute_group(&group, &[])?;
                 group.clear();
                 group_tokens = 0;
             }
             group_tokens += piece.1.len();
             group.push(piece);
         }
-        done += self.recompute_group(&group)?;
+        done += self.recompute_group(&group, &[])?;
         if let Some(t) = &self.tap {
             tap::finish(t);
         }
@@ -571,9 +571,63 @@ impl Context {
         Ok(done)
     }
 
-    /// One batch of [`Context::recompute_spans`]: piece `i` in scratch sequence `i + 1`.
-    fn recompute_group(&mut self, group: &[(usize, &[Token])]) -> Result<usize, EngineError> {
-        let n: usize = group.iter().map(|(_, t)| t.len()).sum();
+    /// [`Context::recompute_spans`] and [`Context::decode`] of `tokens` in one `llama_decode`
+    /// when they fit in one batch (the spans' tokens and `tokens` together within `n_batch`,
+    /// at most seven spans, none reaching into another): what a switch's head re-read and its
+    /// first decode cost on CPU is mostly reading the weights once, so one pass does both. The
+    /// spans' new cells replace the old ones as with [`Context::recompute_spans`]; `tokens`
+    /// are decoded at `n_past..` and the last one's logits kept — they attend to the cells the
+    /// spans replace *as they were* (this batch computes both), every later token to the new
+    /// ones. When they do not fit, the spans are recomputed first and `tokens` decoded after
+    /// (then `tokens` see the new cells). Returns the positions recomputed.
+    ///
+    /// # Errors
+    /// As [`Context::recompute_spans`] and [`Context::decode`]; on a failed batch sequence 0
+    /// is as it was before it.
+    pub fn recompute_spans_then_decode(
+        &mut self,
+        spans: &[Span<'_>],
+        tokens: &[Token],
+    ) -> Result<usize, EngineError> {
+        let span_tokens: usize = spans.iter().map(|s| s.tokens.len()).sum();
+        let cap = self.config.n_batch.min(self.config.n_ctx).max(1) as usize;
+        let room = (self.config.n_ctx as usize).saturating_sub(self.n_past);
+        let ordered = spans
+            .windows(2)
+            .all(|w| w[0].start + w[0].tokens.len() < w[1].start);
+        let inside = spans
+            .iter()
+            .all(|s| s.start + s.tokens.len() <= self.n_past);
+        let fits = !tokens.is_empty()
+            && span_tokens + tokens.len() <= cap
+            && span_tokens + tokens.len() <= room
+            && spans.len() <= SCRATCH_SEQS as usize
+            && ordered
+            && inside;
+        if !fits {
+            let done = self.recompute_spans(spans)?;
+            self.decode(tokens)?;
+            return Ok(done);
+        }
+        let group: Vec<(usize, &[Token])> = spans.iter().map(|s| (s.start, s.tokens)).collect();
+        let result = self.recompute_group(&group, tokens);
+        if let Some(t) = &self.tap {
+            tap::finish(t);
+        }
+        self.restart_hidden(self.n_past);
+        result
+    }
+
+    /// One batch of [`Context::recompute_spans`]: piece `i` in scratch sequence `i + 1`, then
+    /// `then` decoded in sequence 0 at `n_past..` with the last one's logits (the caller has
+    /// checked they fit).
+    fn recompute_group(
+        &mut self,
+        group: &[(usize, &[Token])],
+        then: &[Token],
+    ) -> Result<usize, EngineError> {
+        let n_spans: usize = group.iter().map(|(_, t)| t.len()).sum();
+        let n = n_spans + then.len();
         if n == 0 {
             return Ok(0);
         }
@@ -611,6 +665,17 @@ impl Context {
                 k += 1;
             }
         }
+        for (j, &t) in then.iter().enumerate() {
+            // SAFETY: k < n entries, as above.
+            unsafe {
+                *batch.token.add(k) = t;
+                *batch.pos.add(k) = conv(self.n_past + j)?;
+                *batch.n_seq_id.add(k) = 1;
+                *(*batch.seq_id.add(k)) = SEQ;
+                *batch.logits.add(k) = i8::from(j + 1 == then.len());
+            }
+            k += 1;
+        }
         let mut b = batch;
         b.n_tokens = n_i32;
         let _ = recent_llama_errors();
@@ -625,7 +690,7 @@ impl Context {
             }
             return Err(EngineError::DecodeFailed {
                 code: rc,
-                pos: conv(group[0].0)?,
+                pos: conv(group.first().map_or(self.n_past, |g| g.0))?,
                 detail: recent_llama_errors(),
             });
         }
@@ -640,7 +705,8 @@ impl Context {
                 llama_cpp_sys_2::llama_memory_seq_rm(mem, sid, -1, -1);
             }
         }
-        Ok(n)
+        self.n_past += then.len();
+        Ok(n_spans)
     }
 
     fn decode_inner(

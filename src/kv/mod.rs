@@ -246,6 +246,23 @@ impl KvStream {
         self.cells.iter().map(|c| c.pos).collect()
     }
 
+    /// Drops the cells of positions `end` and later, with their rows at every layer (a
+    /// native prefix state cut to the part a switch uses). Returns the cells kept.
+    pub fn keep_positions_below(&mut self, end: i32) -> usize {
+        let keep: Vec<usize> = (0..self.cells.len())
+            .filter(|&i| self.cells[i].pos < end)
+            .collect();
+        if keep.len() == self.cells.len() {
+            return keep.len();
+        }
+        self.cells = keep.iter().map(|&i| self.cells[i].clone()).collect();
+        for l in &mut self.layers {
+            l.k = l.k.select(ndarray::Axis(0), &keep);
+            l.v = l.v.select(ndarray::Axis(0), &keep);
+        }
+        keep.len()
+    }
+
     /// Checks that the stream can be written as a valid blob: every layer has one K and one V
     /// row per cell, a cache without V has zero-width V, the cells agree on having an ext record,
     /// and every count fits its field.

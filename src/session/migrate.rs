@@ -64,7 +64,10 @@ pub struct SwitchTimings {
     /// of the template's opening) rather than decoded.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub head_anchored: usize,
-    /// Time of the head re-read (anchor import, decode, export), inside `cost_ms`.
+    /// Time of the head re-read (anchor import, decode, export), inside `cost_ms`; 0 when the
+    /// head's few unanchored positions were decoded in the switch's first batch
+    /// ([`transplant_staged`]: then in `first_decode_ms`, the anchor's rows spliced in
+    /// `project_ms`).
     #[serde(default, skip_serializing_if = "is_zero_f")]
     pub head_ms: f64,
     /// Selective token recompute: positions re-read natively on the destination over the
@@ -171,6 +174,39 @@ pub fn project_blob_with(
     recomputed: Option<&[u8]>,
     native_head: Option<&[u8]>,
 ) -> Result<(Vec<u8>, f64, usize), MigrationError> {
+    project_blob_spliced(
+        blob,
+        projector,
+        dst_cache,
+        recomputed,
+        native_head.map(|h| (h, None)),
+    )
+    .and_then(
+        |(bytes, flops, cells, spliced)| match (native_head, spliced) {
+            (Some(_), Err(e)) => Err(e),
+            _ => Ok((bytes, flops, cells)),
+        },
+    )
+}
+
+/// A projected state blob, its FLOPs and cells, and whether the native head was spliced in.
+type Spliced = (Vec<u8>, f64, usize, Result<(), MigrationError>);
+
+/// [`project_blob_with`] whose native head is `(blob, end)`: the blob's rows of positions
+/// below `end` (all of them for `None`) are spliced over the projection. A head that does not
+/// fit is not an error here: the projection is returned with the splice's error beside it
+/// (`Ok(())` when spliced or no head was given), so a caller holding the head's tokens can
+/// decode them instead.
+///
+/// # Errors
+/// As [`project_blob_with`], but for the head.
+pub(crate) fn project_blob_spliced(
+    blob: &[u8],
+    projector: &Projector,
+    dst_cache: CacheType,
+    recomputed: Option<&[u8]>,
+    native_head: Option<(&[u8], Option<i32>)>,
+) -> Result<Spliced, MigrationError> {
     let (seq_id, stream) =
         KvSnapshot::parse_single_stream(blob).map_err(|e| MigrationStep::SourceState.fail(e))?;
     let positions = stream.positions();
@@ -213,24 +249,35 @@ pub fn project_blob_with(
         out.overwrite_rows_by_position(&r, first)
             .map_err(|e| step.fail(e))?;
     }
-    if let Some(hb) = native_head {
-        // Exact values: under causal attention a prefix's K/V depend on the prefix alone.
-        let step = MigrationStep::NativeHeadState;
-        let (_, h) = KvSnapshot::parse_single_stream(hb).map_err(|e| step.fail(e))?;
-        if h.layers.len() != out.layers.len() {
-            return Err(step.fail(MigrationCause::HeadLayers {
-                layers: h.layers.len(),
-                expected: out.layers.len(),
-            }));
-        }
-        out.overwrite_rows_by_position(&h, 0)
-            .map_err(|e| step.fail(e))?;
-    }
+    let spliced = match native_head {
+        Some((hb, end)) => splice_head(&mut out, hb, end),
+        None => Ok(()),
+    };
     let bytes = KvSnapshot::from_single_stream(seq_id, out)
         .to_bytes()
         .map_err(|e| MigrationStep::DestinationState.fail(e))?;
     #[allow(clippy::cast_precision_loss)] // FLOP counts far below 2^52
-    Ok((bytes, stats.flops() as f64, positions.len()))
+    Ok((bytes, stats.flops() as f64, positions.len(), spliced))
+}
+
+/// Splices the rows of `head` (a state blob of the destination's own, over the history's first
+/// positions) below `end` over `out`'s, at every layer; `out` is unchanged on failure.
+/// Exact values: under causal attention a prefix's K/V depend on the prefix alone.
+fn splice_head(out: &mut KvStream, head: &[u8], end: Option<i32>) -> Result<(), MigrationError> {
+    let step = MigrationStep::NativeHeadState;
+    let (_, mut h) = KvSnapshot::parse_single_stream(head).map_err(|e| step.fail(e))?;
+    if h.layers.len() != out.layers.len() {
+        return Err(step.fail(MigrationCause::HeadLayers {
+            layers: h.layers.len(),
+            expected: out.layers.len(),
+        }));
+    }
+    if let Some(end) = end {
+        h.keep_positions_below(end);
+    }
+    out.overwrite_rows_by_position(&h, 0)
+        .map_err(|e| step.fail(e))?;
+    Ok(())
 }
 
 /// The history a Molt switch re-reads natively on the destination, at both ends of the cache:
@@ -412,8 +459,10 @@ pub struct Exported<'a> {
 /// decode `last` on the destination. `reread.tail` — the history's last tokens, empty for
 /// none — is re-read natively after the import: their projected cells are dropped and the
 /// destination decodes them with `last` in one batch, so the positions nearest the next token
-/// carry the destination's own K/V at every layer (tail recompute). On failure `dst` is left
-/// empty.
+/// carry the destination's own K/V at every layer (tail recompute). A switch that needs
+/// nothing of its destination before the import goes through [`stage`] and
+/// [`transplant_staged`] (the head's few unanchored positions then decoded in the first
+/// batch). On failure `dst` is left empty.
 ///
 /// # Errors
 /// [`SessionError::Migration`] naming the step that failed.
@@ -426,6 +475,7 @@ pub fn transplant_exported(
     last: Token,
 ) -> Result<SwitchTimings, SessionError> {
     let tail = reread.tail;
+    let to = dst.model().name().to_string();
     if tail.len() > src.n_past {
         let cause = MigrationCause::LongerThanCache {
             asked: tail.len(),
@@ -433,9 +483,14 @@ pub fn transplant_exported(
         };
         return Err(SessionError::Migration {
             from: src.from.to_string(),
-            to: dst.model().name().to_string(),
+            to,
             source: MigrationStep::TailRecompute.fail(cause),
         });
+    }
+    if recompute.is_none()
+        && let Some(staged) = stage(src, &to, projector, dst.config().cache_type, reread)?
+    {
+        return transplant_staged(staged, src.from, dst, last);
     }
     let t1 = Instant::now();
     let carried = carry_exported(src, dst, projector, recompute, reread)?;
@@ -450,7 +505,7 @@ pub fn transplant_exported(
         dst.clear();
         return Err(SessionError::Migration {
             from: src.from.to_string(),
-            to: dst.model().name().to_string(),
+            to,
             source: MigrationStep::FirstDecode.fail(e),
         });
     }
@@ -459,6 +514,155 @@ pub fn transplant_exported(
         tail: tail.len(),
         cost_ms: src.export_ms + ms(t1),
         ..carried
+    })
+}
+
+/// The most head positions a switch decodes in its first batch rather than before the
+/// projection ([`stage`]): the token that batch decodes attends to them as projected, so only
+/// a few are left to it (the real ladder's anchors cover all of the head but its first own
+/// token).
+pub const HEAD_IN_FIRST_BATCH: usize = 4;
+
+/// A Molt switch's projection made before its destination is at hand: the source's state
+/// projected in the destination's layout with the anchor's rows of the head spliced in, and
+/// the head's positions no anchor covers, left for the first batch. See [`stage`].
+pub struct Staged<'h> {
+    bytes: Vec<u8>,
+    n_past: usize,
+    head_rest: Option<Span<'h>>,
+    tail: &'h [Token],
+    timings: SwitchTimings,
+}
+
+/// What [`transplant_exported`] does before the import, for a switch that needs nothing of
+/// its destination there: no span to re-read, no top-k recompute (the caller's to check), and
+/// at most [`HEAD_IN_FIRST_BATCH`] head positions left once the anchor's are spliced (all
+/// the head's when the anchor does not fit this cache). `None` for any other switch: it
+/// re-reads the head on the destination before the projection ([`carry_exported`]). A switch
+/// down off standby projects this way while its source is freed, and maps the destination's
+/// pages only once the source is gone. `to` names the destination in errors.
+///
+/// # Errors
+/// [`SessionError::Migration`] when the state does not parse or the projector does not fit.
+pub fn stage<'h>(
+    src: &Exported<'_>,
+    to: &str,
+    projector: &Projector,
+    cache_type: CacheType,
+    reread: Reread<'h>,
+) -> Result<Option<Staged<'h>>, SessionError> {
+    let Reread {
+        head,
+        tail,
+        anchor,
+        spans,
+    } = reread;
+    if !spans.is_empty() || tail.len() > src.n_past || head.len() > src.n_past {
+        return Ok(None);
+    }
+    let rest_end = head.len().min(src.n_past - tail.len());
+    let covered = anchor.map_or(0, |a| a.covers(head)).min(rest_end);
+    if rest_end - covered > HEAD_IN_FIRST_BATCH {
+        return Ok(None);
+    }
+    let t1 = Instant::now();
+    let end = i32::try_from(covered).unwrap_or(i32::MAX);
+    let (bytes, flops, cells, spliced) = project_blob_spliced(
+        src.blob,
+        projector,
+        cache_type,
+        None,
+        anchor
+            .filter(|_| covered > 0)
+            .map(|a| (a.state.as_slice(), Some(end))),
+    )
+    .map_err(|source| SessionError::Migration {
+        from: src.from.to_string(),
+        to: to.to_string(),
+        source,
+    })?;
+    // An anchor that does not fit this cache costs the anchor, not the switch.
+    let head_anchored = if spliced.is_ok() { covered } else { 0 };
+    let project_ms = ms(t1);
+    Ok(Some(Staged {
+        bytes,
+        n_past: src.n_past,
+        head_rest: (head_anchored < rest_end).then(|| Span {
+            start: head_anchored,
+            tokens: &head[head_anchored..rest_end],
+        }),
+        tail,
+        timings: SwitchTimings {
+            export_ms: src.export_ms,
+            project_ms,
+            head: head.len(),
+            head_anchored,
+            cells,
+            flops,
+            cost_ms: src.export_ms + project_ms,
+            ..SwitchTimings::default()
+        },
+    }))
+}
+
+/// Finishes a [`stage`]d transplant on `dst`: imports the projected state, then decodes the
+/// head's unanchored positions (in scratch sequences over the imported cache) with the tail
+/// and `last` in one batch — one pass over the weights instead of two; `last` sees those few
+/// positions as projected, every later token their native cells. On failure `dst` is left
+/// empty. `from` names the source in errors.
+///
+/// # Errors
+/// [`SessionError::Migration`] naming the step that failed.
+pub fn transplant_staged(
+    staged: Staged<'_>,
+    from: &str,
+    dst: &mut Context,
+    last: Token,
+) -> Result<SwitchTimings, SessionError> {
+    let Staged {
+        bytes,
+        n_past,
+        head_rest,
+        tail,
+        timings,
+    } = staged;
+    let fail = |dst: &mut Context, source: MigrationError| {
+        dst.clear();
+        SessionError::Migration {
+            from: from.to_string(),
+            to: dst.model().name().to_string(),
+            source,
+        }
+    };
+    let t2 = Instant::now();
+    if let Err(e) = dst.import_state(&bytes) {
+        return Err(fail(dst, MigrationStep::Import.fail(e)));
+    }
+    drop(bytes);
+    if dst.n_past() != n_past {
+        let cause = MigrationCause::EndsElsewhere {
+            imported: dst.n_past(),
+            source_end: n_past,
+        };
+        return Err(fail(dst, MigrationStep::Import.fail(cause)));
+    }
+    let import_ms = ms(t2);
+    let t3 = Instant::now();
+    let mut next = Vec::with_capacity(tail.len() + 1);
+    next.extend_from_slice(tail);
+    next.push(last);
+    if !tail.is_empty() {
+        dst.truncate(n_past - tail.len());
+    }
+    if let Err(e) = dst.recompute_spans_then_decode(head_rest.as_slice(), &next) {
+        return Err(fail(dst, MigrationStep::FirstDecode.fail(e)));
+    }
+    Ok(SwitchTimings {
+        import_ms,
+        first_decode_ms: ms(t3),
+        tail: tail.len(),
+        cost_ms: timings.cost_ms + ms(t2),
+        ..timings
     })
 }
 

@@ -105,7 +105,9 @@ pub struct SessionOptions {
     /// a system prompt, if any); under causal attention its native K/V are exact. The part the
     /// destination's shipped anchor covers (its state over the template's opening, see
     /// [`crate::transplant::anchor`]) is spliced in for free; the rest is decoded on the
-    /// destination at the switch, without logits. [`DEFAULT_HEAD_REREAD`] by default (the
+    /// destination at the switch: in the batch of its first token when a few positions are
+    /// left and no span is re-read ([`crate::session::migrate::HEAD_IN_FIRST_BATCH`]), else
+    /// before the projection, without logits. [`DEFAULT_HEAD_REREAD`] by default (the
     /// template's opening plus the first token of the user's message); 0 turns it off (the
     /// conditions benchmark's `D-no-head` arm).
     pub head_reread: usize,
@@ -172,7 +174,8 @@ pub struct SessionOptions {
 }
 
 /// The head re-read of a default Molt switch: ChatML's opening (`<|im_start|>user\n`, three
-/// tokens, from the anchor) and the user message's first token (decoded). Measured on the
+/// tokens, from the anchor) and the user message's first token (decoded, with the switch's
+/// first token when nothing else is re-read). Measured on the
 /// real ladder (conditions benchmark, 10 prompts): judge perplexity 2.29 against the
 /// projection alone's 3.00 and a re-prefill's 2.13; three tokens gave 2.46.
 pub const DEFAULT_HEAD_REREAD: usize = 4;

@@ -655,8 +655,43 @@ impl Session {
             }),
             None => None,
         };
-        drop(src);
-        crate::pressure::trim_heap();
+        // The source is freed on a thread of its own (unmapping a 1.5B rung's weights and
+        // freeing its buffers took ~40 ms of the gap) while the projection runs when it needs
+        // nothing of the destination ([`migrate::stage`]); the destination is mapped only once
+        // the source is gone, so the process never holds both.
+        self.reap(src);
+        let stageable = topk.is_none() && self.standby.get(to).is_some_and(Option::is_some);
+        let staged_anchor = match &projector {
+            Some(_) if stageable => self.anchor_for(to, &mut note),
+            _ => None,
+        };
+        let history = self.history.clone();
+        let staged_spans = Span::of(&history, &ranges);
+        let staged = match &projector {
+            Some(p) if stageable => {
+                let reread = reread(
+                    &self.opts,
+                    &history,
+                    n_past,
+                    staged_anchor.as_deref(),
+                    &staged_spans,
+                );
+                migrate::stage(
+                    &migrate::Exported {
+                        blob: &blob,
+                        n_past,
+                        from: &from_model,
+                        export_ms,
+                    },
+                    self.ladder.rungs[to].name(),
+                    p,
+                    self.config.cache_type,
+                    reread,
+                )
+            }
+            _ => Ok(None),
+        };
+        self.join_reaper();
         let t_load = Instant::now();
         // A standby destination only maps its pages back; otherwise it is loaded now.
         let loaded = if crate::fault::hit(crate::fault::Site::SwitchLoad) {
@@ -685,8 +720,13 @@ impl Session {
                 let spans = Span::of(&self.history, &ranges);
                 // The load is reported apart (both strategies pay it): the switch's own cost
                 // is the export plus everything after the load.
-                let r = match &projector {
-                    Some(p) => migrate::transplant_exported(
+                let r = match (&projector, staged) {
+                    (_, Err(e)) => Err(e),
+                    (_, Ok(Some(st))) => {
+                        migrate::transplant_staged(st, &from_model, &mut dst.ctx, last)
+                            .map(|t| (t, SwitchMethod::Molt))
+                    }
+                    (Some(p), Ok(None)) => migrate::transplant_exported(
                         &migrate::Exported {
                             blob: &blob,
                             n_past,
@@ -700,12 +740,15 @@ impl Session {
                         last,
                     )
                     .map(|t| (t, SwitchMethod::Molt)),
-                    None => migrate::reprefill_from(&from_model, &mut dst.ctx, &self.history, last)
-                        .map(|mut t| {
-                            t.export_ms = export_ms;
-                            t.cost_ms += export_ms;
-                            (t, self.reread_method())
-                        }),
+                    (None, Ok(None)) => {
+                        migrate::reprefill_from(&from_model, &mut dst.ctx, &self.history, last).map(
+                            |mut t| {
+                                t.export_ms = export_ms;
+                                t.cost_ms += export_ms;
+                                (t, self.reread_method())
+                            },
+                        )
+                    }
                 };
                 r.map(|(t, m)| (t, m, dst, load_ms, load_parts, from_standby))
             }
