@@ -336,3 +336,58 @@ async fn conversations_are_kept_hibernated_and_continued_in_the_batch() {
     assert_eq!(listed(&st, id_a)["state"], "hibernated", "{st}");
     srv.shutdown().await;
 }
+
+/// A conversation hibernated on a rung the budget then no longer holds wakes on the rung that
+/// fits, its file's cache carried there through the switch (the rung that wrote it is not
+/// loaded): its next turn re-reads only the new turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_of_a_rung_the_budget_no_longer_holds_wakes_through_the_switch() {
+    let _serial = serial().await;
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let state_dir = state.clone();
+    let srv = start(move |c| {
+        c.parallel = 2;
+        c.state_dir = Some(state_dir);
+    })
+    .await;
+    let addr = srv.addr;
+    let user = |s: &str| json!({"role": "user", "content": s});
+    let mut msgs = vec![user(FIRST)];
+    let r = turn(addr, &msgs).await;
+    let id = conversation_id(&r);
+    let first = r["usage"]["prompt_tokens"].as_u64().unwrap();
+    msgs.push(json!({"role": "assistant", "content": r["choices"][0]["message"]["content"]}));
+    assert_eq!(listed(&status(addr).await, &id)["rung"], "big");
+    // The budget falls below the big rungs: the idle batch hibernates the conversation to
+    // its file and lets its rung go.
+    let cut = small_only_budget(addr).await;
+    let r = client::post_json(addr, "/v1/molt/budget", &json!({"mib": cut}))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+    let deadline = Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let st = status(addr).await;
+        if listed(&st, &id)["state"] == "hibernated" {
+            break;
+        }
+        assert!(Instant::now() < deadline, "not hibernated: {st}");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    msgs.push(user("and then?"));
+    let r = turn(addr, &msgs).await;
+    assert_eq!(conversation_id(&r), id, "{r}");
+    assert!(
+        cached(&r) >= first,
+        "woken through the switch, only the new turn read: {r}"
+    );
+    let st = status(addr).await;
+    let c = listed(&st, &id);
+    assert_eq!(
+        (c["state"].as_str(), c["rung"].as_str()),
+        (Some("kept"), Some("small")),
+        "{c}"
+    );
+    srv.shutdown().await;
+}

@@ -184,33 +184,47 @@ fn a_blob_another_rung_wrote_is_refused_by_llama_cpp_and_leaves_the_session_empt
 }
 
 #[test]
-fn a_file_whose_rung_the_budget_no_longer_holds_is_not_woken_there() {
+fn a_file_whose_rung_the_budget_no_longer_holds_wakes_through_the_switch() {
     let d = tempfile::tempdir().unwrap();
     let dir = StateDir::open(d.path(), 64).unwrap();
-    let (path, _, _) = hibernated(&dir, "big");
+    let (path, first_turn_len, _) = hibernated(&dir, "big");
     let file = StateFile::from_bytes(&path, &std::fs::read(&path).unwrap()).unwrap();
     // Started on the big rung (the session's home), moved down to the small one.
-    let mut s = session("big");
+    let opts = SessionOptions {
+        observe_footprint: false,
+        projector_dirs: vec![common::tiny_projectors().clone()],
+        ..SessionOptions::default()
+    };
+    let mut s =
+        Session::with_options(common::tiny_ladder().clone(), common::cfg(), "big", opts).unwrap();
     s.move_idle(2).unwrap();
     answer(&mut s, "Something else entirely.");
     assert_eq!(s.current_rung(), "small");
-    let before = s.history().to_vec();
     let tokens = file.meta.tokens.len() as u64 + 1;
     let big = s.modelled_footprint(0, tokens);
-    // The budget holds the small rung, not the big one the file was written on.
+    // The budget holds a smaller rung, not the big one the file was written on: the file's
+    // cache is carried to the largest rung that fits, the big rung never loaded.
     s.retune_with(big - 1).unwrap();
-    let e = s.wake(&file).unwrap_err();
+    let fits = (1..3)
+        .find(|&r| s.modelled_footprint(r, tokens) < big)
+        .unwrap();
+    s.wake(&file).unwrap();
+    assert_eq!(s.current_index(), fits);
     assert!(
-        matches!(e, molt::session::SessionError::WakeOverBudget { .. }),
-        "{e}"
+        !s.loaded()[0],
+        "the big rung was not loaded: {:?}",
+        s.loaded()
     );
-    assert!(e.to_string().contains("big"), "{e}");
-    assert_eq!(
-        s.loaded(),
-        vec![false, false, true],
-        "the big rung was not loaded"
+    assert_eq!(s.history(), file.meta.tokens, "the file's conversation");
+    assert_eq!(s.conversation(), file.meta.messages.as_slice());
+    // Its next turn re-reads only the new turn, on the projected cache.
+    let (_, prompt_tokens, reused) = answer(&mut s, "What is the door code?");
+    assert!(
+        reused >= first_turn_len && reused < prompt_tokens,
+        "{reused} of {prompt_tokens}"
     );
-    assert_eq!(s.history(), before, "nothing changed");
+    // A cache with projected cells is not written to a file again.
+    assert!(s.hibernate("conv-a", first_turn_len).unwrap().is_none());
     // Memory back: the same file wakes on its rung.
     s.retune_with(big * 2).unwrap();
     s.wake(&file).unwrap();

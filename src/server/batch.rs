@@ -42,12 +42,15 @@
 //! and the rung is freed (`follow_budget_idle`); the next request loads the largest rung that
 //! then holds it.
 //!
-//! What still differs from the serial loop: a switch carries the cache by projection alone
-//! (no head re-read or token recompute), so a cache with projected cells is not kept for the
-//! next request; a parked batch keeps its rung's weights loaded (the serial loop releases
-//! them); a state file is woken only on the rung that wrote it (on another rung the
-//! conversation is re-read); kept conversations are hibernated only when displaced, so
-//! several can be kept at once where the serial loop keeps one.
+//! A state file written on a rung the batch does not run on (the budget no longer holds it)
+//! is carried onto the batch's rung through the switch, as the serial loop's session does
+//! (`Engine::carry_file`): the file's rung is not loaded, and the next turn re-reads only
+//! itself.
+//!
+//! What still differs from the serial loop: a parked batch keeps its rung's weights loaded
+//! (the serial loop releases them); kept conversations are hibernated only when displaced or
+//! when the idle budget no longer holds them, so several can be kept at once where the serial
+//! loop keeps one.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -66,7 +69,9 @@ use crate::ladder::Ladder;
 use crate::pressure::{Budget, BudgetSource, Tick};
 use crate::routes::{RouteKind, Routes, route_kind};
 use crate::sched::RungCost;
-use crate::session::migrate::{Exported, SwitchTimings, prefill_flops, transplant_exported};
+use crate::session::migrate::{
+    Exported, SwitchTimings, carry_exported, prefill_flops, transplant_exported,
+};
 use crate::session::{
     Event, Generation, LeverInfo, Prompt, Session, SessionError, SessionOptions, StopReason,
     SwitchInfo, SwitchMethod, TokenControl, logprobs_of, projected_after, recompute_ranges,
@@ -186,31 +191,33 @@ impl Engine {
         ))
     }
 
-    /// Wakes `job`'s conversation from its state file (or RAM copy) into `seq` when this rung
-    /// wrote it, replacing what `seq` holds: the prompt tokens the woken cache holds (0 when
-    /// the file was refused, the conversation then re-read from its messages); `None`, `seq`
-    /// untouched, when the conversation has neither file nor RAM copy.
+    /// Wakes `job`'s conversation from its state file (or RAM copy) into `seq`, replacing
+    /// what `seq` holds: on this rung as written, or — a file of another rung — carried here
+    /// through the switch ([`Self::carry_file`]). The prompt tokens the woken cache holds (0
+    /// when the file was refused, the conversation then re-read from its messages) and the
+    /// positions left projected; `None`, `seq` untouched, when the conversation has neither
+    /// file nor RAM copy.
     fn wake(
         &mut self,
         shared: &Shared,
+        l: &Ladders,
         job: &JobConversation,
         seq: SeqId,
         tokens: &[Token],
-    ) -> Option<usize> {
+    ) -> Option<(usize, Vec<Range<usize>>)> {
         let rung = self.ctx.model().name().to_string();
         let mut file_tokens = Vec::new();
+        let mut projected = Vec::new();
         let mut tried = false;
         let woken = shared.conversations.wake(job, &shared.recorder, |f| {
             tried = true;
-            if f.meta.rung != rung {
-                return Err(format!(
-                    "written on rung {}, and the batch runs on {rung}",
-                    f.meta.rung
-                ));
+            if f.meta.rung == rung {
+                self.ctx
+                    .import_seq(seq, &f.blob)
+                    .map_err(|e| e.to_string())?;
+            } else {
+                projected = self.carry_file(l, f, seq)?;
             }
-            self.ctx
-                .import_seq(seq, &f.blob)
-                .map_err(|e| e.to_string())?;
             let want = f.meta.pos_start as usize + f.meta.tokens.len();
             match self.ctx.n_past(seq) {
                 Some(n) if n == want && f.meta.pos_start == 0 => {
@@ -237,9 +244,74 @@ impl Engine {
         }
         if self.ctx.truncate(seq, held).is_err() || held == 0 {
             let _ = self.ctx.truncate(seq, 0);
-            return Some(0);
+            return Some((0, Vec::new()));
         }
-        Some(held)
+        let projected = projected
+            .into_iter()
+            .filter(|r| r.start < held)
+            .map(|r| r.start..r.end.min(held))
+            .collect();
+        Some((held, projected))
+    }
+
+    /// Carries a state file written on another rung into `seq` as a switch carries a
+    /// tenant's cache ([`Carry::carry`]): projected onto this rung, the head re-read
+    /// natively, on a size route the positions a switch re-reads; the file's rung is not
+    /// loaded. The positions left projected, or why it could not.
+    fn carry_file(
+        &mut self,
+        l: &Ladders,
+        f: &StateFile,
+        seq: SeqId,
+    ) -> Result<Vec<Range<usize>>, String> {
+        let from = l
+            .ladder
+            .rungs
+            .iter()
+            .position(|r| r.name() == f.meta.rung)
+            .ok_or_else(|| format!("written on rung {}, not in this ladder", f.meta.rung))?;
+        if f.meta.pos_start != 0 {
+            return Err(format!(
+                "written on rung {} from position {}: only a cache from position 0 is carried to {}",
+                f.meta.rung,
+                f.meta.pos_start,
+                l.name(self.rung)
+            ));
+        }
+        let (projector, anchor, kind) = {
+            let mut r = l.routes.borrow_mut();
+            let p = r
+                .get(from, self.rung)
+                .map_err(|e| format!("written on rung {}; carrying it here: {e}", f.meta.rung))?;
+            let a = if l.opts.head_reread == 0 {
+                None
+            } else {
+                r.anchor(self.rung).ok().flatten()
+            };
+            (p, a, route_kind(r.binding(from), r.binding(self.rung)))
+        };
+        let toks = &f.meta.tokens;
+        let n_past = toks.len();
+        let ranges = recompute_ranges(&l.opts, kind, toks, None, None, n_past);
+        let spans = Span::of(toks, &ranges);
+        let reread = switch_reread(&l.opts, toks, n_past, anchor.as_deref(), &spans);
+        let mut ctx = l
+            .scratch(self.ctx.model(), false)
+            .map_err(|e| e.to_string())?;
+        let source = Exported {
+            blob: &f.blob,
+            n_past,
+            from: &f.meta.rung,
+            export_ms: 0.0,
+        };
+        let timings = carry_exported(&source, &mut ctx, &projector, None, reread)
+            .map_err(|e| e.to_string())?;
+        let state = ctx.export_state().map_err(|e| e.to_string())?;
+        drop(ctx);
+        self.ctx
+            .import_seq(seq, &state)
+            .map_err(|e| e.to_string())?;
+        Ok(projected_after(&timings, ranges))
     }
 
     /// Frees every kept sequence (the rung is about to change).
@@ -396,7 +468,8 @@ struct Ladders {
     ladder: Ladder,
     config: ContextConfig,
     costs: Vec<RungCost>,
-    routes: Routes,
+    /// Borrowed mutably where a projector or anchor is read (they load once, then are shared).
+    routes: std::cell::RefCell<Routes>,
     home: usize,
     slots: u32,
     /// How long an answer may stay parked (the session option of the same name).
@@ -475,7 +548,7 @@ pub fn run(mut session: Session, shared: &Shared, slots: usize) {
         home: session.home_index(),
         config,
         ladder,
-        routes,
+        routes: std::cell::RefCell::new(routes),
         slots,
         park_deadline: opts.park_deadline,
         opts: opts.clone(),
@@ -801,8 +874,8 @@ fn admit(shared: &Shared, engine: &mut Engine, l: &Ladders, job: Job) -> Option<
     // A conversation whose cache is not in the engine wakes from its state file, if any (a
     // file holds only native cells).
     let (reused, projected) = match &job.conversation {
-        Some(c) if !own => match engine.wake(shared, c, seq, &tokens) {
-            Some(n) => (n, Vec::new()),
+        Some(c) if !own => match engine.wake(shared, l, c, seq, &tokens) {
+            Some(woken) => woken,
             None => (reused, projected),
         },
         _ => (reused, projected),
@@ -1534,8 +1607,15 @@ impl Carry<'_> {
             from: self.from,
             export_ms: exported.ms,
         };
-        let timings = transplant_exported(&source, ctx, self.projector, None, reread, last)
-            .map_err(|e| e.to_string())?;
+        // The pending token is decoded by the batch's next step, with the others': the
+        // carry stops before a first decode unless a tail is re-read (the tail is decoded
+        // with that token, then cut back).
+        let timings = if reread.tail.is_empty() {
+            carry_exported(&source, ctx, self.projector, None, reread)
+        } else {
+            transplant_exported(&source, ctx, self.projector, None, reread, last)
+        }
+        .map_err(|e| e.to_string())?;
         ctx.truncate(n_past);
         let state = ctx.export_state().map_err(|e| e.to_string())?;
         dst.import_seq(seq, &state).map_err(|e| e.to_string())?;
@@ -1608,7 +1688,10 @@ fn carry_all(
     let projector = if from == to {
         Err("the cache returns to its own rung".to_string())
     } else {
-        l.routes.get(from, to).map_err(|e| e.to_string())
+        l.routes
+            .borrow_mut()
+            .get(from, to)
+            .map_err(|e| e.to_string())
     };
     // The session's switch: the destination's anchor for the head re-read (a damaged one is
     // not used, and the head is decoded), and token recompute on a size route.
@@ -1616,12 +1699,15 @@ fn carry_all(
     let anchor = if l.opts.head_reread == 0 {
         None
     } else {
-        l.routes.anchor(to).unwrap_or_else(|e| {
+        l.routes.borrow_mut().anchor(to).unwrap_or_else(|e| {
             anchor_note = Some(format!("anchor not used, head decoded: {e}"));
             None
         })
     };
-    let kind = route_kind(l.routes.binding(from), l.routes.binding(to));
+    let kind = {
+        let r = l.routes.borrow();
+        route_kind(r.binding(from), r.binding(to))
+    };
     let l = &*l;
     let mut scratch = Scratch::default();
     let dst_model = Arc::clone(dst.ctx.model());

@@ -1,7 +1,8 @@
 //! Hibernation of a session's conversation: [`Session::hibernate`] turns what the session holds
 //! between answers — the cache's tokens, the pending token, the messages, llama.cpp's sequence
 //! state — into a [`StateFile`], and [`Session::wake`] puts one back, on the rung that wrote
-//! it, so the next answer re-reads only its new turn.
+//! it (or through the switch on a smaller one when the budget no longer holds that rung), so
+//! the next answer re-reads only its new turn.
 //!
 //! Only a cache the session computed natively is hibernated: cells a switch projected carry no
 //! record of which positions they are once on disk, and a later answer built on them unaware
@@ -62,11 +63,13 @@ impl Session {
 
     /// Replaces whatever the session holds with `file`'s conversation, on the rung that wrote
     /// it (loaded now if needed; the session's other rung is freed as in
-    /// [`Session::move_idle`]). The caller has checked the file ([`StateFile::check`]).
+    /// [`Session::move_idle`]) — or, when that rung is not loaded and the budget last read
+    /// does not hold it, on the largest smaller rung that does, the cache carried there
+    /// through the switch. The caller has checked the file ([`StateFile::check`]).
     ///
     /// # Errors
-    /// [`SessionError::WakeOverBudget`] when the file's rung is not loaded and the budget last
-    /// read does not hold it (nothing is changed); [`SessionError::UnknownRung`] for a rung
+    /// [`SessionError::WakeOverBudget`] when the budget holds no rung at or below the file's
+    /// (or the strategy re-reads at a switch; nothing is changed); [`SessionError::UnknownRung`] for a rung
     /// above the session's home, a load failure, or
     /// [`SessionError::Engine`] when llama.cpp refuses the blob or it does not hold the file's
     /// tokens; the session is then left reset (empty), never half-restored.
@@ -87,6 +90,16 @@ impl Session {
             && need > budget
             && self.rungs[index].is_none()
         {
+            // The largest smaller rung that holds the conversation takes the file's cache
+            // through the switch, as an answer's switch down would.
+            let fits = (index + 1..self.ladder.rungs.len())
+                .find(|&r| self.modelled_footprint(r, tokens) <= budget);
+            if let Some(to) = fits
+                && m.pos_start == 0
+                && self.opts.strategy != super::Strategy::Reprefill
+            {
+                return self.wake_through(file, index, to);
+            }
             return Err(SessionError::WakeOverBudget {
                 rung: m.rung.clone(),
                 need_mib: need >> 20,
@@ -120,6 +133,71 @@ impl Session {
         self.pending = m.pending;
         self.pinned = m.pinned;
         self.conversation.clone_from(&m.messages);
+        Ok(())
+    }
+
+    /// Wakes `file` (written on rung `from`) on rung `to` through the switch: the file's
+    /// cache is projected onto `to` — the head re-read natively, and on a size route the
+    /// positions a switch re-reads — without loading `from`. The cells left projected are
+    /// recorded, as after an answer's switch (the conversation is then not hibernated again
+    /// until it is read natively).
+    ///
+    /// # Errors
+    /// As [`Session::wake`]; also the route's projector missing or refusing the cache (the
+    /// session is then left reset and the conversation re-read by the caller).
+    fn wake_through(
+        &mut self,
+        file: &StateFile,
+        from: usize,
+        to: usize,
+    ) -> Result<(), SessionError> {
+        let m = &file.meta;
+        self.reset();
+        self.move_idle(to)?;
+        let projector = match self.routes.get(from, to) {
+            Ok(p) => p,
+            Err(e) => {
+                self.reset();
+                return Err(SessionError::Route(e));
+            }
+        };
+        let mut note = None;
+        let anchor = self.anchor_for(to, &mut note);
+        let kind = crate::routes::route_kind(self.routes.binding(from), self.routes.binding(to));
+        let n_past = m.tokens.len();
+        let model = std::sync::Arc::clone(self.live().ctx.model());
+        let ranges = super::switch::recompute_ranges(
+            &self.opts,
+            kind,
+            &m.tokens,
+            None,
+            Some(model.as_ref()),
+            n_past,
+        );
+        let spans = crate::engine::Span::of(&m.tokens, &ranges);
+        let reread =
+            super::switch::reread(&self.opts, &m.tokens, n_past, anchor.as_deref(), &spans);
+        let exported = super::migrate::Exported {
+            blob: &file.blob,
+            n_past,
+            from: &m.rung,
+            export_ms: 0.0,
+        };
+        let live = self.rungs[to].as_mut().expect("woken rung is loaded");
+        let carried =
+            super::migrate::carry_exported(&exported, &mut live.ctx, &projector, None, reread);
+        let timings = match carried {
+            Ok(t) => t,
+            Err(e) => {
+                self.reset();
+                return Err(e);
+            }
+        };
+        self.history.clone_from(&m.tokens);
+        self.pending = m.pending;
+        self.pinned = m.pinned;
+        self.conversation.clone_from(&m.messages);
+        self.projected = super::native::projected_after(&timings, ranges);
         Ok(())
     }
 
