@@ -235,6 +235,87 @@ fn fitted_precision_route_is_nearly_exact_on_tiny_rungs() {
 }
 
 #[test]
+fn a_precision_route_projected_in_place_is_the_general_paths_to_the_bit() {
+    // The tiny ladder's precision route (same model, Q8_0; diagonal maps under the RoPE
+    // sandwich): the blob rewritten where it lies equals the parse, projection and
+    // serialization of the general path, byte for byte, and so does a head spliced into it.
+    use molt::kv::{KvStream, LayerKv};
+    use molt::transplant::in_place;
+    let dir = common::tiny_projectors();
+    let l = common::tiny_ladder();
+    let mut routes = Routes::new(l, vec![dir.clone()], Variant::Auto);
+    let p = routes.get(0, 1).unwrap();
+    assert!(
+        in_place::applies(&p),
+        "the precision route's maps are per channel"
+    );
+    assert!(
+        !in_place::applies(&routes.get(0, 2).unwrap()),
+        "a size route goes the general way"
+    );
+    let model = Model::load(&l.rungs[0].path, "big", ModelOptions::default()).unwrap();
+    let mut src = Context::new(model.clone(), common::cfg_long()).unwrap();
+    let toks = model.tokenize(TEXT, false).unwrap();
+    src.decode(&toks).unwrap();
+    let blob = src.export_state().unwrap();
+    let general = |head: Option<&KvStream>| {
+        let (seq, stream) = KvSnapshot::parse_single_stream(&blob).unwrap();
+        let views: Vec<_> = stream
+            .layers
+            .iter()
+            .map(|x| (x.k.view(), x.v.view()))
+            .collect();
+        let (layers, _) =
+            molt::transplant::project::project(&p, &views, &stream.positions()).unwrap();
+        let t = molt::kv::CacheType::F16;
+        let mut out = KvStream {
+            cells: stream.cells.clone(),
+            v_trans: stream.v_trans,
+            n_rot_k: 0,
+            n_rot_v: 0,
+            has_v: true,
+            layers: layers
+                .into_iter()
+                .map(|(k, v)| LayerKv {
+                    k,
+                    v,
+                    k_type: t,
+                    v_type: t,
+                })
+                .collect(),
+        };
+        if let Some(h) = head {
+            out.overwrite_rows_by_position(h, 0).unwrap();
+        }
+        KvSnapshot::from_single_stream(seq, out).to_bytes().unwrap()
+    };
+    let (mut fast, layout, flops) = in_place::project(&blob, &p, molt::kv::CacheType::F16)
+        .unwrap()
+        .expect("applies");
+    assert!(flops > 0);
+    assert_eq!(layout.positions.len(), toks.len());
+    assert!(
+        fast == general(None),
+        "projected in place = the general path"
+    );
+    // The destination's own state over the first 4 positions, spliced in.
+    let md = Model::load(&l.rungs[1].path, "big-q8", ModelOptions::default()).unwrap();
+    let mut dst = Context::new(md, common::cfg_long()).unwrap();
+    dst.decode(&toks[..4]).unwrap();
+    let (_, head) = KvSnapshot::parse_single_stream(&dst.export_state().unwrap()).unwrap();
+    in_place::splice(&mut fast, &layout, &head, None).unwrap();
+    assert!(fast == general(Some(&head)), "the head spliced in place");
+    // A head of other widths is refused, and nothing is written.
+    let mut narrow = head.clone();
+    for x in &mut narrow.layers {
+        x.k = x.k.slice(ndarray::s![.., ..1]).to_owned();
+    }
+    let before = fast.clone();
+    assert!(in_place::splice(&mut fast, &layout, &narrow, None).is_err());
+    assert!(fast == before);
+}
+
+#[test]
 fn migration_mid_answer_continues_at_the_right_positions_on_tiny_rungs() {
     let dir = common::tiny_projectors();
     let l = common::tiny_ladder().clone();

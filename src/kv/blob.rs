@@ -8,7 +8,7 @@ use ndarray::Array2;
 
 use super::{
     CacheType, Cell, CellExt, IO_MAGIC, KvError, KvSection, KvSnapshot, KvStream, LayerKv, Loc,
-    ParseOptions, Tensor,
+    ParseOptions, StreamLayout, Tensor, TensorSpan,
 };
 
 /// Bytes of a cell record before its sequence ids: `i32 pos, u32 n_seq_id`.
@@ -255,12 +255,22 @@ fn parse_stream(r: &mut Reader<'_>, opts: ParseOptions) -> Result<Option<KvStrea
     }))
 }
 
+/// A layer tensor's record, read and checked, its elements not yet decoded.
+struct RawTensor<'a> {
+    ty: CacheType,
+    data: &'a [u8],
+    /// Row width (elements per cell).
+    n_embd: usize,
+    /// Stored `[dim][cell]` (transposed V).
+    transposed: bool,
+}
+
 /// A row-major record: `i32 type, u64 row_bytes, n_cells × row_bytes`.
-fn parse_rows(
-    r: &mut Reader<'_>,
+fn read_rows<'a>(
+    r: &mut Reader<'a>,
     n_cells: usize,
     tensor: Tensor,
-) -> Result<(CacheType, Array2<f32>), KvError> {
+) -> Result<RawTensor<'a>, KvError> {
     let (what_type, what_row, what_data) = match tensor {
         Tensor::K => ("K type", "K row bytes", "K data"),
         Tensor::V => ("V type", "V row bytes", "V data"),
@@ -280,16 +290,16 @@ fn parse_rows(
     let data = r.block(n_cells, row_bytes, what_data)?;
     // The block exists, so the element count is bounded by the blob length.
     let n_embd = data.len() / elem / n_cells;
-    let values = r.scratch.decode(ty, data);
-    let a = Array2::from_shape_vec((n_cells, n_embd), values).map_err(|e| shape_bug(r.at, &e))?;
-    Ok((ty, a))
+    Ok(RawTensor {
+        ty,
+        data,
+        n_embd,
+        transposed: false,
+    })
 }
 
 /// A transposed V record: `i32 type, u32 el_bytes, u32 n_embd_v, n_embd_v × n_cells × el`.
-fn parse_transposed(
-    r: &mut Reader<'_>,
-    n_cells: usize,
-) -> Result<(CacheType, Array2<f32>), KvError> {
+fn read_transposed<'a>(r: &mut Reader<'a>, n_cells: usize) -> Result<RawTensor<'a>, KvError> {
     let ty = r.cache_type("V type")?;
     let offset = r.pos;
     let el = r.u32("V element bytes")?;
@@ -305,9 +315,127 @@ fn parse_transposed(
     let n_embd = r.u32("V n_embd_v_gqa")? as usize;
     let row_bytes = (n_embd as u64).saturating_mul(u64::from(el));
     let data = r.block(n_cells, row_bytes, "transposed V data")?;
-    let v = r.scratch.decode_transposed(ty, data, n_embd, n_cells);
-    let a = Array2::from_shape_vec((n_cells, n_embd), v).map_err(|e| shape_bug(r.at, &e))?;
-    Ok((ty, a))
+    Ok(RawTensor {
+        ty,
+        data,
+        n_embd,
+        transposed: true,
+    })
+}
+
+/// A row-major record, decoded.
+fn parse_rows(
+    r: &mut Reader<'_>,
+    n_cells: usize,
+    tensor: Tensor,
+) -> Result<(CacheType, Array2<f32>), KvError> {
+    let raw = read_rows(r, n_cells, tensor)?;
+    let values = r.scratch.decode(raw.ty, raw.data);
+    let a =
+        Array2::from_shape_vec((n_cells, raw.n_embd), values).map_err(|e| shape_bug(r.at, &e))?;
+    Ok((raw.ty, a))
+}
+
+/// A transposed V record, decoded to `[cell][dim]`.
+fn parse_transposed(
+    r: &mut Reader<'_>,
+    n_cells: usize,
+) -> Result<(CacheType, Array2<f32>), KvError> {
+    let raw = read_transposed(r, n_cells)?;
+    let v = r
+        .scratch
+        .decode_transposed(raw.ty, raw.data, raw.n_embd, n_cells);
+    let a = Array2::from_shape_vec((n_cells, raw.n_embd), v).map_err(|e| shape_bug(r.at, &e))?;
+    Ok((raw.ty, a))
+}
+
+/// Where the tensors of a single-stream blob (one section, one stream; no cell ext, K and V
+/// present) lie, read and checked as [`parse`] reads them, nothing decoded: what rewriting
+/// its K and V in place needs.
+pub(super) fn single_stream_layout(bytes: &[u8]) -> Result<StreamLayout, KvError> {
+    let mut r = Reader {
+        buf: bytes,
+        pos: 0,
+        at: Loc::HEADER,
+        scratch: Scratch::default(),
+    };
+    let magic = r.u32("magic")?;
+    if magic != IO_MAGIC {
+        return Err(KvError::BadMagic { found: magic });
+    }
+    let _seq_id = r.i32("seq_id")?;
+    r.at = Loc {
+        section: Some(0),
+        ..Loc::HEADER
+    };
+    let n_stream = r.count("n_stream", 4, 0)?;
+    let not_single = |non_empty| KvError::NotSingleStream {
+        sections: 1,
+        streams: n_stream,
+        non_empty,
+    };
+    if n_stream != 1 {
+        return Err(not_single(n_stream));
+    }
+    r.at.stream = Some(0);
+    let n_cells = r.count("cell_count", CELL_HEAD, STREAM_META)?;
+    if n_cells == 0 {
+        return Err(not_single(0));
+    }
+    let mut positions = Vec::with_capacity(n_cells);
+    for _ in 0..n_cells {
+        positions.push(r.i32("cell pos")?);
+        let n_seq = r.count("cell n_seq_id", 4, 0)?;
+        for _ in 0..n_seq {
+            r.i32("cell seq_id")?;
+        }
+    }
+    let offset = r.pos;
+    let v_trans = match r.u32("v_trans")? {
+        0 => false,
+        1 => true,
+        value => {
+            return Err(KvError::BadVTrans {
+                offset,
+                value,
+                at: r.at,
+            });
+        }
+    };
+    let n_layer = r.count("n_layer", TENSOR_HEAD * 2, 8)?;
+    let _n_rot_k = r.u32("n_rot_k")?;
+    let _n_rot_v = r.u32("n_rot_v")?;
+    let base = bytes.as_ptr() as usize;
+    let span = |t: RawTensor<'_>| TensorSpan {
+        ty: t.ty,
+        offset: t.data.as_ptr() as usize - base,
+        len: t.data.len(),
+        n_embd: t.n_embd,
+        transposed: t.transposed,
+    };
+    let mut k = Vec::with_capacity(n_layer);
+    for layer in 0..n_layer {
+        r.at.layer = Some(layer);
+        r.at.tensor = Some(Tensor::K);
+        k.push(span(read_rows(&mut r, n_cells, Tensor::K)?));
+    }
+    let mut v = Vec::with_capacity(n_layer);
+    for layer in 0..n_layer {
+        r.at.layer = Some(layer);
+        r.at.tensor = Some(Tensor::V);
+        v.push(span(if v_trans {
+            read_transposed(&mut r, n_cells)?
+        } else {
+            read_rows(&mut r, n_cells, Tensor::V)?
+        }));
+    }
+    if r.remaining() > 0 {
+        return Err(KvError::TrailingBytes {
+            offset: r.pos,
+            remaining: r.remaining(),
+        });
+    }
+    Ok(StreamLayout { positions, k, v })
 }
 
 fn shape_bug(at: Loc, e: &ndarray::ShapeError) -> KvError {

@@ -359,6 +359,34 @@ pub struct KvSection {
     pub streams: Vec<Option<KvStream>>,
 }
 
+/// Where one tensor's elements lie in a state blob ([`StreamLayout`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TensorSpan {
+    /// Element type.
+    pub ty: CacheType,
+    /// Byte offset of the first element.
+    pub offset: usize,
+    /// Bytes of elements.
+    pub len: usize,
+    /// Row width (elements per cell).
+    pub n_embd: usize,
+    /// Stored `[dim][cell]` (V with flash attention off) rather than `[cell][dim]`.
+    pub transposed: bool,
+}
+
+/// The layout of a single-stream state blob, nothing decoded: each cell's position (in the
+/// blob's cell order) and where each layer's K and V lie. For rewriting a blob's K and V in
+/// place ([`KvSnapshot::single_stream_layout`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamLayout {
+    /// Cell positions, in cell order.
+    pub positions: Vec<i32>,
+    /// K of each layer.
+    pub k: Vec<TensorSpan>,
+    /// V of each layer.
+    pub v: Vec<TensorSpan>,
+}
+
 /// A decoded per-sequence state blob.
 ///
 /// Produced from, and turned back into, the bytes of llama.cpp's state-seq API
@@ -459,6 +487,15 @@ impl KvSnapshot {
             },
             _ => Err(self.not_single_stream()),
         }
+    }
+
+    /// Reads where the tensors of a plain single-stream blob (one section, one stream, no
+    /// cell ext) lie, checking it as [`parse`](Self::parse) does, without decoding them.
+    ///
+    /// # Errors
+    /// As [`parse_single_stream`](Self::parse_single_stream).
+    pub fn single_stream_layout(bytes: &[u8]) -> Result<StreamLayout, KvError> {
+        blob::single_stream_layout(bytes)
     }
 
     /// Parses the blob of one sequence of a plain single-stream context (what

@@ -207,6 +207,35 @@ pub(crate) fn project_blob_spliced(
     recomputed: Option<&[u8]>,
     native_head: Option<(&[u8], Option<i32>)>,
 ) -> Result<Spliced, MigrationError> {
+    // A precision route's maps are applied to the blob where it lies (the same bits as below).
+    if recomputed.is_none() {
+        let done = crate::transplant::in_place::project(blob, projector, dst_cache).map_err(
+            |e| match e {
+                crate::transplant::in_place::InPlaceError::Blob(e) => {
+                    MigrationStep::SourceState.fail(e)
+                }
+                crate::transplant::in_place::InPlaceError::Projection(e) => {
+                    MigrationStep::Projection.fail(e)
+                }
+            },
+        )?;
+        if let Some((mut bytes, layout, flops)) = done {
+            let spliced = match native_head {
+                Some((hb, end)) => {
+                    let step = MigrationStep::NativeHeadState;
+                    KvSnapshot::parse_single_stream(hb)
+                        .map_err(|e| step.fail(e))
+                        .and_then(|(_, h)| {
+                            crate::transplant::in_place::splice(&mut bytes, &layout, &h, end)
+                                .map_err(|e| step.fail(e))
+                        })
+                }
+                None => Ok(()),
+            };
+            #[allow(clippy::cast_precision_loss)] // FLOP counts far below 2^52
+            return Ok((bytes, flops as f64, layout.positions.len(), spliced));
+        }
+    }
     let (seq_id, stream) =
         KvSnapshot::parse_single_stream(blob).map_err(|e| MigrationStep::SourceState.fail(e))?;
     let positions = stream.positions();

@@ -23,6 +23,8 @@
 //!   cache and re-rotating the later keys to their new positions (shedding a parked rung).
 //! - [`anchor`]: [`anchor::Anchor`], a rung's own cache of the chat template's opening,
 //!   spliced into a switch's head re-read instead of decoded (`.molt-anchor` file).
+//! - [`in_place`]: a precision route's projection applied to the source's state blob itself
+//!   (diagonal maps, same shapes and RoPE): no decoded copy of the cache.
 //! - [`error`]: [`TransplantError`] and [`ProjectorError`].
 
 pub mod anchor;
@@ -30,6 +32,7 @@ pub mod error;
 pub mod fit;
 mod framed;
 pub mod hidden;
+pub mod in_place;
 pub mod map;
 pub mod project;
 pub mod projector;
