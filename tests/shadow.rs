@@ -35,11 +35,21 @@ struct Budgets {
 
 /// A session on the tiny ladder's big rung, exact policy, costs as measured.
 fn on_big(l: &Ladder, strategy: Strategy) -> (Session, Budgets) {
+    on_big_paced(l, strategy, None)
+}
+
+/// [`on_big`] with carry paces kept in `pace_file`.
+fn on_big_paced(
+    l: &Ladder,
+    strategy: Strategy,
+    pace_file: Option<std::path::PathBuf>,
+) -> (Session, Budgets) {
     let opts = SessionOptions {
         observe_footprint: false,
         policy: Policy::exact(),
         projector_dirs: vec![common::tiny_projectors().clone()],
         strategy,
+        pace_file,
         ..SessionOptions::default()
     };
     let s = Session::with_options(l.clone(), common::cfg(), l.rungs[0].name(), opts).unwrap();
@@ -197,6 +207,73 @@ fn a_falling_budget_carries_the_conversation_down_ahead_and_the_switch_only_catc
             assert_eq!(rung, want, "token {index}");
         }
     }
+}
+
+#[test]
+fn a_carry_a_pace_file_says_could_not_finish_is_not_started_and_the_answer_says_so_once() {
+    // The fall of the first test, in a process whose pace file (a machine's measurements,
+    // kept between processes) says a carry onto any rung takes far longer than the budget
+    // holds both rungs: no shadow is started, the answer says why once, the switch is carried
+    // at its token, and what that switch cost replaces the file's pace.
+    use molt::session::pace::{PaceEntry, PaceFile, key};
+    let _serial = one_at_a_time();
+    let l = common::tiny_ladder();
+    let d = tempfile::tempdir().unwrap();
+    let path = d.path().join("carry_pace.json");
+    let threads = common::cfg().n_threads;
+    let mut f = PaceFile::new();
+    for r in &l.rungs {
+        let slow = PaceEntry {
+            ms_per_cell: Some(1e6),
+            load_ms: None,
+        };
+        f.rungs.insert(key(&r.sha256, threads), slow);
+    }
+    f.save(&path).unwrap();
+    let (mut s, b) = on_big_paced(l, Strategy::Molt, Some(path.clone()));
+    assert_eq!(s.pace_note(), None, "the file is this machine's");
+    let small = l.rungs[2].name();
+    s.set_budget_source(Some(ramp(b.both, b.low, b.both - b.low, 30)));
+    let (_, events) = answer(&mut s);
+    let p = prepares(&events);
+    assert!(
+        !p.iter().any(|p| p.state == PrepareState::Started),
+        "no shadow started: {p:?}"
+    );
+    let skipped: Vec<_> = p
+        .iter()
+        .filter(|p| p.state == PrepareState::Skipped)
+        .collect();
+    assert_eq!(skipped.len(), 1, "said once: {p:?}");
+    let why = skipped[0].reason.as_deref().unwrap_or("");
+    assert!(why.contains("carrying it would take"), "{why}");
+    assert_never_over(&events);
+    let w = switches(&events);
+    let down = w
+        .iter()
+        .find(|w| w.to == small)
+        .expect("down to the small rung");
+    assert_eq!(
+        down.timings.carried_ms, 0.0,
+        "carried at its token: {down:?}"
+    );
+    let kept = PaceFile::load(&path).unwrap().expect("the file");
+    let pace = kept.rungs[&key(&l.rungs[2].sha256, threads)];
+    assert!(
+        pace.ms_per_cell.is_some_and(|ms| ms < 1e6),
+        "the switch's measured pace replaced the file's: {pace:?}"
+    );
+    // A file of another processor is not used, and the session says so.
+    let mut other = kept;
+    other.cpu = "another processor".into();
+    other.save(&path).unwrap();
+    let (s, _) = on_big_paced(l, Strategy::Molt, Some(path));
+    assert!(
+        s.pace_note()
+            .is_some_and(|n| n.contains("another processor")),
+        "{:?}",
+        s.pace_note()
+    );
 }
 
 #[test]

@@ -274,6 +274,12 @@ impl Server {
                         let _ = ready_tx.send(Err(e));
                         return;
                     }
+                    if let Some(n) = session.pace_note() {
+                        eprintln!("molt serve: {n}");
+                        shared
+                            .recorder
+                            .service("", "pace_file", serde_json::json!({"note": n}));
+                    }
                     session.set_budget_source(Some(Box::new(shared.budget.clone())));
                     worker::publish(&shared, &mut session, None, true);
                     let _ = ready_tx.send(Ok(()));

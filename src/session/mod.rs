@@ -15,6 +15,7 @@ mod levers;
 pub mod migrate;
 mod native;
 mod options;
+pub mod pace;
 mod prepare;
 pub mod prompt_file;
 mod refill;
@@ -129,6 +130,10 @@ pub struct Session {
     /// that could finish before the budget stops holding it from one that could not
     /// ([`shadow::CarryPace`]).
     carry_pace: Vec<shadow::CarryPace>,
+    /// A pace was measured since the pace file was last written ([`pace`]).
+    pace_dirty: bool,
+    /// Why the pace file was not read or not written, if it was not.
+    pace_note: Option<String>,
     /// The rung a shadow was last not started for because its carry would not finish in
     /// time: said once per answer.
     shadow_skipped: Option<usize>,
@@ -188,6 +193,8 @@ impl Session {
             force_taken: false,
             trend: shadow::Trend::default(),
             carry_pace: vec![shadow::CarryPace::default(); n],
+            pace_dirty: false,
+            pace_note: None,
             shadow_skipped: None,
             reapers: Vec::new(),
             context_bytes: vec![None; n],
@@ -213,6 +220,7 @@ impl Session {
             projected: Vec::new(),
             footprint_due: None,
         };
+        s.load_pace();
         s.ensure_loaded(current)?;
         s.prepare_standby();
         Ok(s)
@@ -889,7 +897,9 @@ impl Session {
         // A rung let go of is freed by the time the answer is done.
         self.join_reaper();
         sink(&Event::Done(generation.summary()));
-        // After the answer, off every token's path: load ahead what a switch down would need.
+        // After the answer, off every token's path: keep what the carries cost, and load
+        // ahead what a switch down would need.
+        self.save_pace();
         self.prepare_standby();
         Ok(generation)
     }

@@ -162,6 +162,11 @@ pub struct SessionOptions {
     /// taken early once the budget no longer holds both rungs (5 s by default); otherwise the
     /// shadow is dropped ([`super::shadow`]).
     pub shadow_early: Duration,
+    /// Where what a carry onto each rung cost on this machine is kept between processes
+    /// ([`crate::session::pace`]), so a new process decides its first shadow on a measurement
+    /// (`None`, the library's default: kept in the process only; the CLI passes the per-user
+    /// file, [`crate::session::pace::default_pace_file`]).
+    pub pace_file: Option<std::path::PathBuf>,
     /// A forced switch down ([`GenerateOptions::force_switch`]) is prepared as a shadow, the
     /// decision known ahead: it waits, tokens on the source, until its destination is carried
     /// and caught up (with [`SessionOptions::prepare_down`]). Off by default; `bench --stall`
@@ -203,6 +208,7 @@ impl Default for SessionOptions {
             prepare_down: true,
             shadow_horizon: Duration::from_secs(30),
             shadow_early: Duration::from_secs(5),
+            pace_file: None,
             forced_down_waits: false,
             speed: crate::speed::SpeedPolicy::from_env(),
         }

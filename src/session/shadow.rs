@@ -285,10 +285,68 @@ impl Session {
             let share = super::prepare::carry_threads(self.config.n_threads);
             pace.ms_per_cell =
                 Some(ms / cells as f64 * f64::from(threads) / f64::from(share.max(1)));
+            self.pace_dirty = true;
         }
         if let Some(l) = load_ms.filter(|&l| l > 0.0) {
             pace.load_ms = Some(l);
+            self.pace_dirty = true;
         }
+    }
+
+    /// Takes the paces the pace file keeps for this ladder's rung files at this session's
+    /// thread count ([`super::SessionOptions::pace_file`]); a file that cannot be used is
+    /// said ([`Session::pace_note`]) and replaced by the next measurement.
+    pub(super) fn load_pace(&mut self) {
+        let Some(path) = self.opts.pace_file.clone() else {
+            return;
+        };
+        match super::pace::PaceFile::load(&path) {
+            Ok(Some(f)) => {
+                let threads = self.config.n_threads;
+                for (i, r) in self.ladder.rungs.iter().enumerate() {
+                    if let Some(e) = f.rungs.get(&super::pace::key(&r.sha256, threads)) {
+                        self.carry_pace[i] = e.pace();
+                    }
+                }
+            }
+            Ok(None) => {}
+            Err(why) => self.pace_note = Some(why),
+        }
+    }
+
+    /// Writes the paces measured since the last write to the pace file, keeping its entries
+    /// for other files and thread counts; a write that fails is said ([`Session::pace_note`]).
+    pub(super) fn save_pace(&mut self) {
+        let Some(path) = self.opts.pace_file.clone().filter(|_| self.pace_dirty) else {
+            return;
+        };
+        self.pace_dirty = false;
+        let mut f = super::pace::PaceFile::load(&path)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        let threads = self.config.n_threads;
+        for (r, pace) in self.ladder.rungs.iter().zip(&self.carry_pace) {
+            if *pace != CarryPace::default() {
+                f.rungs.insert(
+                    super::pace::key(&r.sha256, threads),
+                    super::pace::PaceEntry::of(*pace),
+                );
+            }
+        }
+        if let Err(e) = f.save(&path) {
+            self.pace_note = Some(format!(
+                "carry pace file {}: not written: {e}",
+                path.display()
+            ));
+        }
+    }
+
+    /// Why the pace file ([`super::SessionOptions::pace_file`]) was not read or not written,
+    /// if it was not: a file of another processor or format, one that does not parse, or a
+    /// directory that cannot be written.
+    pub fn pace_note(&self) -> Option<&str> {
+        self.pace_note.as_deref()
     }
 
     /// Whether the trend predicts the budget falls below rung `index`'s footprint within the
@@ -416,7 +474,7 @@ impl Session {
                         if self.shadow_skipped != Some(to) {
                             self.shadow_skipped = Some(to);
                             let why = format!(
-                                "carrying it would take ~{carry_s:.1} s (measured on earlier carries) and the budget {} MiB, falling at {:.0} MiB/s, holds {} and {} side by side for ~{holds_s:.1} s; the switch, when it comes, is carried at its token",
+                                "carrying it would take ~{carry_s:.1} s (measured on earlier carries on this machine) and the budget {} MiB, falling at {:.0} MiB/s, holds {} and {} side by side for ~{holds_s:.1} s; the switch, when it comes, is carried at its token",
                                 budget >> 20,
                                 rate / f64::from(1u32 << 20),
                                 self.current_rung(),

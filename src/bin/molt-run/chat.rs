@@ -290,9 +290,13 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         strategy: a.strategy.into(),
         projector_dirs: routes::search_dirs(a.projectors.as_deref()),
         speed: g.speed_policy(&ladder, &routes::search_dirs(a.projectors.as_deref())),
+        pace_file: molt::session::pace::default_pace_file(),
         ..SessionOptions::default()
     };
     let mut session = Session::with_options(ladder, config, &start, opts)?;
+    if let Some(n) = session.pace_note() {
+        eprintln!("molt-run: {n}");
+    }
     let shipped = shipped::install(&mut session);
     let missing = missing_routes(&mut session);
     if !a.no_measure {

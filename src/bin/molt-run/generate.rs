@@ -201,6 +201,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         strategy: a.strategy.into(),
         projector_dirs: routes::search_dirs(a.projectors.as_deref()),
         speed: g.speed_policy(&ladder, &routes::search_dirs(a.projectors.as_deref())),
+        pace_file: molt::session::pace::default_pace_file(),
         topk_recompute: a.topk_recompute,
         tail_recompute: a.tail_recompute,
         head_reread: a.head_reread,
@@ -209,6 +210,9 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         ..SessionOptions::default()
     };
     let mut session = Session::with_options(ladder, config, &start, opts)?;
+    if let Some(n) = session.pace_note() {
+        eprintln!("molt-run: {n}");
+    }
     shipped::install(&mut session);
     if a.trace.is_some() {
         // Under a trace the policy decides, and relative traces refer to footprints: measure.

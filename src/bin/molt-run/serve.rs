@@ -196,6 +196,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
             strategy: a.strategy.into(),
             projector_dirs: routes::search_dirs(a.projectors.as_deref()),
             speed: g.speed_policy(&ladder, &routes::search_dirs(a.projectors.as_deref())),
+            pace_file: molt::session::pace::default_pace_file(),
             measure_seam: a.measure_seam,
             park_deadline: (a.park_deadline_s > 0).then(|| Duration::from_secs(a.park_deadline_s)),
             ..SessionOptions::default()
