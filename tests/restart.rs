@@ -69,6 +69,18 @@ struct Served {
 
 impl Served {
     fn start(ladder: &Path, state: &Path, log: &Path, fault: Option<&str>, pace_ms: u64) -> Self {
+        Self::start_with(ladder, state, log, fault, pace_ms, &[])
+    }
+
+    /// [`Served::start`] with more `serve` arguments.
+    fn start_with(
+        ladder: &Path,
+        state: &Path,
+        log: &Path,
+        fault: Option<&str>,
+        pace_ms: u64,
+        more: &[&std::ffi::OsStr],
+    ) -> Self {
         let stderr = std::fs::File::create(log).unwrap();
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_molt-run"));
         cmd.env_remove("MOLT_FAULT")
@@ -87,6 +99,7 @@ impl Served {
             .args(["--pace-ms", &pace_ms.to_string()])
             .arg("--state-dir")
             .arg(state)
+            .args(more)
             .stdout(Stdio::piped())
             .stderr(stderr);
         if let Some(f) = fault {
@@ -360,6 +373,124 @@ fn three_conversations_survive_a_sigkill_mid_answer_on_the_real_ladder() {
     };
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/qwen2.5-coder.toml");
     restart_case(&manifest, l, true);
+}
+
+/// A conversation hibernated on the ladder's largest rung, the server killed and started
+/// again, and the budget then set below that rung: the conversation's next turn wakes from its
+/// file on the largest rung that fits, the file's cache carried there through the switch (the
+/// rung that wrote it is not loaded), re-reads only the new turn, and (on the real ladder,
+/// where that rung is a precision rung of the same weights) still answers with its fact.
+fn wake_through_case(
+    ladder_manifest: &Path,
+    ladder: &molt::ladder::Ladder,
+    projectors: Option<&Path>,
+    real: bool,
+) {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let d = tempfile::tempdir().unwrap();
+        let state = d.path().join("state");
+        let more: Vec<&std::ffi::OsStr> = match projectors {
+            Some(p) => vec!["--projectors".as_ref(), p.as_os_str()],
+            None => Vec::new(),
+        };
+        let start = |log: &str| {
+            Served::start_with(ladder_manifest, &state, &d.path().join(log), None, 0, &more)
+        };
+        let s = start("1.log");
+        let (first, question, fact) = FACTS[1];
+        let mut msgs = vec![json!({"role": "user", "content": first})];
+        let r = ask(s.addr, &msgs, 16).await;
+        let id = r["molt"]["conversation"]["id"].as_str().unwrap().to_string();
+        msgs.push(json!({"role": "assistant", "content": r["choices"][0]["message"]["content"]}));
+        // A second conversation takes the engine, so the first has its file one at a time too.
+        ask(s.addr, &[json!({"role": "user", "content": "Say hi."})], 4).await;
+        let file = state.join(format!("{id}.molt-state"));
+        assert!(file.exists(), "{}", file.display());
+        let held = StateFile::from_bytes(&file, &std::fs::read(&file).unwrap())
+            .unwrap()
+            .meta;
+        let home = ladder.rungs[0].name();
+        assert_eq!(held.rung, home);
+        s.kill();
+
+        let s = start("2.log");
+        // A budget below the home rung's weights that holds the next rung with the
+        // conversation and its answer.
+        let st = status(s.addr).await;
+        let rungs = st["engine"]["rungs"].as_array().unwrap();
+        let get = |name: &str, key: &str| {
+            rungs.iter().find(|r| r["name"] == name).unwrap()[key]
+                .as_f64()
+                .unwrap()
+        };
+        let next = ladder.rungs[1].name();
+        let cut = get(home, "resident_mib") - 0.1;
+        let tokens = (held.tokens.len() + 64) as f64;
+        let need = get(next, "resident_mib") + get(next, "kv_bytes_per_token") * tokens / 1048576.0;
+        assert!(need + 0.5 < cut, "{rungs:?}");
+        let r = client::post_json(s.addr, "/v1/molt/budget", &json!({"mib": cut}))
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200);
+        msgs.push(json!({"role": "user", "content": question}));
+        let r = ask(s.addr, &msgs, 24).await;
+        let answer = r["choices"][0]["message"]["content"].as_str().unwrap();
+        assert_eq!(r["molt"]["conversation"]["id"], id.as_str(), "{r}");
+        assert_eq!(r["molt"]["conversation"]["new"], false, "{r}");
+        let req = rendered(ladder, &msgs);
+        let shared = held
+            .tokens
+            .iter()
+            .zip(&req)
+            .take_while(|(a, b)| a == b)
+            .count() as u64;
+        let prompt = r["usage"]["prompt_tokens"].as_u64().unwrap();
+        assert_eq!(
+            cached(&r),
+            shared.min(prompt - 1),
+            "only the new turn re-read: {r}\n{}",
+            s.log()
+        );
+        let st = status(s.addr).await;
+        let c = conversation(&st, &id).unwrap();
+        assert_eq!(c["rung"], next, "woken on the rung that fits: {c}");
+        assert!(
+            !st["engine"]["loaded"]
+                .as_array()
+                .is_some_and(|l| l.iter().any(|n| n == home)),
+            "{st}"
+        );
+        eprintln!(
+            "woken through the switch {home} -> {next}: {prompt} prompt tokens, {} from the file; answer {answer:?}",
+            cached(&r)
+        );
+        if real {
+            assert!(answer.contains(fact), "the fact lost through the switch: {answer:?}");
+        }
+        s.kill();
+    });
+}
+
+#[test]
+fn a_file_woken_under_a_smaller_budget_comes_through_the_switch_on_the_tiny_ladder() {
+    let l = common::tiny_ladder();
+    let projectors = common::tiny_projectors();
+    wake_through_case(
+        &common::fixture_dir().join("tiny.toml"),
+        l,
+        Some(projectors),
+        false,
+    );
+}
+
+#[test]
+fn a_file_woken_under_a_smaller_budget_comes_through_the_switch_on_the_real_ladder() {
+    let Some(l) = common::real_ladder() else {
+        return;
+    };
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/qwen2.5-coder.toml");
+    wake_through_case(&manifest, l, None, true);
 }
 
 #[test]
