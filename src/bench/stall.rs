@@ -407,7 +407,9 @@ fn chain(
     let n = ladder.rungs.len();
     let mut session = Session::with_options(ladder.clone(), config, ladder.rungs[0].name(), sopts)?;
     session.move_idle(n - 1)?;
-    let mut prompt = Prompt::Text(context_text(&mut session, corpus, length)?);
+    // A chat turn, as `chat` and `generate` send a prompt: the corpus text as the user's
+    // message, rendered with the chat template (whose opening the head re-read's anchor holds).
+    let mut prompt = Prompt::User(context_text(&mut session, corpus, length)?);
     // Every rung of a ladder shares its tokenizer.
     let mut no_end = {
         let idx = session.current_index();
@@ -638,6 +640,10 @@ pub struct StallDoc {
     pub contention: String,
     /// Repetitions per row.
     pub reps: usize,
+    /// What the context is: `chat` ([`CONTEXT`], a user turn rendered with the chat template)
+    /// or `raw` (the corpus text as is; files written before this field).
+    #[serde(default = "raw_context")]
+    pub context: String,
     /// The switch as the session now makes it (standby on).
     pub rows: Vec<StallRow>,
     /// The same measured with the destination loaded at the switch (the landed behaviour).
@@ -647,6 +653,13 @@ pub struct StallDoc {
     /// destination carried in the background and caught up before the switch.
     #[serde(default)]
     pub warned_rows: Vec<StallRow>,
+}
+
+/// The context this build's stall bench switches in (see [`StallDoc::context`]).
+pub const CONTEXT: &str = "chat";
+
+fn raw_context() -> String {
+    "raw".into()
 }
 
 impl StallDoc {

@@ -48,8 +48,16 @@ pub(super) fn section(doc: &StallDoc, figures: &FigureSet, figures_rel: &str) ->
     let _ = writeln!(s, "\n## The stall at a switch\n");
     let _ = writeln!(
         s,
-        "From `switch_stall.json` (`molt-run --threads {} bench --stall`): the gap between the last token on the source and the first on the destination, everything included, for every route of the ladder at two context lengths, {} repetitions; the destination's page cache warm (its file read through before the leg) or cold (dropped with `posix_fadvise(DONTNEED)`; `cached` says how much of the file another process's mapping kept in the cache anyway). *Before*: the destination is loaded at the switch (llama.cpp's load with its mapping populated, a context with a full-window KV buffer, and a warm-up decode the first time the rung loads in the session, to measure its footprint). *After*: the rungs below the current one wait on standby — loaded ahead, their weight pages released from this process — and a switch down only maps the pages back; a switch up's destination loads on a thread of its own while the source goes on decoding, and the switch waits for it (`prepared_in_background`, not part of the stall). Every rung's context window: {} tokens. Machine: {}.\n",
-        doc.threads, doc.reps, doc.n_ctx, doc.contention
+        "From `switch_stall.json` (`molt-run --threads {} bench --stall`): the gap between the last token on the source and the first on the destination, everything included, for every route of the ladder at two context lengths, {} repetitions; the destination's page cache warm (its file read through before the leg) or cold (dropped with `posix_fadvise(DONTNEED)`; `cached` says how much of the file another process's mapping kept in the cache anyway). *Before*: the destination is loaded at the switch (llama.cpp's load with its mapping populated, a context with a full-window KV buffer, and a warm-up decode the first time the rung loads in the session, to measure its footprint). *After*: the rungs below the current one wait on standby — loaded ahead, their weight pages released from this process — and a switch down only maps the pages back; a switch up's destination loads on a thread of its own while the source goes on decoding, and the switch waits for it (`prepared_in_background`, not part of the stall). Every rung's context window: {} tokens. The context: {}. Machine: {}.\n",
+        doc.threads,
+        doc.reps,
+        doc.n_ctx,
+        if doc.context == "chat" {
+            "a chat turn, the corpus text sent as the user's message and rendered with the chat template as `chat` and `generate` send a prompt (the head re-read's anchor holds the template's opening)"
+        } else {
+            "the corpus text as is, no chat template"
+        },
+        doc.contention
     );
     let _ = writeln!(
         s,

@@ -450,9 +450,11 @@ fn run_stall(g: &GlobalArgs, a: &Args) -> Result<()> {
         })
         .collect::<Result<_>>()?;
     // The rows this run does not measure again are kept from the file it rewrites.
+    // Rows measured in another kind of context are not kept beside this run's.
     let earlier: Option<StallDoc> = std::fs::read_to_string(a.out_dir.join("switch_stall.json"))
         .ok()
-        .and_then(|t| serde_json::from_str(&t).ok());
+        .and_then(|t| serde_json::from_str::<StallDoc>(&t).ok())
+        .filter(|d| d.context == stall::CONTEXT);
     let longest = opts.lengths.iter().copied().max().unwrap_or(0);
     // Room for the context and every leg's tokens, three tries each, the tokens a prepared
     // switch may wait on its source while its destination is loaded and the conversation
@@ -481,6 +483,7 @@ fn run_stall(g: &GlobalArgs, a: &Args) -> Result<()> {
                 info.cpus, info.loadavg_1m, config.n_threads
             ),
             reps,
+            context: stall::CONTEXT.into(),
             rows: merged("after", earlier.as_ref().map(|d| &d.rows)),
             before_rows: merged("before", earlier.as_ref().map(|d| &d.before_rows)),
             warned_rows: merged("warned", earlier.as_ref().map(|d| &d.warned_rows)),
