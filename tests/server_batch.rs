@@ -264,6 +264,16 @@ fn listed<'a>(status: &'a Value, id: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("{id} not listed: {status}"))
 }
 
+/// The batched loop with two sequences, its state files under `dir`/state.
+async fn batched_with_state(dir: &std::path::Path) -> harness::Running {
+    let state = dir.join("state");
+    start(move |c| {
+        c.parallel = 2;
+        c.state_dir = Some(state);
+    })
+    .await
+}
+
 /// Conversations in the batched loop, as in the one-at-a-time loop: a continued conversation
 /// re-reads only its new turn (its kept sequence is taken over), the status lists each one
 /// kept on its rung with its tokens and bytes; when a third conversation needs the sequence
@@ -273,13 +283,7 @@ fn listed<'a>(status: &'a Value, id: &str) -> &'a Value {
 async fn conversations_are_kept_hibernated_and_continued_in_the_batch() {
     let _serial = serial().await;
     let dir = tempfile::tempdir().unwrap();
-    let state = dir.path().join("state");
-    let state_dir = state.clone();
-    let srv = start(move |c| {
-        c.parallel = 2;
-        c.state_dir = Some(state_dir);
-    })
-    .await;
+    let srv = batched_with_state(dir.path()).await;
     let addr = srv.addr;
     let user = |s: &str| json!({"role": "user", "content": s});
     let mut convs = Vec::new();
@@ -344,13 +348,7 @@ async fn conversations_are_kept_hibernated_and_continued_in_the_batch() {
 async fn a_file_of_a_rung_the_budget_no_longer_holds_wakes_through_the_switch() {
     let _serial = serial().await;
     let dir = tempfile::tempdir().unwrap();
-    let state = dir.path().join("state");
-    let state_dir = state.clone();
-    let srv = start(move |c| {
-        c.parallel = 2;
-        c.state_dir = Some(state_dir);
-    })
-    .await;
+    let srv = batched_with_state(dir.path()).await;
     let addr = srv.addr;
     let user = |s: &str| json!({"role": "user", "content": s});
     let mut msgs = vec![user(FIRST)];

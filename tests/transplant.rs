@@ -239,7 +239,6 @@ fn a_precision_route_projected_in_place_is_the_general_paths_to_the_bit() {
     // The tiny ladder's precision route (same model, Q8_0; diagonal maps under the RoPE
     // sandwich): the blob rewritten where it lies equals the parse, projection and
     // serialization of the general path, byte for byte, and so does a head spliced into it.
-    use molt::kv::{KvStream, LayerKv};
     use molt::transplant::in_place;
     let dir = common::tiny_projectors();
     let l = common::tiny_ladder();
@@ -258,36 +257,17 @@ fn a_precision_route_projected_in_place_is_the_general_paths_to_the_bit() {
     let toks = model.tokenize(TEXT, false).unwrap();
     src.decode(&toks).unwrap();
     let blob = src.export_state().unwrap();
-    let general = |head: Option<&KvStream>| {
-        let (seq, stream) = KvSnapshot::parse_single_stream(&blob).unwrap();
-        let views: Vec<_> = stream
-            .layers
-            .iter()
-            .map(|x| (x.k.view(), x.v.view()))
-            .collect();
-        let (layers, _) =
-            molt::transplant::project::project(&p, &views, &stream.positions()).unwrap();
-        let t = molt::kv::CacheType::F16;
-        let mut out = KvStream {
-            cells: stream.cells.clone(),
-            v_trans: stream.v_trans,
-            n_rot_k: 0,
-            n_rot_v: 0,
-            has_v: true,
-            layers: layers
-                .into_iter()
-                .map(|(k, v)| LayerKv {
-                    k,
-                    v,
-                    k_type: t,
-                    v_type: t,
-                })
-                .collect(),
-        };
-        if let Some(h) = head {
-            out.overwrite_rows_by_position(h, 0).unwrap();
-        }
-        KvSnapshot::from_single_stream(seq, out).to_bytes().unwrap()
+    let general = |head: Option<&[u8]>| {
+        let (bytes, _, _, spliced) = molt::session::migrate::project_blob_general(
+            &blob,
+            &p,
+            molt::kv::CacheType::F16,
+            None,
+            head.map(|h| (h, None)),
+        )
+        .unwrap();
+        spliced.unwrap();
+        bytes
     };
     let (mut fast, layout, flops) = in_place::project(&blob, &p, molt::kv::CacheType::F16)
         .unwrap()
@@ -302,9 +282,13 @@ fn a_precision_route_projected_in_place_is_the_general_paths_to_the_bit() {
     let md = Model::load(&l.rungs[1].path, "big-q8", ModelOptions::default()).unwrap();
     let mut dst = Context::new(md, common::cfg_long()).unwrap();
     dst.decode(&toks[..4]).unwrap();
-    let (_, head) = KvSnapshot::parse_single_stream(&dst.export_state().unwrap()).unwrap();
+    let head_blob = dst.export_state().unwrap();
+    let (_, head) = KvSnapshot::parse_single_stream(&head_blob).unwrap();
     in_place::splice(&mut fast, &layout, &head, None).unwrap();
-    assert!(fast == general(Some(&head)), "the head spliced in place");
+    assert!(
+        fast == general(Some(&head_blob)),
+        "the head spliced in place"
+    );
     // A head of other widths is refused, and nothing is written.
     let mut narrow = head.clone();
     for x in &mut narrow.layers {

@@ -122,7 +122,8 @@ impl<'a> Reader<'a> {
     }
 }
 
-pub(super) fn parse(bytes: &[u8], opts: ParseOptions) -> Result<KvSnapshot, KvError> {
+/// A reader at the start of `bytes`, past the blob's header: with the sequence id it names.
+fn open(bytes: &[u8]) -> Result<(Reader<'_>, i32), KvError> {
     let mut r = Reader {
         buf: bytes,
         pos: 0,
@@ -134,6 +135,25 @@ pub(super) fn parse(bytes: &[u8], opts: ParseOptions) -> Result<KvSnapshot, KvEr
         return Err(KvError::BadMagic { found: magic });
     }
     let seq_id = r.i32("seq_id")?;
+    Ok((r, seq_id))
+}
+
+/// A stream's `v_trans` field: 0 or 1.
+fn read_v_trans(r: &mut Reader<'_>) -> Result<bool, KvError> {
+    let offset = r.pos;
+    match r.u32("v_trans")? {
+        0 => Ok(false),
+        1 => Ok(true),
+        value => Err(KvError::BadVTrans {
+            offset,
+            value,
+            at: r.at,
+        }),
+    }
+}
+
+pub(super) fn parse(bytes: &[u8], opts: ParseOptions) -> Result<KvSnapshot, KvError> {
+    let (mut r, seq_id) = open(bytes)?;
 
     let mut sections = Vec::new();
     loop {
@@ -200,18 +220,7 @@ fn parse_stream(r: &mut Reader<'_>, opts: ParseOptions) -> Result<Option<KvStrea
         cells.push(Cell { pos, seq_ids, ext });
     }
 
-    let offset = r.pos;
-    let v_trans = match r.u32("v_trans")? {
-        0 => false,
-        1 => true,
-        value => {
-            return Err(KvError::BadVTrans {
-                offset,
-                value,
-                at: r.at,
-            });
-        }
-    };
+    let v_trans = read_v_trans(r)?;
     let per_layer = TENSOR_HEAD * if opts.has_v { 2 } else { 1 };
     let n_layer = r.count("n_layer", per_layer, 8)?;
     let n_rot_k = r.u32("n_rot_k")?;
@@ -353,17 +362,7 @@ fn parse_transposed(
 /// present) lie, read and checked as [`parse`] reads them, nothing decoded: what rewriting
 /// its K and V in place needs.
 pub(super) fn single_stream_layout(bytes: &[u8]) -> Result<StreamLayout, KvError> {
-    let mut r = Reader {
-        buf: bytes,
-        pos: 0,
-        at: Loc::HEADER,
-        scratch: Scratch::default(),
-    };
-    let magic = r.u32("magic")?;
-    if magic != IO_MAGIC {
-        return Err(KvError::BadMagic { found: magic });
-    }
-    let _seq_id = r.i32("seq_id")?;
+    let (mut r, _) = open(bytes)?;
     r.at = Loc {
         section: Some(0),
         ..Loc::HEADER
@@ -390,18 +389,7 @@ pub(super) fn single_stream_layout(bytes: &[u8]) -> Result<StreamLayout, KvError
             r.i32("cell seq_id")?;
         }
     }
-    let offset = r.pos;
-    let v_trans = match r.u32("v_trans")? {
-        0 => false,
-        1 => true,
-        value => {
-            return Err(KvError::BadVTrans {
-                offset,
-                value,
-                at: r.at,
-            });
-        }
-    };
+    let v_trans = read_v_trans(&mut r)?;
     let n_layer = r.count("n_layer", TENSOR_HEAD * 2, 8)?;
     let _n_rot_k = r.u32("n_rot_k")?;
     let _n_rot_v = r.u32("n_rot_v")?;

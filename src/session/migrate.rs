@@ -190,7 +190,7 @@ pub fn project_blob_with(
 }
 
 /// A projected state blob, its FLOPs and cells, and whether the native head was spliced in.
-type Spliced = (Vec<u8>, f64, usize, Result<(), MigrationError>);
+pub type Spliced = (Vec<u8>, f64, usize, Result<(), MigrationError>);
 
 /// [`project_blob_with`] whose native head is `(blob, end)`: the blob's rows of positions
 /// below `end` (all of them for `None`) are spliced over the projection. A head that does not
@@ -236,6 +236,23 @@ pub(crate) fn project_blob_spliced(
             return Ok((bytes, flops as f64, layout.positions.len(), spliced));
         }
     }
+    project_blob_general(blob, projector, dst_cache, recomputed, native_head)
+}
+
+/// [`project_blob_spliced`] the general way, whatever the route: the blob parsed into f32
+/// arrays, projected ([`project`]), the recomputed layers and the head spliced in, and a new
+/// blob written in the destination's layout. What a precision route projected in place
+/// ([`crate::transplant::in_place`]) must equal.
+///
+/// # Errors
+/// As [`project_blob_spliced`].
+pub fn project_blob_general(
+    blob: &[u8],
+    projector: &Projector,
+    dst_cache: CacheType,
+    recomputed: Option<&[u8]>,
+    native_head: Option<(&[u8], Option<i32>)>,
+) -> Result<Spliced, MigrationError> {
     let (seq_id, stream) =
         KvSnapshot::parse_single_stream(blob).map_err(|e| MigrationStep::SourceState.fail(e))?;
     let positions = stream.positions();

@@ -170,31 +170,26 @@ fn rows(
         let cells = n / dim;
         decode(chunk, &mut halves[..n], &mut buf[..n]);
         let pos = &positions[c * CHUNK..c * CHUNK + cells];
-        if let Some(r) = rope {
-            let view = ArrayViewMut2::from_shape((cells, dim), &mut buf[..n]).map_err(|_| {
-                TransplantError::ShapeMismatch {
-                    what: "chunk rows",
-                    expected: cells * dim,
-                    actual: n,
-                }
-            })?;
-            rotate(view, pos, r, Direction::Unrotate)?;
-        }
+        let turn = |buf: &mut [f32], dir| match rope {
+            Some(r) => {
+                let view = ArrayViewMut2::from_shape((cells, dim), buf).map_err(|_| {
+                    TransplantError::ShapeMismatch {
+                        what: "chunk rows",
+                        expected: cells * dim,
+                        actual: n,
+                    }
+                })?;
+                rotate(view, pos, r, dir)
+            }
+            None => Ok(()),
+        };
+        turn(&mut buf[..n], Direction::Unrotate)?;
         for row in buf[..n].chunks_exact_mut(dim) {
             for ((x, s), o) in row.iter_mut().zip(scale).zip(offset) {
                 *x = *x * s + o;
             }
         }
-        if let Some(r) = rope {
-            let view = ArrayViewMut2::from_shape((cells, dim), &mut buf[..n]).map_err(|_| {
-                TransplantError::ShapeMismatch {
-                    what: "chunk rows",
-                    expected: cells * dim,
-                    actual: n,
-                }
-            })?;
-            rotate(view, pos, r, Direction::Rotate)?;
-        }
+        turn(&mut buf[..n], Direction::Rotate)?;
         encode(&buf[..n], &mut halves[..n], chunk);
     }
     Ok(())
