@@ -114,13 +114,21 @@ impl Keeper {
             Ok(f) => {
                 self.first_turn_len = f.meta.first_turn_len;
                 self.last = format!("woken from {}", path.display());
+                let on = session.current_rung();
+                let through = if on == f.meta.rung {
+                    String::new()
+                } else {
+                    format!(
+                        ", carried from {} through the switch (the budget does not hold it)",
+                        f.meta.rung
+                    )
+                };
                 format!(
-                    "resumed conversation {:?} from {}: {} messages, {} tokens cached on {} (none re-read)",
+                    "resumed conversation {:?} from {}: {} messages, {} tokens cached on {on}{through} (none re-read)",
                     self.id,
                     path.display(),
                     f.meta.messages.len(),
                     f.meta.tokens.len(),
-                    f.meta.rung
                 )
             }
             Err(e) => {
