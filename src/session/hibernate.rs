@@ -81,14 +81,20 @@ impl Session {
             .iter()
             .position(|r| r.name() == m.rung)
             .ok_or_else(|| SessionError::UnknownRung(m.rung.clone()))?;
+        // The budget as it is now: a file may be woken before any answer has read it (a chat
+        // resumed at its start under a cap).
+        if let Ok(Some(b)) = self.read_budget(crate::pressure::Tick::default()) {
+            self.last_budget = Some(b.bytes);
+        }
         // Waking on a rung the budget no longer holds would load it over the budget (seen in
         // `bench --serve-qos`: tier0's file woken under a 700 MiB budget, 1.7 GB resident for
         // a moment); the caller re-reads the conversation on a rung that fits instead.
         let tokens = m.tokens.len() as u64 + 1;
         let need = self.modelled_footprint(index, tokens);
+        // (Loaded already but over the budget — the rung a chat starts on — counts the same:
+        // the answer would only move off it, re-reading the conversation.)
         if let Some(budget) = self.last_budget
             && need > budget
-            && self.rungs[index].is_none()
         {
             // The largest smaller rung that holds the conversation takes the file's cache
             // through the switch, as an answer's switch down would.

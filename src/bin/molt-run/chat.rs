@@ -315,21 +315,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         first_turn_len: 0,
         last: "nothing saved yet".into(),
     });
-    let resumed = match keeper.as_mut() {
-        Some(k) if a.resume => Some(k.resume(&mut session)),
-        _ => None,
-    };
     let mut snapshot = Snapshot::of(&session);
-    snapshot.cache = keeper.as_ref().map_or_else(
-        || "RAM only (--no-state)".into(),
-        |k| {
-            if session.history().is_empty() {
-                format!("empty · {}", k.last)
-            } else {
-                format!("RAM on {} · {}", session.current_rung(), k.last)
-            }
-        },
-    );
     let base: Box<dyn BudgetSource + Send> = match &a.trace {
         Some(p) => Box::new(TraceBudget::new(common::load_trace(
             p,
@@ -356,6 +342,22 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     session.set_budget_source(Some(Box::new(control.source())));
     // The rung loaded before the budget was known; the speed policy chooses under it now.
     session.retune_with(first.budget.bytes)?;
+    // Resumed under the budget as it is: a file of a rung it no longer holds is carried
+    // through the switch onto the largest that does.
+    let resumed = match keeper.as_mut() {
+        Some(k) if a.resume => Some(k.resume(&mut session)),
+        _ => None,
+    };
+    snapshot.cache = keeper.as_ref().map_or_else(
+        || "RAM only (--no-state)".into(),
+        |k| {
+            if session.history().is_empty() {
+                format!("empty · {}", k.last)
+            } else {
+                format!("RAM on {} · {}", session.current_rung(), k.last)
+            }
+        },
+    );
     snapshot.setups = Snapshot::of(&session).setups;
     if let Some(setup) = session.rung_setup(session.current_index()) {
         eprintln!("{}: {setup}", session.current_rung());

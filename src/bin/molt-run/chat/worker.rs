@@ -119,7 +119,7 @@ impl Keeper {
                     String::new()
                 } else {
                     format!(
-                        ", carried from {} through the switch (the budget does not hold it)",
+                        ", carried from {} through the switch as the budget does not hold it",
                         f.meta.rung
                     )
                 };
