@@ -63,9 +63,9 @@ impl Session {
 
     /// Replaces whatever the session holds with `file`'s conversation, on the rung that wrote
     /// it (loaded now if needed; the session's other rung is freed as in
-    /// [`Session::move_idle`]) — or, when that rung is not loaded and the budget last read
-    /// does not hold it, on the largest smaller rung that does, the cache carried there
-    /// through the switch. The caller has checked the file ([`StateFile::check`]).
+    /// [`Session::move_idle`]) — or, when the budget read now does not hold that rung (loaded
+    /// or not), on the largest smaller rung that does, the cache carried there through the
+    /// switch. The caller has checked the file ([`StateFile::check`]).
     ///
     /// # Errors
     /// [`SessionError::WakeOverBudget`] when the budget holds no rung at or below the file's

@@ -661,9 +661,9 @@ impl Session {
         // the source is gone, so the process never holds both.
         self.reap(src);
         let stageable = topk.is_none() && self.standby.get(to).is_some_and(Option::is_some);
-        let staged_anchor = match &projector {
-            Some(_) if stageable => self.anchor_for(to, &mut note),
-            _ => None,
+        let anchor = match &projector {
+            Some(_) => self.anchor_for(to, &mut note),
+            None => None,
         };
         let history = self.history.clone();
         let staged_spans = Span::of(&history, &ranges);
@@ -673,7 +673,7 @@ impl Session {
                     &self.opts,
                     &history,
                     n_past,
-                    staged_anchor.as_deref(),
+                    anchor.as_deref(),
                     &staged_spans,
                 );
                 migrate::stage(
@@ -715,7 +715,6 @@ impl Session {
                     self.record_load(to, &dst);
                     self.arm_hidden_tap(to, &mut dst.ctx);
                 }
-                let anchor = self.anchor_for(to, &mut note);
                 let rc = topk.as_ref().map(|t| self.recompute_for(to, t));
                 let spans = Span::of(&self.history, &ranges);
                 // The load is reported apart (both strategies pay it): the switch's own cost
