@@ -147,3 +147,136 @@ fn real_ladder_a_continued_conversation_remembers_its_first_turn() {
         g.text
     );
 }
+
+/// Two turns on `home`; before the second the budget falls to what rung `to` holds: the switch
+/// reported before the second answer, its prompt tokens read from the cache, and the answer.
+fn second_turn_after_a_fall(
+    l: &molt::ladder::Ladder,
+    opts: SessionOptions,
+    home: &str,
+    to: usize,
+    first: &str,
+    second: &str,
+    max_tokens: usize,
+) -> (
+    Vec<molt::session::SwitchInfo>,
+    usize,
+    usize,
+    Session,
+    String,
+) {
+    let fixed = molt::pressure::FixedBudget::new(u64::MAX / 4);
+    let handle = fixed.handle();
+    let mut s = Session::with_options(l.clone(), cfg(), home, opts).unwrap();
+    // Costs fixed, not measured at each load: tests share the process, and a load's growth of
+    // its anonymous memory counts what other tests allocate meanwhile.
+    s.pin_context_bytes(&vec![48 << 20; l.rungs.len()]);
+    s.set_budget_source(Some(Box::new(fixed)));
+    let turn = |s: &mut Session, p: &str, switches: &mut Vec<_>, reused: &mut usize| {
+        s.generate(
+            &Prompt::User(p.into()),
+            &GenerateOptions {
+                max_tokens,
+                ..GenerateOptions::default()
+            },
+            &mut |e| match e {
+                Event::Switch(x) => switches.push(x.clone()),
+                Event::Start { reused_tokens, .. } => *reused = *reused_tokens,
+                _ => {}
+            },
+        )
+        .unwrap()
+    };
+    let (mut switches, mut reused) = (Vec::new(), 0);
+    turn(&mut s, first, &mut switches, &mut reused);
+    assert!(switches.is_empty(), "{switches:?}");
+    // Room for `to` and the conversation, not for the rung above it.
+    let tokens = s.history().len() as u64 + 64 + max_tokens as u64;
+    let need = s.modelled_footprint(to, tokens);
+    let above = s.modelled_footprint(to - 1, tokens);
+    assert!(above > need, "{above} vs {need}");
+    handle.set(need + (above - need) / 2);
+    let g = turn(&mut s, second, &mut switches, &mut reused);
+    (switches, reused, g.prompt_tokens, s, g.text)
+}
+
+#[test]
+fn a_budget_that_falls_between_two_answers_carries_the_cache_down_through_the_switch() {
+    let l = common::tiny_ladder().clone();
+    let opts = |strategy| SessionOptions {
+        projector_dirs: vec![common::tiny_projectors().clone()],
+        observe_footprint: false,
+        strategy,
+        ..SessionOptions::default()
+    };
+    let first = "The staging host is ash vault and the pager code is quill spool.";
+    let second = "What is the pager code?";
+    for to in [1, 2] {
+        let (switches, reused, prompt, s, _) = second_turn_after_a_fall(
+            &l,
+            opts(molt::session::Strategy::Molt),
+            "big",
+            to,
+            first,
+            second,
+            8,
+        );
+        // Carried: one switch before the answer's first token, the earlier turns' tokens
+        // read from the cache, the big rung no longer loaded.
+        assert_eq!(switches.len(), 1, "{switches:?}");
+        let sw = &switches[0];
+        assert_eq!((sw.at_token, sw.from.as_str()), (0, "big"), "{sw:?}");
+        assert_eq!(sw.to, l.rungs[to].name());
+        assert_eq!(sw.method, molt::session::SwitchMethod::Molt, "{sw:?}");
+        assert!(reused > 0 && reused < prompt, "{reused} of {prompt}");
+        assert_eq!(s.current_index(), to);
+        assert!(!s.loaded()[0], "{:?}", s.loaded());
+        // A re-prefill strategy re-reads the conversation there instead.
+        let (switches, reused, _, s, _) = second_turn_after_a_fall(
+            &l,
+            opts(molt::session::Strategy::Reprefill),
+            "big",
+            to,
+            first,
+            second,
+            8,
+        );
+        assert!(switches.is_empty(), "{switches:?}");
+        assert_eq!(reused, 0);
+        assert_eq!(s.current_index(), to);
+    }
+}
+
+#[test]
+fn real_ladder_a_conversation_moved_down_between_two_answers_remembers_its_first_turn() {
+    let Some(l) = common::real_ladder() else {
+        return;
+    };
+    let first = "Please remember this for later: the build cache lives on host larkspur-17 and the release manager is Oyelaran Petrakis. Now write two sentences about why caches matter.";
+    let second = "On which host does the build cache live, and who is the release manager? Answer in one sentence.";
+    // Decided on the modelled costs alone: the tests share the process, whose measured
+    // memory counts the others' models too.
+    let opts = SessionOptions {
+        observe_footprint: false,
+        ..SessionOptions::default()
+    };
+    // A precision route (same weights' family, other quantization) and the size route.
+    for to in ["q3km", "tier2"] {
+        let to = common::rung(l, to).index;
+        let (switches, reused, prompt, _, text) =
+            second_turn_after_a_fall(l, opts.clone(), "tier0", to, first, second, 40);
+        eprintln!(
+            "tier0 -> {}: {reused} of {prompt} prompt tokens from the cache, {:?}: {text:?}",
+            l.rungs[to].name(),
+            switches.first().map(|s| (s.method, s.timings.cost_ms))
+        );
+        assert_eq!(switches.len(), 1, "{switches:?}");
+        assert_eq!(switches[0].method, molt::session::SwitchMethod::Molt);
+        assert!(reused > 0, "carried, not re-read");
+        let t = text.to_lowercase();
+        assert!(
+            t.contains("larkspur-17") && t.contains("petrakis"),
+            "moved down between two answers, the conversation lost its first turn: {text:?}"
+        );
+    }
+}

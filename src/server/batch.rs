@@ -63,19 +63,17 @@ use super::error::ApiError;
 use super::worker::{Deferral, IDLE_POLL, Job, Next, Shared, Update};
 use crate::engine::{
     BatchContext, ChatMessage, Context, ContextConfig, EngineError, Model, ModelOptions, Sampler,
-    SeqChunk, SeqId, Span, Token, Utf8Stream,
+    SeqChunk, SeqId, Token, Utf8Stream,
 };
 use crate::ladder::Ladder;
 use crate::pressure::{Budget, BudgetSource, Tick};
 use crate::routes::{RouteKind, Routes, route_kind};
 use crate::sched::RungCost;
-use crate::session::migrate::{
-    Exported, SwitchTimings, carry_exported, prefill_flops, transplant_exported,
-};
+use crate::session::migrate::{Exported, SwitchTimings, prefill_flops};
 use crate::session::{
-    Event, Generation, LeverInfo, Prompt, Session, SessionError, SessionOptions, StopReason,
-    SwitchInfo, SwitchMethod, TokenControl, logprobs_of, projected_after, recompute_ranges,
-    refresh_projected, sentence_ends_of, switch_reread,
+    CachedState, CarryRoute, Event, Generation, LeverInfo, Prompt, Session, SessionError,
+    SessionOptions, StopReason, SwitchInfo, SwitchMethod, TokenControl, carry_cache, logprobs_of,
+    refresh_projected, sentence_ends_of,
 };
 use crate::state::{StateFile, StateMeta, now_unix_ms};
 use crate::transplant::anchor::Anchor;
@@ -290,28 +288,33 @@ impl Engine {
             };
             (p, a, route_kind(r.binding(from), r.binding(self.rung)))
         };
-        let toks = &f.meta.tokens;
-        let n_past = toks.len();
-        let ranges = recompute_ranges(&l.opts, kind, toks, None, None, n_past);
-        let spans = Span::of(toks, &ranges);
-        let reread = switch_reread(&l.opts, toks, n_past, anchor.as_deref(), &spans);
         let mut ctx = l
             .scratch(self.ctx.model(), false)
             .map_err(|e| e.to_string())?;
-        let source = Exported {
-            blob: &f.blob,
-            n_past,
-            from: &f.meta.rung,
-            export_ms: 0.0,
+        let route = CarryRoute {
+            kind,
+            projector: &projector,
+            anchor: anchor.as_deref(),
         };
-        let timings = carry_exported(&source, &mut ctx, &projector, None, reread)
-            .map_err(|e| e.to_string())?;
+        let cache = CachedState {
+            exported: Exported {
+                blob: &f.blob,
+                n_past: f.meta.tokens.len(),
+                from: &f.meta.rung,
+                export_ms: 0.0,
+            },
+            history: &f.meta.tokens,
+            observed: None,
+            pending: f.meta.pending,
+        };
+        let (_, projected) =
+            carry_cache(&l.opts, &route, &cache, &mut ctx).map_err(|e| e.to_string())?;
         let state = ctx.export_state().map_err(|e| e.to_string())?;
         drop(ctx);
         self.ctx
             .import_seq(seq, &state)
             .map_err(|e| e.to_string())?;
-        Ok(projected_after(&timings, ranges))
+        Ok(projected)
     }
 
     /// Frees every kept sequence (the rung is about to change).
@@ -1563,7 +1566,7 @@ struct Carry<'a> {
 
 impl Carry<'_> {
     /// Carries `t`'s exported cache into `dst`'s sequence `seq` as the session's switch
-    /// carries its own ([`transplant_exported`]): the head re-read natively (the anchor
+    /// carries its own ([`carry_cache`]): the head re-read natively (the anchor
     /// spliced in), projected, imported, the positions the prompt's attention pointed at
     /// recomputed natively on a size route, then moved into the batch's context without the
     /// pending token (the next step decodes it with the others'). The timings and the
@@ -1577,21 +1580,8 @@ impl Carry<'_> {
         t: &Tenant,
         scratch: &mut Scratch,
     ) -> Result<(SwitchTimings, Vec<Range<usize>>), String> {
-        let opts = &self.l.opts;
         let n_past = t.cached.len();
         let last = *t.feed.get(t.fed).ok_or("no pending token")?;
-        // No sentence ends, as the session's switch selects (it holds neither rung in its
-        // list then): the same positions are re-read whichever loop runs the switch.
-        let ranges = recompute_ranges(
-            opts,
-            self.kind,
-            &t.cached,
-            t.observed.as_deref(),
-            None,
-            n_past,
-        );
-        let spans = Span::of(&t.cached, &ranges);
-        let reread = switch_reread(opts, &t.cached, n_past, self.anchor, &spans);
         let ctx = match &mut scratch.dst {
             Some(c) => c,
             empty => empty.insert(
@@ -1601,22 +1591,27 @@ impl Carry<'_> {
             ),
         };
         ctx.clear();
-        let source = Exported {
-            blob: &exported.blob,
-            n_past,
-            from: self.from,
-            export_ms: exported.ms,
+        let route = CarryRoute {
+            kind: self.kind,
+            projector: self.projector,
+            anchor: self.anchor,
         };
         // The pending token is decoded by the batch's next step, with the others': the
-        // carry stops before a first decode unless a tail is re-read (the tail is decoded
-        // with that token, then cut back).
-        let timings = if reread.tail.is_empty() {
-            carry_exported(&source, ctx, self.projector, None, reread)
-        } else {
-            transplant_exported(&source, ctx, self.projector, None, reread, last)
-        }
-        .map_err(|e| e.to_string())?;
-        ctx.truncate(n_past);
+        // carry stops before a first decode (a tail re-read is decoded with that token, then
+        // cut back).
+        let cache = CachedState {
+            exported: Exported {
+                blob: &exported.blob,
+                n_past,
+                from: self.from,
+                export_ms: exported.ms,
+            },
+            history: &t.cached,
+            observed: t.observed.as_deref(),
+            pending: Some(last),
+        };
+        let (timings, projected) =
+            carry_cache(&self.l.opts, &route, &cache, ctx).map_err(|e| e.to_string())?;
         let state = ctx.export_state().map_err(|e| e.to_string())?;
         dst.import_seq(seq, &state).map_err(|e| e.to_string())?;
         if dst.n_past(seq) != Some(n_past) {
@@ -1625,7 +1620,7 @@ impl Carry<'_> {
                 dst.n_past(seq)
             ));
         }
-        Ok((timings, projected_after(&timings, ranges)))
+        Ok((timings, projected))
     }
 }
 

@@ -160,51 +160,26 @@ impl Session {
         let m = &file.meta;
         self.reset();
         self.move_idle(to)?;
-        let projector = match self.routes.get(from, to) {
-            Ok(p) => p,
-            Err(e) => {
-                self.reset();
-                return Err(SessionError::Route(e));
-            }
-        };
-        let mut note = None;
-        let anchor = self.anchor_for(to, &mut note);
-        let kind = crate::routes::route_kind(self.routes.binding(from), self.routes.binding(to));
-        let n_past = m.tokens.len();
-        let model = std::sync::Arc::clone(self.live().ctx.model());
-        let ranges = super::switch::recompute_ranges(
-            &self.opts,
-            kind,
-            &m.tokens,
-            None,
-            Some(model.as_ref()),
-            n_past,
-        );
-        let spans = crate::engine::Span::of(&m.tokens, &ranges);
-        let reread =
-            super::switch::reread(&self.opts, &m.tokens, n_past, anchor.as_deref(), &spans);
         let exported = super::migrate::Exported {
             blob: &file.blob,
-            n_past,
+            n_past: m.tokens.len(),
             from: &m.rung,
             export_ms: 0.0,
         };
-        let live = self.rungs[to].as_mut().expect("woken rung is loaded");
-        let carried =
-            super::migrate::carry_exported(&exported, &mut live.ctx, &projector, None, reread);
-        let timings = match carried {
-            Ok(t) => t,
+        match self.carry_onto_current(from, exported, &m.tokens, m.pending) {
+            Ok((_, projected, _)) => {
+                self.history.clone_from(&m.tokens);
+                self.pending = m.pending;
+                self.pinned = m.pinned;
+                self.conversation.clone_from(&m.messages);
+                self.projected = projected;
+                Ok(())
+            }
             Err(e) => {
                 self.reset();
-                return Err(e);
+                Err(e)
             }
-        };
-        self.history.clone_from(&m.tokens);
-        self.pending = m.pending;
-        self.pinned = m.pinned;
-        self.conversation.clone_from(&m.messages);
-        self.projected = super::native::projected_after(&timings, ranges);
-        Ok(())
+        }
     }
 
     /// The token sampled last and not yet decoded (what a hibernated file must carry).

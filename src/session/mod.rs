@@ -19,6 +19,7 @@ pub mod pace;
 mod prepare;
 pub mod prompt_file;
 mod refill;
+mod rest;
 mod rung;
 mod shadow;
 mod standby;
@@ -38,8 +39,8 @@ pub use rung::{LiveRung, LoadParts, ParkedRung, StandbyRung};
 pub use shadow::TREND_WINDOW;
 pub use switch::SwitchMethod;
 // What the batched server's switch and prompt read share with the session's (`src/server/batch.rs`).
-pub(crate) use native::{projected_after, refresh as refresh_projected, sentence_ends_of};
-pub(crate) use switch::{recompute_ranges, reread as switch_reread};
+pub(crate) use native::{refresh as refresh_projected, sentence_ends_of};
+pub(crate) use switch::{CachedState, CarryRoute, carry_cache};
 
 use crate::engine::{ChatMessage, ContextConfig, Sampler, Token, Utf8Stream, softmax};
 use crate::ladder::Ladder;
@@ -644,6 +645,7 @@ impl Session {
         // Before the prompt: check that the smallest rung fits at all, and start on the largest
         // rung that fits (never above home).
         let mut switches = Vec::new();
+        let mut carried_down = None;
         let budget0 = self.read_budget(Tick {
             token_index: 0,
             elapsed_ms: 0,
@@ -684,11 +686,15 @@ impl Session {
             if let Ok(Decision::Demote { to } | Decision::Promote { to }) =
                 decide_one(&view, b.bytes, &costs, &self.opts.policy)
             {
-                // The earlier turns' cache stays behind: the prompt is read on `to` whole.
-                self.history.clear();
-                self.projected.clear();
-                self.pending = None;
-                self.move_idle(to)?;
+                // Down, the earlier turns' cache is carried through the switch; up (or where
+                // it cannot be carried) it stays behind and the prompt is read on `to` whole.
+                carried_down = self.carry_down_idle(to, &b)?;
+                if carried_down.is_none() {
+                    self.history.clear();
+                    self.projected.clear();
+                    self.pending = None;
+                    self.move_idle(to)?;
+                }
             }
         }
         // The rung may have been loaded before any budget was read (when the session started)
@@ -737,6 +743,10 @@ impl Session {
             prompt_tokens: tokens.len(),
             reused_tokens: keep,
         });
+        if let Some(info) = carried_down {
+            sink(&Event::Switch(info.clone()));
+            switches.push(info);
+        }
         // Cells a switch projected in an earlier answer: re-read natively the ones this
         // prompt looks at before answering it.
         self.projected.retain(|r| r.start < keep);

@@ -179,6 +179,76 @@ pub(crate) fn recompute_ranges(
     select_spans(scores, &ends, lo, hi, always, &setting, avail as u64)
 }
 
+/// A cache exported on one rung, to be carried onto another by [`carry_cache`].
+pub(crate) struct CachedState<'a> {
+    /// The source's exported state and how many cells it holds.
+    pub exported: migrate::Exported<'a>,
+    /// The tokens those cells hold.
+    pub history: &'a [Token],
+    /// The attention mass the prompt's last tokens gave each position when it was read (none:
+    /// the positions a size route re-reads are chosen by position and sentence).
+    pub observed: Option<&'a [f32]>,
+    /// The token sampled last and not decoded yet: a tail re-read is decoded with it, then
+    /// cut back (none: the tail is not re-read).
+    pub pending: Option<Token>,
+}
+
+/// The route a cache is carried over: its kind, its projector and the destination's anchor
+/// for the head re-read.
+pub(crate) struct CarryRoute<'a> {
+    pub kind: RouteKind,
+    pub projector: &'a Projector,
+    pub anchor: Option<&'a Anchor>,
+}
+
+/// Carries `cache` onto `dst` as a switch carries it — the head re-read natively (its anchored
+/// part spliced in), projected, imported, on a size route the positions [`recompute_ranges`]
+/// chooses recomputed natively (sentence ends read with `dst`'s model: the rungs share a
+/// tokenizer, so whichever rung reads them picks the same positions as the session's switch,
+/// which reads them with its source) — and leaves `dst` holding exactly the cache's cells, no
+/// token decoded past them. The timings and the positions left projected. A woken state file,
+/// an answer starting on a smaller rung, and the batched server's switch and wake all carry
+/// through here.
+///
+/// # Errors
+/// [`SessionError::Migration`] naming the step that failed (`dst` is then not to be used).
+pub(crate) fn carry_cache(
+    opts: &SessionOptions,
+    route: &CarryRoute<'_>,
+    cache: &CachedState<'_>,
+    dst: &mut crate::engine::Context,
+) -> Result<(migrate::SwitchTimings, Vec<Range<usize>>), SessionError> {
+    let n_past = cache.exported.n_past;
+    let model = Arc::clone(dst.model());
+    let ranges = recompute_ranges(
+        opts,
+        route.kind,
+        cache.history,
+        cache.observed,
+        Some(model.as_ref()),
+        n_past,
+    );
+    let spans = Span::of(cache.history, &ranges);
+    let reread = reread(opts, cache.history, n_past, route.anchor, &spans);
+    let timings = match cache.pending {
+        // The tail is decoded with the pending token, then cut back.
+        Some(last) if !reread.tail.is_empty() => {
+            let t = migrate::transplant_exported(
+                &cache.exported,
+                dst,
+                route.projector,
+                None,
+                reread,
+                last,
+            )?;
+            dst.truncate(n_past);
+            t
+        }
+        _ => migrate::carry_exported(&cache.exported, dst, route.projector, None, reread)?,
+    };
+    Ok((timings, super::native::projected_after(&timings, ranges)))
+}
+
 impl Session {
     /// The history's first and last tokens a Molt switch re-reads natively
     /// ([`SessionOptions::head_reread`], [`SessionOptions::tail_recompute`]), never more than
