@@ -447,7 +447,17 @@ impl Session {
         if let Some(src) = retired {
             self.retire(from, src);
         }
-        self.settle_standby(None);
+        // The standby rungs the budget no longer holds beside the destination go too.
+        self.settle_standby(budget.map(|b| b.bytes));
+        if to > from {
+            // Down, what the switch let go of is gone before the answer goes on: the budget no
+            // longer holds it. Freed on the reaper's thread (the source — a shed-first switch's
+            // already is — and the standby rungs just dropped) and the heap handed back: the
+            // token after the switch was shown with a dropped standby rung's ~100 MiB of
+            // buffers still held, 3 to 17 MiB over the budget in the conditions benchmark.
+            self.join_reaper();
+            crate::pressure::trim_heap();
+        }
         // What the destination's cache holds that is not its own.
         self.projected = if method == SwitchMethod::Molt {
             super::native::projected_after(&timings, spans)
@@ -482,6 +492,16 @@ impl Session {
         }
         let t0 = Instant::now();
         let source_live = self.rungs[from].is_some();
+        // Down, the source is let go before the catch-up: it is freed on the reaper's thread
+        // while the destination decodes, and joined before the answer goes on, so that the
+        // token after the switch is not shown while the source still holds memory the budget
+        // no longer has, and its freeing overlaps the decode. A catch-up that fails then
+        // re-reads the whole history, as when a shadow's source went first.
+        let freed_early = source_live && to > from && !self.opts.keep_source;
+        if freed_early && let Some(src) = self.rungs[from].take() {
+            self.reap(src);
+        }
+        let source_live = source_live && !freed_early;
         let Some(dst) = self.rungs[to].as_mut() else {
             return Ok(None);
         };
@@ -508,6 +528,9 @@ impl Session {
             self.carry_note = Some(why);
             c = super::prepare::Carried::empty(to);
         }
+        if freed_early {
+            self.join_reaper();
+        }
         let cost_ms = t0.elapsed().as_secs_f64() * 1e3;
         let src = self.rungs[from].take();
         let from_name = self.ladder.rungs[from].name().to_string();
@@ -527,7 +550,7 @@ impl Session {
             },
             next.len() - 1,
             c.caught_up,
-            if src.is_none() {
+            if src.is_none() && !freed_early {
                 "; the source freed before the carry finished"
             } else {
                 ""
