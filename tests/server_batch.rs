@@ -232,6 +232,39 @@ async fn a_client_that_hangs_up_leaves_and_the_other_answer_goes_on() {
     srv.shutdown().await;
 }
 
+/// The batched loop lets waiting requests join by class, then priority, as the one-at-a-time
+/// loop takes them: with both sequences busy, a background request and then a foreground one
+/// wait; when a sequence frees the foreground one joins, though it came second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_foreground_request_joins_before_an_earlier_background_one() {
+    let _serial = serial().await;
+    let srv = start(|c| c.parallel = 2).await;
+    let addr = srv.addr;
+    let mut long = open(addr, &chat(FIRST, 600, true)).await;
+    let head_long = until_tokens(&mut long, 1).await;
+    let mut short = open(addr, &chat(SECOND, 300, true)).await;
+    let head_short = until_tokens(&mut short, 1).await;
+    let mut background = chat("summarise the nightly logs for the archive", 8, true);
+    background["molt"] = json!({"class": "background"});
+    let mut bg = open(addr, &background).await;
+    let mut fg = open(addr, &chat("what is the staging host called", 8, true)).await;
+    // Both wait while the two answers run.
+    let st = status(addr).await;
+    assert_eq!(st["queue"]["waiting"], 2, "{st}");
+    let (_, _, ebg, efg) = tokio::join!(
+        drain(&mut long, head_long),
+        drain(&mut short, head_short),
+        drain(&mut bg, Vec::new()),
+        drain(&mut fg, Vec::new())
+    );
+    let first = |e: &[(Instant, Value)]| e.iter().find(|(_, e)| molt_kind(e) == "token").unwrap().0;
+    assert!(
+        first(&efg) < first(&ebg),
+        "the background request, queued first, joined before the foreground one"
+    );
+    srv.shutdown().await;
+}
+
 /// A non-streamed chat turn of `messages` (greedy): the response.
 async fn turn(addr: SocketAddr, messages: &[Value]) -> Value {
     let body = json!({"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0});

@@ -134,18 +134,25 @@ impl Engine {
         self.kept.iter().map(|k| k.tokens.len() as u64).sum()
     }
 
-    /// Frees the oldest kept sequence; false when none is kept.
-    fn let_go_oldest(&mut self, shared: &Shared) -> bool {
+    /// Frees the kept sequence that goes first — a background conversation's before a
+    /// foreground one's, then the lower priority, the oldest among equals; false when none is
+    /// kept.
+    fn let_go_next(&mut self, shared: &Shared) -> bool {
         if self.kept.is_empty() {
             return false;
         }
+        // Background conversations' caches go first, then the lower priority; the oldest
+        // among equals (`kept` is in the order the answers ended).
+        let i = (0..self.kept.len())
+            .min_by_key(|&i| shared.conversations.let_go_rank(&self.kept[i].conversation))
+            .unwrap_or(0);
         let Kept {
             seq,
             tokens,
             conversation: id,
             persisted,
             projected,
-        } = self.kept.remove(0);
+        } = self.kept.remove(i);
         // The conversation's cache goes to its state file (or stays in RAM when the write
         // fails), as the one-at-a-time loop hibernates the conversation it displaces; a file
         // written when its answer ended is not written again.
@@ -319,12 +326,12 @@ impl Engine {
 
     /// Frees every kept sequence (the rung is about to change).
     fn let_go_all(&mut self, shared: &Shared) {
-        while self.let_go_oldest(shared) {}
+        while self.let_go_next(shared) {}
     }
 
     /// A sequence for a prompt of `tokens` of `conversation`: the conversation's own kept
     /// sequence, rewound to the prefix it shares with the prompt (taken over: `true`); else a
-    /// free one, letting the oldest kept sequences go while none is free or the cells would
+    /// free one, letting kept sequences go (background first, see `let_go_next`) while none is free or the cells would
     /// not hold `cells` more, given the longest prefix any kept sequence shares with the
     /// prompt (its cells tagged, not copied). Either way at most all but the prompt's last
     /// token, whose logits start the answer. The sequence, the prompt tokens it holds already,
@@ -361,7 +368,7 @@ impl Engine {
         while self.ctx.active() >= self.ctx.max_seqs()
             || self.ctx.cells_used() as u64 + cells > n_ctx
         {
-            if !self.let_go_oldest(shared) {
+            if !self.let_go_next(shared) {
                 break;
             }
         }
@@ -1064,7 +1071,7 @@ fn start_idle(
         return (Ok(engine), None);
     }
     let fits = |j: &Job| l.need(smallest, total_of(j)) <= budget;
-    match shared.queue.take_first(fits) {
+    match shared.queue.take_best(fits) {
         Some(other) => {
             shared.recorder.service(
                 &other.id,
@@ -1133,7 +1140,7 @@ fn join_waiting(
     held: &mut Option<Held>,
 ) {
     let mut joined = false;
-    // Kept sequences do not count: a newcomer lets the oldest go (`Engine::seq_for`).
+    // Kept sequences do not count: a newcomer lets kept ones go (`Engine::seq_for`).
     while tenants.len() < engine.ctx.max_seqs() {
         let budget = read_budget(shared, tenants).bytes;
         let n_ctx = l.config.n_ctx;
@@ -1144,9 +1151,10 @@ fn join_waiting(
                 (j.prompt_tokens.saturating_add(j.opts.max_tokens) as u64).min(u64::from(n_ctx));
             reserved + total <= u64::from(n_ctx) && l.need(rung, reserved + total) <= budget
         };
-        // The request waiting for memory goes first when it fits.
+        // The request waiting for memory goes first when it fits; then the waiting ones by
+        // class and priority (foreground first), as the one-at-a-time loop takes them.
         let first = held.take_if(|h| fits(&h.job)).map(|h| h.job);
-        let Some(job) = first.or_else(|| shared.queue.take_first(fits)) else {
+        let Some(job) = first.or_else(|| shared.queue.take_best(fits)) else {
             break;
         };
         if let Some(t) = admit(shared, engine, l, job) {
@@ -1207,8 +1215,8 @@ fn fit_rung(
                 Err(e) => Fit::Failed(ApiError::from_session(&e)),
             };
         }
-        // Kept caches go first, oldest first, before any running answer moves.
-        while l.need(e.rung, holding + e.kept_cells()) > budget.bytes && e.let_go_oldest(shared) {}
+        // Kept caches go first (background first, then the oldest), before any running answer moves.
+        while l.need(e.rung, holding + e.kept_cells()) > budget.bytes && e.let_go_next(shared) {}
         if l.need(e.rung, holding) <= budget.bytes {
             return Fit::Run;
         }

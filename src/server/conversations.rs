@@ -55,8 +55,9 @@ pub enum ConversationState {
     Dropped,
 }
 
-/// Scheduling class of a conversation (`molt.class`): the one-at-a-time loop takes queued
-/// foreground requests before background ones.
+/// Scheduling class of a conversation (`molt.class`): both loops take queued foreground
+/// requests before background ones, and the batched loop lets a background conversation's
+/// kept cache go (to its state file) before a foreground one's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Class {
@@ -476,6 +477,17 @@ impl Conversations {
             }
         }
         self.hibernate(id, snapshot, recorder);
+    }
+
+    /// The order in which `id`'s cache is let go of when the engine needs its cells: background
+    /// conversations before foreground ones, then the lower priority (an unknown id goes
+    /// with the foreground ones at priority 0). Smaller goes first.
+    #[must_use]
+    pub fn let_go_rank(&self, id: &str) -> (bool, i32) {
+        self.lock()
+            .convs
+            .get(id)
+            .map_or((true, 0), |c| (c.class == Class::Foreground, c.priority))
     }
 
     /// The length of `id`'s first turn (0 while it has none).

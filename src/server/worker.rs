@@ -191,7 +191,7 @@ impl Queue {
 
     /// As [`Queue::take_first`], but the job that goes first in the order of [`Queue::next`]
     /// among those `fits` accepts: what the one-at-a-time loop answers while an earlier job
-    /// is deferred for memory.
+    /// is deferred for memory, and what the batched loop lets join when a sequence frees.
     pub(super) fn take_best(&self, fits: impl Fn(&Job) -> bool) -> Option<Job> {
         let mut g = self.lock();
         let i = first_in_order(&g.jobs, |j| !j.cancelled() && fits(j))?;
