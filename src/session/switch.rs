@@ -444,17 +444,25 @@ impl Session {
             self.record_carry(to, cells, timings.cost_ms, threads, load);
         }
         self.current = to;
+        let source_retired = retired.is_some();
         if let Some(src) = retired {
             self.retire(from, src);
         }
         // The standby rungs the budget no longer holds beside the destination go too.
+        let standby_before = self.standby_bytes();
         self.settle_standby(budget.map(|b| b.bytes));
-        if to > from {
-            // Down, what the switch let go of is gone before the answer goes on: the budget no
-            // longer holds it. Freed on the reaper's thread (the source — a shed-first switch's
-            // already is — and the standby rungs just dropped) and the heap handed back: the
-            // token after the switch was shown with a dropped standby rung's ~100 MiB of
-            // buffers still held, 3 to 17 MiB over the budget in the conditions benchmark.
+        let dropped = standby_before.saturating_sub(self.standby_bytes());
+        // Down, what the switch let go of is gone before the answer goes on when the budget
+        // does not hold it still being freed: the source (a shed-first switch's is already
+        // gone) and the standby rungs just dropped, freed on the reaper's thread, and the heap
+        // handed back. The token after the switch was shown with a dropped standby rung's
+        // ~100 MiB of buffers still held, 3 to 17 MiB over the budget in the conditions
+        // benchmark; standby rungs dropped only for being above the destination, which the
+        // budget still holds, are left to free while the answer goes on (waiting for them
+        // put ~35 ms into the gap of a switch from tier0 to tier1).
+        let tokens = self.history.len() as u64 + 1;
+        let over = budget.is_some_and(|b| self.modelled_now(tokens) + dropped > b.bytes);
+        if to > from && (source_retired || over) {
             self.join_reaper();
             crate::pressure::trim_heap();
         }
