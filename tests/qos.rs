@@ -24,6 +24,7 @@ fn three_tenants_share_a_moving_budget_without_overshoot_or_kills() {
     opts.policy = Policy {
         hysteresis_bytes: 64 << 10,
         shed_chunk_tokens: 4,
+        one_rung: false,
     };
     for (t, arrival) in opts.tenants.iter_mut().zip([0, 0, 3]) {
         t.chat = false;

@@ -422,3 +422,130 @@ async fn a_file_of_a_rung_the_budget_no_longer_holds_wakes_through_the_switch() 
     );
     srv.shutdown().await;
 }
+
+/// The events of a stream that are `kind`, their `molt` objects.
+fn of_kind<'a>(events: &'a [(Instant, Value)], kind: &str) -> Vec<&'a Value> {
+    events
+        .iter()
+        .filter(|(_, e)| molt_kind(e) == kind)
+        .map(|(_, e)| &e["molt"])
+        .collect()
+}
+
+/// Issue 17: when no rung holds both running answers but the smallest holds the foreground
+/// one alone, the scheduler's plan sets the background answer aside — its cache to a file
+/// under the state directory, a stall and a `park` lever in its stream — and the foreground
+/// one goes on on the smallest rung without a stall (before, the whole batch parked). When
+/// memory returns, the background answer resumes from its file on its own rung and ends as
+/// it ends alone, token for token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_background_answer_is_set_aside_so_the_foreground_one_goes_on() {
+    let _serial = serial().await;
+    let dir = tempfile::tempdir().unwrap();
+    let srv = batched_with_state(dir.path()).await;
+    let addr = srv.addr;
+    let long = [FIRST, SECOND, FIRST, SECOND].join("; ");
+    let mut background = chat(&long, 160, true);
+    background["molt"] = json!({"class": "background"});
+    let want_bg = alone(addr, &background).await;
+    let fg_max = 16u64;
+    let foreground = chat(SECOND, fg_max as usize, true);
+    let probe = client::post_json(addr, "/v1/chat/completions", &chat(SECOND, 1, false))
+        .await
+        .unwrap()
+        .json()
+        .unwrap();
+    let fg_prompt = probe["usage"]["prompt_tokens"].as_u64().unwrap();
+    let s = status(addr).await;
+    let small = s["engine"]["rungs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == "small")
+        .unwrap()
+        .clone();
+    let kv = small["kv_bytes_per_token"].as_f64().unwrap();
+    // The small rung with the foreground answer whole, and a few cells to spare: not with
+    // the background answer's cache beside it.
+    let cut =
+        small["resident_mib"].as_f64().unwrap() + kv * (fg_prompt + fg_max + 4) as f64 / 1048576.0;
+    assert!(cut < small_only_budget(addr).await);
+
+    let mut bg = open(addr, &background).await;
+    let head_bg = until_tokens(&mut bg, 4).await;
+    let mut fg = open(addr, &foreground).await;
+    let head_fg = until_tokens(&mut fg, 1).await;
+    let r = client::post_json(addr, "/v1/molt/budget", &json!({"mib": cut}))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+    // The background answer hears it is set aside; its cache waits in a file.
+    let mut ebg = head_bg;
+    while !ebg.iter().any(|(_, e)| molt_kind(e) == "stall") {
+        ebg.push(
+            next(&mut bg)
+                .await
+                .expect("the background answer ended unparked"),
+        );
+    }
+    let aside_dir = dir.path().join("state").join("aside");
+    let files = || {
+        std::fs::read_dir(&aside_dir)
+            .map(|d| d.flatten().count())
+            .unwrap_or(0)
+    };
+    assert_eq!(files(), 1, "one cache set aside in {}", aside_dir.display());
+    let st = status(addr).await;
+    let efg = drain(&mut fg, head_fg).await;
+    assert!(
+        of_kind(&efg, "stall").is_empty(),
+        "the foreground answer stalled: {:?}",
+        of_kind(&efg, "stall")
+    );
+    let switches = of_kind(&efg, "switch");
+    assert_eq!(switches.len(), 1, "{switches:?}");
+    assert_eq!(
+        (switches[0]["from"].as_str(), switches[0]["to"].as_str()),
+        (Some("big"), Some("small"))
+    );
+    assert_eq!(
+        tokens(&efg).len() as u64,
+        fg_max,
+        "the foreground answer ran to its end"
+    );
+    // The background conversation is listed parked while set aside.
+    let bg_conv = st["conversations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["state"] == "parked");
+    assert!(bg_conv.is_some(), "no parked conversation: {st}");
+
+    let r = client::post_json(addr, "/v1/molt/budget", &json!({"unlimited": true}))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+    let ebg = drain(&mut bg, ebg).await;
+    let stall = of_kind(&ebg, "stall");
+    let reason = stall[0]["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("set aside") && reason.contains("in a file"),
+        "{reason}"
+    );
+    let levers: Vec<&str> = of_kind(&ebg, "lever")
+        .iter()
+        .filter_map(|l| l["lever"].as_str())
+        .collect();
+    assert_eq!(levers, ["park", "resume"], "{levers:?}");
+    assert!(
+        of_kind(&ebg, "switch").is_empty(),
+        "it resumed on the rung it left: no switch"
+    );
+    assert_eq!(
+        text(&ebg),
+        want_bg,
+        "the background answer, set aside and resumed vs alone"
+    );
+    assert_eq!(files(), 0, "its file is removed once read back");
+    srv.shutdown().await;
+}

@@ -240,6 +240,10 @@ pub struct Snapshot {
     /// buffers (Molt: one model, tenants as sequences). When false, every running tenant pays
     /// for its own (separate processes, or copies).
     pub shared_weights: bool,
+    /// A parked tenant's KV waits in host memory (true, the default: it counts) or in a file
+    /// (false: the batched server writes a set-aside answer's cache to its state directory,
+    /// and it costs nothing until it resumes).
+    pub parked_kv_in_memory: bool,
 }
 
 impl Snapshot {
@@ -251,6 +255,7 @@ impl Snapshot {
             rungs,
             tenants,
             shared_weights: true,
+            parked_kv_in_memory: true,
         }
     }
 
@@ -287,7 +292,8 @@ impl Snapshot {
 /// - with shared weights: the weights and compute buffers of every rung that has at least
 ///   one admitted, unparked tenant, **once per rung**; otherwise once per such tenant;
 /// - plus every admitted tenant's KV (`context_tokens × kv_bytes_per_token` of its rung),
-///   parked or not — parked KV is held in host memory;
+///   parked or not — parked KV is held in host memory (unless
+///   [`Snapshot::parked_kv_in_memory`] is false: then a parked tenant's KV costs nothing);
 /// - plus [`RungCost::tenant_bytes`] for every admitted, unparked tenant.
 ///
 /// Waiting tenants cost nothing. Out-of-range rungs (an invalid snapshot) count 0 rather than
@@ -300,7 +306,9 @@ pub fn usage(snapshot: &Snapshot) -> u64 {
         let Some(rung) = snapshot.rungs.get(t.rung) else {
             continue;
         };
-        total = total.saturating_add(rung.kv_bytes(t.context_tokens));
+        if !t.parked || snapshot.parked_kv_in_memory {
+            total = total.saturating_add(rung.kv_bytes(t.context_tokens));
+        }
         if !t.parked {
             total = total.saturating_add(rung.tenant_bytes);
             if snapshot.shared_weights {
@@ -351,6 +359,10 @@ pub struct Policy {
     /// Shedding drops whole multiples of this many tokens (capped at what is sheddable), so a
     /// growing context is not trimmed one token per step.
     pub shed_chunk_tokens: u64,
+    /// Every running tenant on one rung: the batched server decodes its tenants as sequences
+    /// of one context, so a plan that splits them over two rungs could not be carried out.
+    /// Parked tenants' caches may still wait in any rung's layout.
+    pub one_rung: bool,
 }
 
 impl Default for Policy {
@@ -360,6 +372,7 @@ impl Default for Policy {
         Policy {
             hysteresis_bytes: 128 << 20,
             shed_chunk_tokens: 32,
+            one_rung: false,
         }
     }
 }
@@ -371,6 +384,7 @@ impl Policy {
         Policy {
             hysteresis_bytes: 0,
             shed_chunk_tokens: 1,
+            one_rung: false,
         }
     }
 

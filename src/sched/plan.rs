@@ -221,6 +221,10 @@ struct Costs {
     /// Per running tenant ([`super::RungCost::tenant_bytes`]).
     tenant: Vec<u128>,
     shared: bool,
+    /// [`Policy::one_rung`], with shared weights: at most one rung holds running tenants.
+    one_rung: bool,
+    /// [`Snapshot::parked_kv_in_memory`]: a parked tenant's KV counts.
+    parked_kv: bool,
 }
 
 /// A partial choice for one tenant during the search.
@@ -232,7 +236,7 @@ struct Spec {
 }
 
 impl Costs {
-    fn of(snapshot: &Snapshot) -> Costs {
+    fn of(snapshot: &Snapshot, policy: &Policy) -> Costs {
         Costs {
             resident: snapshot
                 .rungs
@@ -250,7 +254,14 @@ impl Costs {
                 .map(|r| u128::from(r.tenant_bytes))
                 .collect(),
             shared: snapshot.shared_weights,
+            one_rung: policy.one_rung && snapshot.shared_weights,
+            parked_kv: snapshot.parked_kv_in_memory,
         }
+    }
+
+    /// Whether `mask` (resident rungs) is a configuration this policy can carry out.
+    fn allowed(&self, mask: u32) -> bool {
+        !self.one_rung || mask.count_ones() <= 1
     }
 
     fn rungs(&self) -> usize {
@@ -268,7 +279,9 @@ impl Costs {
         let mut resident = 0u32;
         let mut total = 0u128;
         for (t, c) in tens.iter().zip(choices) {
-            total += self.kv[c.rung] * u128::from(t.tokens - c.shed);
+            if !c.parked || self.parked_kv {
+                total += self.kv[c.rung] * u128::from(t.tokens - c.shed);
+            }
             if !c.parked {
                 total += self.tenant[c.rung];
                 if self.shared {
@@ -316,6 +329,8 @@ impl Costs {
                             .unwrap_or(0);
                     }
                 }
+                // Parked (or still open, cheapest parked): its KV, where it waits in memory.
+                _ if !self.parked_kv => {}
                 (_, Some(r)) => total += self.kv[r] * tokens,
                 (_, None) => total += self.kv[t.min_kv_rung] * tokens,
             }
@@ -323,12 +338,15 @@ impl Costs {
         if !self.shared {
             return total;
         }
+        if !self.allowed(forced) {
+            return u128::MAX;
+        }
         if free.is_empty() {
             return total + self.mask_cost(forced);
         }
         let mut best: Option<u128> = None;
         for mask in 0u32..(1 << self.rungs()) {
-            if mask & forced != forced {
+            if mask & forced != forced || !self.allowed(mask) {
                 continue;
             }
             let mut cost = self.mask_cost(mask);
@@ -348,7 +366,8 @@ impl Costs {
                 best = Some(cost);
             }
         }
-        // Every free tenant can use its home rung, so the full mask is always placeable.
+        // Every free tenant can use its home rung, so the full mask is always placeable; with
+        // one rung, the smallest of their homes is (a forced rung above one of them is not).
         total + best.unwrap_or(u128::MAX - total)
     }
 
@@ -356,6 +375,7 @@ impl Costs {
     fn least_harm(&self, tens: &[Ten], budget: u128, policy: &Policy) -> Option<Vec<Choice>> {
         let floor: u128 = tens
             .iter()
+            .filter(|_| self.parked_kv)
             .map(|t| self.kv[t.min_kv_rung] * u128::from(t.pinned))
             .sum();
         if floor > budget {
@@ -364,8 +384,10 @@ impl Costs {
         let n = tens.len();
 
         // Sheds, most protected first, each as small as the others' cheapest completion allows.
+        // A parked cache in a file costs nothing, so parking, less harmful, always relieves
+        // first: nothing is shed.
         let mut shed = vec![0u64; n];
-        for i in 0..n {
+        for i in (0..n).filter(|_| self.parked_kv) {
             let rest: u128 = tens
                 .iter()
                 .enumerate()
@@ -471,7 +493,7 @@ fn harm(tens: &[Ten], choices: &[Choice]) -> Vec<u64> {
 /// [`SchedError`] if the snapshot fails [`Snapshot::validate`].
 pub fn plan(snapshot: &Snapshot, policy: &Policy) -> Result<Plan, SchedError> {
     snapshot.validate()?;
-    let costs = Costs::of(snapshot);
+    let costs = Costs::of(snapshot, policy);
     let order = protection_order(&snapshot.tenants);
     let tens: Vec<Ten> = order
         .iter()
@@ -632,8 +654,17 @@ fn admit(
             pinned: t.pinned_tokens,
             min_kv_rung: costs.min_kv_rung(t.home_rung),
         });
+        // With one rung, a newcomer runs where the running tenants do.
+        let running_on = choices
+            .iter()
+            .find(|c| !c.parked)
+            .map(|c| c.rung)
+            .filter(|_| costs.one_rung);
         let mut fits_within = |limit: u128| {
             (t.home_rung..costs.rungs()).find(|&rung| {
+                if running_on.is_some_and(|r| r != rung) {
+                    return false;
+                }
                 choices.push(Choice {
                     rung,
                     parked: false,

@@ -330,4 +330,55 @@ proptest! {
         prop_assert!(again.actions.iter().all(|(_, l)| matches!(l, Lever::Defer)),
             "second plan under the same budget acted: {:?}", again.actions);
     }
+
+    /// The batched server's plan (one rung for every running tenant, parked caches in files):
+    /// whatever the snapshot, the running tenants end on one rung, a feasible plan fits its
+    /// budget, and one that parks someone could not have run them all on any one rung.
+    #[test]
+    fn the_batch_plan_runs_everyone_on_one_rung_and_parks_only_when_no_rung_holds_all(
+        (s, budgets, _shared) in case(),
+    ) {
+        let policy = Policy { one_rung: true, ..Policy::exact() };
+        let mut s = s;
+        s.shared_weights = true;
+        s.parked_kv_in_memory = false;
+        s.budget_bytes = budgets[0];
+        // The batch's own snapshots: every running tenant on one rung, nothing sheddable.
+        let first = s.tenants.iter().find(|t| t.is_running()).map(|t| t.rung);
+        for t in &mut s.tenants {
+            if let Some(r) = first && t.is_running() && r >= t.home_rung {
+                t.rung = r;
+            }
+            t.pinned_tokens = t.context_tokens;
+        }
+        let running_rungs = |s: &Snapshot| {
+            let mut r: Vec<usize> = s.tenants.iter().filter(|t| t.is_running()).map(|t| t.rung).collect();
+            r.sort_unstable();
+            r.dedup();
+            r
+        };
+        prop_assume!(running_rungs(&s).len() <= 1);
+        let p = plan(&s, &policy).expect("valid");
+        let after = apply(&p, &s).expect("applies");
+        prop_assert!(running_rungs(&after).len() <= 1, "{:?}", p.actions);
+        prop_assert_eq!(usage(&after), p.projected_usage);
+        if p.feasible {
+            prop_assert!(p.projected_usage <= s.budget_bytes);
+        }
+        let newly_parked = after.tenants.iter().zip(&s.tenants).any(|(a, b)| a.parked && !b.parked);
+        if newly_parked && p.mode == PlanMode::Relieve {
+            let all_run = (0..s.rungs.len()).any(|r| {
+                let mut t = s.clone();
+                for v in t.tenants.iter_mut().filter(|v| v.admitted) {
+                    if r < v.home_rung {
+                        return false;
+                    }
+                    v.rung = r;
+                    v.parked = false;
+                }
+                usage(&t) <= s.budget_bytes
+            });
+            prop_assert!(!all_run, "parked although one rung holds everyone: {:?}", p.actions);
+        }
+    }
 }

@@ -16,8 +16,13 @@
 //!    [`project_blob`]) and imported into a sequence of the destination's context; a tenant
 //!    whose route has no projector re-reads its history there instead. Each tenant's stream
 //!    gets its own switch event. A forced switch (`molt.switch_at`) moves the whole batch
-//!    the same way. When not even the smallest rung holds them, the tenants wait (a stall
-//!    event) until memory comes back or their clients leave.
+//!    the same way. When no rung holds them all, the scheduler's plan ([`crate::sched::plan`],
+//!    as the `QoS` bench runs it, with every running answer on one rung and a parked cache in
+//!    a file) sets the least protected aside — background first, then the lower priority —
+//!    their caches written under the state directory, so the others go on on the largest rung
+//!    that holds them ([`aside`]); the plan resumes them when memory returns. When it keeps
+//!    none running, the tenants wait (a stall event) until memory comes back or their
+//!    clients leave.
 //! 4. One batch is built: the pending token of every tenant that is answering, plus one
 //!    chunk (at most [`PREFILL_CHUNK`] tokens) of one newcomer's prompt — so a newcomer's
 //!    prefill delays the others' next token by one chunk at most — and decoded in one call.
@@ -79,6 +84,8 @@ use crate::state::{StateFile, StateMeta, now_unix_ms};
 use crate::transplant::anchor::Anchor;
 use crate::transplant::projector::Projector;
 use crate::transplant::select::SelectRule;
+
+mod aside;
 
 /// The most prompt tokens one step carries: a newcomer's prefill delays the running answers'
 /// next token by at most this many tokens' compute.
@@ -580,11 +587,25 @@ pub fn run(mut session: Session, shared: &Shared, slots: usize) {
     let mut last_budget: Option<u64> = None;
     // The oldest request, waiting for memory (deferred): it goes first once memory allows.
     let mut held: Option<Held> = None;
+    // Running answers set aside for more protected ones (`aside`).
+    let mut aside: Vec<aside::Aside> = Vec::new();
+    aside::clear_leftovers(shared);
     loop {
         if let Some(e) = engine.as_mut()
             && drop_departed(shared, e, &mut tenants)
         {
             publish_engine(shared, &l, engine.as_ref(), &tenants);
+        }
+        if aside::tend(shared, &l, &mut aside) {
+            publish_engine(shared, &l, engine.as_ref(), &tenants);
+        }
+        if !aside.is_empty() {
+            let b = read_budget(shared, &tenants);
+            let b = Budget {
+                bytes: b.bytes.saturating_sub(aside::in_memory(&aside)),
+                ..b
+            };
+            aside::resume(shared, &mut l, &mut engine, &mut tenants, &mut aside, b);
         }
         if held.as_ref().is_some_and(|h| h.job.cancelled()) {
             if let Some(h) = held.take() {
@@ -594,10 +615,22 @@ pub fn run(mut session: Session, shared: &Shared, slots: usize) {
         }
         if tenants.is_empty() {
             if held.is_none() {
-                let job = match shared.queue.next(IDLE_POLL) {
+                // Answers set aside are looked at again every stall poll.
+                let wait = if aside.is_empty() {
+                    IDLE_POLL
+                } else {
+                    STALL_POLL
+                };
+                let job = match shared.queue.next(wait) {
                     Next::Job(job) => *job,
                     Next::Idle => {
                         follow_budget_idle(shared, &l, &mut engine, None);
+                        continue;
+                    }
+                    Next::Closed if !aside.is_empty() => {
+                        // Set-aside answers end by resuming, their clients leaving or their
+                        // park deadline.
+                        std::thread::sleep(STALL_POLL);
                         continue;
                     }
                     Next::Closed => {
@@ -617,7 +650,8 @@ pub fn run(mut session: Session, shared: &Shared, slots: usize) {
                     wait: Deferral::new(),
                 });
             }
-            let (moved, t) = start_idle(shared, &l, engine.take(), &mut held);
+            let reserve = aside::in_memory(&aside);
+            let (moved, t) = start_idle(shared, &l, engine.take(), &mut held, reserve);
             engine = match moved {
                 Ok(e) => e,
                 Err(e) => {
@@ -649,7 +683,8 @@ pub fn run(mut session: Session, shared: &Shared, slots: usize) {
             publish_engine(shared, &l, None, &tenants);
             continue;
         };
-        join_waiting(shared, &l, running, &mut tenants, &mut held);
+        let reserve = aside::in_memory(&aside);
+        join_waiting(shared, &l, running, &mut tenants, &mut held, reserve);
         let budget = read_budget(shared, &tenants);
         if last_budget != Some(budget.bytes) {
             last_budget = Some(budget.bytes);
@@ -665,10 +700,21 @@ pub fn run(mut session: Session, shared: &Shared, slots: usize) {
                 );
             }
         }
-        match fit_rung(&mut l, shared, &mut engine, &mut tenants, budget) {
+        // What the batch may take: the budget less the set-aside caches held in memory.
+        let fit = Budget {
+            bytes: budget.bytes.saturating_sub(reserve),
+            ..budget
+        };
+        match fit_rung(&mut l, shared, &mut engine, &mut tenants, &aside, fit) {
             Fit::Run => {}
+            Fit::SetAside(which) => {
+                if let Some(e) = engine.as_mut() {
+                    aside::set_aside(shared, &l, e, &mut tenants, which, &mut aside, budget);
+                }
+                continue;
+            }
             Fit::Stall => {
-                park_until(shared, &mut l, &mut engine, &mut tenants, budget);
+                park_until(shared, &mut l, &mut engine, &mut tenants, fit);
                 last_budget = None;
                 continue;
             }
@@ -1042,6 +1088,7 @@ fn start_idle(
     l: &Ladders,
     engine: Option<Engine>,
     held: &mut Option<Held>,
+    reserve: u64,
 ) -> (Result<Option<Engine>, ApiError>, Option<Tenant>) {
     let Some(h) = held.as_mut() else {
         return (Ok(engine), None);
@@ -1051,7 +1098,8 @@ fn start_idle(
     let smallest = l.costs.len() - 1;
     let total = total_of(&h.job);
     let need = l.need(smallest, total);
-    let budget = read_budget(shared, &[]).bytes;
+    // Set-aside caches held in memory (`reserve`) are not the newcomer's to take.
+    let budget = read_budget(shared, &[]).bytes.saturating_sub(reserve);
     if budget >= need {
         let Some(h) = held.take() else {
             return (Ok(engine), None);
@@ -1138,11 +1186,12 @@ fn join_waiting(
     engine: &mut Engine,
     tenants: &mut Vec<Tenant>,
     held: &mut Option<Held>,
+    reserve: u64,
 ) {
     let mut joined = false;
     // Kept sequences do not count: a newcomer lets kept ones go (`Engine::seq_for`).
     while tenants.len() < engine.ctx.max_seqs() {
-        let budget = read_budget(shared, tenants).bytes;
+        let budget = read_budget(shared, tenants).bytes.saturating_sub(reserve);
         let n_ctx = l.config.n_ctx;
         let reserved: u64 = tenants.iter().map(|t| t.reserved(n_ctx)).sum();
         let rung = engine.rung;
@@ -1170,6 +1219,9 @@ fn join_waiting(
 enum Fit {
     /// Decode a step on the engine's rung.
     Run,
+    /// No rung holds every running answer, but the scheduler's plan keeps the more protected
+    /// ones running: set these (indices into the tenants) aside first.
+    SetAside(Vec<usize>),
     /// No rung holds the batch: wait.
     Stall,
     /// Moving failed: every tenant ends with this error.
@@ -1182,6 +1234,7 @@ fn fit_rung(
     shared: &Shared,
     engine: &mut Option<Engine>,
     tenants: &mut [Tenant],
+    aside: &[aside::Aside],
     budget: Budget,
 ) -> Fit {
     let Some(e) = engine.as_mut() else {
@@ -1222,7 +1275,12 @@ fn fit_rung(
         }
         match (e.rung + 1..l.costs.len()).find(|&i| l.need(i, holding) <= budget.bytes) {
             Some(to) => to,
-            None => return Fit::Stall,
+            None => {
+                return match aside::choose(l, shared, e.rung, tenants, aside, budget.bytes) {
+                    Some(which) => Fit::SetAside(which),
+                    None => Fit::Stall,
+                };
+            }
         }
     };
     match move_all(l, shared, engine, tenants, to, budget) {
@@ -1684,10 +1742,39 @@ fn carry_all(
     budget: Budget,
     before_ms: f64,
 ) -> Result<Engine, SessionError> {
-    let (from_name, to_name) = (l.name(from).to_string(), l.name(to).to_string());
     let t_load = Instant::now();
     let mut dst = l.load(to)?;
     let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
+    carry_into(
+        l,
+        shared,
+        &mut dst,
+        from,
+        tenants,
+        exported,
+        budget,
+        (before_ms, t_load, load_ms),
+    )?;
+    Ok(dst)
+}
+
+/// Moves every tenant's cache from rung `from` into new sequences of `dst` (its rung loaded
+/// already), as [`carry_all`] describes. `(before_ms, t_load, load_ms)`: what was spent
+/// before the load, when the load began (every switch's cost counts from there) and how
+/// long it took.
+#[allow(clippy::too_many_arguments)] // one switch's parts, each needed once
+fn carry_into(
+    l: &Ladders,
+    shared: &Shared,
+    dst: &mut Engine,
+    from: usize,
+    tenants: &mut [Tenant],
+    exported: Vec<Option<Exportedseq>>,
+    budget: Budget,
+    (before_ms, t_load, load_ms): (f64, Instant, f64),
+) -> Result<(), SessionError> {
+    let to = dst.rung;
+    let (from_name, to_name) = (l.name(from).to_string(), l.name(to).to_string());
     let projector = if from == to {
         Err("the cache returns to its own rung".to_string())
     } else {
@@ -1711,7 +1798,6 @@ fn carry_all(
         let r = l.routes.borrow();
         route_kind(r.binding(from), r.binding(to))
     };
-    let l = &*l;
     let mut scratch = Scratch::default();
     let dst_model = Arc::clone(dst.ctx.model());
     for (t, exported) in tenants.iter_mut().zip(exported) {
@@ -1818,7 +1904,7 @@ fn carry_all(
         t.switches.push(info);
     }
     crate::pressure::trim_heap();
-    Ok(dst)
+    Ok(())
 }
 
 /// One decode step for the whole batch, then sampling for each tenant whose input is in.

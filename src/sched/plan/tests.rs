@@ -195,6 +195,71 @@ fn parked_tenant_resumes_when_memory_returns() {
     assert!(next.tenants[0].is_running());
 }
 
+/// The batched server's policy: its tenants are sequences of one context, so a plan never
+/// splits the running ones over two rungs — where the free one would demote only the long
+/// background job, it moves both.
+#[test]
+fn one_rung_moves_every_running_tenant_together() {
+    let s = snap(3500 * MIB, vec![fg(1, 1000), bg(2, 100_000)]);
+    let policy = Policy {
+        one_rung: true,
+        ..Policy::exact()
+    };
+    let p = plan(&s, &policy).expect("valid");
+    let next = apply(&p, &s).expect("applies");
+    assert!(p.feasible);
+    assert_eq!((next.tenants[0].rung, next.tenants[1].rung), (2, 2));
+    assert!(next.tenants.iter().all(|t| !t.parked));
+    assert!(usage(&next) <= s.budget_bytes);
+}
+
+/// With parked caches in files (the batched server's set-aside), a budget that holds the
+/// smallest rung with the foreground answer but not with both sets the background one aside —
+/// on its own rung, its cache costing nothing — and keeps the foreground running; with
+/// parked caches in memory the same budget holds neither running, and both park. When memory
+/// returns the background one resumes where the foreground runs.
+#[test]
+fn a_parked_cache_in_a_file_sets_the_background_aside_for_the_foreground() {
+    let pinned = |t: TenantView| {
+        let n = t.context_tokens;
+        t.with_context(n, n)
+    };
+    let tenants = vec![pinned(fg(1, 1000)), pinned(bg(2, 50_000))];
+    let small = &qwen()[2];
+    let budget = small.resident_bytes() + small.kv_bytes(1000) + 20 * MIB;
+    assert!(budget < small.resident_bytes() + small.kv_bytes(51_000));
+    let policy = Policy {
+        one_rung: true,
+        ..Policy::exact()
+    };
+    let mut s = snap(budget, tenants);
+    s.parked_kv_in_memory = false;
+    let p = plan(&s, &policy).expect("valid");
+    let next = apply(&p, &s).expect("applies");
+    assert!(p.feasible, "{p:?}");
+    assert_eq!(p.running, 1);
+    assert_eq!(
+        p.actions,
+        vec![
+            (TenantId(1), Lever::Demote { from: 0, to: 2 }),
+            (TenantId(2), Lever::Park { rung: 0 }),
+        ]
+    );
+    assert!(usage(&next) <= budget);
+
+    let mut in_memory = s.clone();
+    in_memory.parked_kv_in_memory = true;
+    let p = plan(&in_memory, &policy).expect("valid");
+    assert_eq!(p.running, 0, "{p:?}");
+
+    let mut back = next.clone();
+    back.budget_bytes = 8000 * MIB;
+    let p = plan(&back, &policy).expect("valid");
+    let after = apply(&p, &back).expect("applies");
+    assert!(after.tenants.iter().all(TenantView::is_running), "{p:?}");
+    assert_eq!(after.tenants[0].rung, after.tenants[1].rung);
+}
+
 #[test]
 fn apply_rejects_foreign_and_stale_plans() {
     let s = snap(8000 * MIB, vec![fg(1, 100)]);
