@@ -924,8 +924,8 @@ impl Session {
         sink: &mut dyn FnMut(&Event),
     ) -> Result<Between, SessionError> {
         if let Some(to) = self.tend_shadow(i, b.bytes, sink)? {
+            // `switch_to` settles the standby rungs under `b` itself.
             let info = self.switch_to(to, tok, i, Some(b))?;
-            self.settle_standby(Some(b.bytes));
             self.footprint_due = Some((i, b.bytes));
             return Ok(Between::Switched(Box::new(info)));
         }
@@ -1103,7 +1103,6 @@ impl Session {
                         // source freed first (see `shadow`).
                         self.land_shadow(to, i, Some(b.bytes), sink)?;
                         let info = self.switch_to(to, tok, i, Some(b))?;
-                        self.settle_standby(Some(b.bytes));
                         self.footprint_due = Some((i, b.bytes));
                         return Ok(Between::Switched(Box::new(info)));
                     }
@@ -1157,7 +1156,6 @@ impl Session {
                         let n_past = live.ctx.n_past();
                         live.ctx.truncate(n_past - 1);
                         let info = self.switch_to(rung, tok, i, Some(b))?;
-                        self.settle_standby(Some(b.bytes));
                         self.footprint_due = Some((i, b.bytes));
                         return Ok(Between::Switched(Box::new(info)));
                     }
