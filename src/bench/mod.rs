@@ -28,6 +28,7 @@ pub mod qos;
 pub mod recall;
 pub mod reliability;
 pub mod sampling;
+pub mod serve_aside;
 pub mod serve_qos;
 pub mod speed;
 pub mod stall;

@@ -15,6 +15,7 @@ use super::recall::RecallDoc;
 use super::speed::Rate;
 use crate::routes::RouteKind;
 
+mod aside;
 mod concurrency;
 mod precision;
 mod recall;
@@ -546,6 +547,8 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
     let sampling_doc: Option<super::sampling::SamplingDoc> = optional(&dir.join("sampling.json"))?;
     let concurrency: Option<concurrency::ConcurrencyDoc> =
         optional(&dir.join("serve_concurrency.json"))?;
+    let aside_doc: Option<super::serve_aside::ServeAsideReport> =
+        optional(&dir.join("serve_aside.json"))?;
     let fig = |name: &str| figures.written.iter().find(|f| f.name == name);
     let mut s = String::new();
     let _ = writeln!(s, "# Molt — results\n");
@@ -562,6 +565,7 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
         (speed_doc.is_some(), "speed.json"),
         (sampling_doc.is_some(), "sampling.json"),
         (concurrency.is_some(), "serve_concurrency.json"),
+        (aside_doc.is_some(), "serve_aside.json"),
     ]
     .iter()
     .filter(|(present, _)| *present)
@@ -779,6 +783,9 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
     }
     if let Some(doc) = &concurrency {
         s.push_str(&concurrency::section(doc));
+    }
+    if let Some(doc) = &aside_doc {
+        s.push_str(&aside::section(doc));
     }
     if let Some(doc) = &reliability {
         s.push_str(&reliability::section(doc));

@@ -50,7 +50,7 @@ pub enum ServeQosError {
     Budget(#[from] PressureError),
 }
 
-fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ServeQosError {
+pub(crate) fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ServeQosError {
     let what = what.into();
     move |source| ServeQosError::Io { what, source }
 }
@@ -283,9 +283,9 @@ fn one() -> usize {
 }
 
 /// The server child; killed and reaped on drop.
-struct ServerChild {
+pub(crate) struct ServerChild {
     child: Child,
-    addr: SocketAddr,
+    pub(crate) addr: SocketAddr,
 }
 
 impl Drop for ServerChild {
@@ -296,11 +296,11 @@ impl Drop for ServerChild {
 }
 
 impl ServerChild {
-    fn pid(&self) -> u32 {
+    pub(crate) fn pid(&self) -> u32 {
         self.child.id()
     }
 
-    fn rss(&self) -> u64 {
+    pub(crate) fn rss(&self) -> u64 {
         rss_bytes_in(
             &Path::new("/proc")
                 .join(self.pid().to_string())
@@ -309,39 +309,59 @@ impl ServerChild {
         .unwrap_or(0)
     }
 
-    fn alive(&mut self) -> bool {
+    pub(crate) fn alive(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
     }
 }
 
 fn start_server(opts: &ServeQosOptions) -> Result<ServerChild, ServeQosError> {
-    std::fs::create_dir_all(&opts.work_dir).map_err(io("creating the work directory"))?;
-    let log_path = opts.work_dir.join("serve.log");
+    let serve_args: Vec<String> = [
+        "--port",
+        "0",
+        "--parallel",
+        &opts.parallel.max(1).to_string(),
+        "--max-tokens",
+        &opts.max_tokens.to_string(),
+        "--admission-timeout-s",
+        "36000",
+        "--park-deadline-s",
+        "36000",
+    ]
+    .iter()
+    .map(ToString::to_string)
+    .collect();
+    spawn_server(
+        &opts.program,
+        &opts.global_args,
+        &serve_args,
+        &opts.work_dir,
+    )
+}
+
+/// Starts `program [global_args] serve [serve_args]` with its state files under
+/// `work_dir/state`, its record in `work_dir/record.json` and its log in
+/// `work_dir/serve.log`, and waits until it listens.
+pub(crate) fn spawn_server(
+    program: &Path,
+    global_args: &[String],
+    serve_args: &[String],
+    work_dir: &Path,
+) -> Result<ServerChild, ServeQosError> {
+    std::fs::create_dir_all(work_dir).map_err(io("creating the work directory"))?;
+    let log_path = work_dir.join("serve.log");
     let log = std::fs::File::create(&log_path).map_err(io("creating the server log"))?;
-    let mut child = Command::new(&opts.program)
-        .args(&opts.global_args)
+    let mut child = Command::new(program)
+        .args(global_args)
         .arg("serve")
-        .args([
-            "--port",
-            "0",
-            "--parallel",
-            &opts.parallel.max(1).to_string(),
-        ])
-        .args(["--max-tokens", &opts.max_tokens.to_string()])
-        .args([
-            "--admission-timeout-s",
-            "36000",
-            "--park-deadline-s",
-            "36000",
-        ])
+        .args(serve_args)
         .arg("--state-dir")
-        .arg(opts.work_dir.join("state"))
+        .arg(work_dir.join("state"))
         .arg("--record")
-        .arg(opts.work_dir.join("record.json"))
+        .arg(work_dir.join("record.json"))
         .stdout(Stdio::piped())
         .stderr(log)
         .spawn()
-        .map_err(io(format!("starting {}", opts.program.display())))?;
+        .map_err(io(format!("starting {}", program.display())))?;
     let stdout = child
         .stdout
         .take()
@@ -369,7 +389,29 @@ fn start_server(opts: &ServeQosOptions) -> Result<ServerChild, ServeQosError> {
     Ok(ServerChild { child, addr })
 }
 
-async fn get_status(addr: SocketAddr) -> Result<Value, ServeQosError> {
+/// The server's resident set with no rung loaded: a budget of 1 MiB holds no rung, so the
+/// idle server frees them all (the binary, the allocator, the projectors stay).
+pub(crate) async fn floor_rss(server: &ServerChild) -> Result<u64, ServeQosError> {
+    let addr = server.addr;
+    post_budget(addr, &json!({"mib": 1})).await?;
+    let t_floor = Instant::now();
+    loop {
+        let s = get_status(addr).await?;
+        if s["engine"]["released"] == true {
+            break;
+        }
+        if t_floor.elapsed() > Duration::from_secs(120) {
+            return Err(ServeQosError::Server(
+                "the idle server did not free its rungs under a 1 MiB budget".into(),
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    Ok(server.rss())
+}
+
+pub(crate) async fn get_status(addr: SocketAddr) -> Result<Value, ServeQosError> {
     let r = client::request(addr, "GET", "/v1/molt/status", None)
         .await
         .map_err(io("GET /v1/molt/status"))?;
@@ -377,7 +419,7 @@ async fn get_status(addr: SocketAddr) -> Result<Value, ServeQosError> {
         .map_err(|e| ServeQosError::Server(format!("status is not JSON: {e}")))
 }
 
-async fn post_budget(addr: SocketAddr, body: &Value) -> Result<(), ServeQosError> {
+pub(crate) async fn post_budget(addr: SocketAddr, body: &Value) -> Result<(), ServeQosError> {
     let r = client::post_json(addr, "/v1/molt/budget", body)
         .await
         .map_err(io("POST /v1/molt/budget"))?;
@@ -492,7 +534,7 @@ async fn converse(
     }
 }
 
-fn signed(x: u64) -> i64 {
+pub(crate) fn signed(x: u64) -> i64 {
     i64::try_from(x).unwrap_or(i64::MAX)
 }
 
@@ -553,23 +595,7 @@ async fn run_async(
     let mut server = start_server(opts)?;
     let addr = server.addr;
     say(&format!("serve-qos: server pid {} on {addr}", server.pid()));
-    // The floor: a budget of 1 MiB holds no rung, so the idle server frees them all.
-    post_budget(addr, &json!({"mib": 1})).await?;
-    let t_floor = Instant::now();
-    loop {
-        let s = get_status(addr).await?;
-        if s["engine"]["released"] == true {
-            break;
-        }
-        if t_floor.elapsed() > Duration::from_secs(120) {
-            return Err(ServeQosError::Server(
-                "the idle server did not free its rungs under a 1 MiB budget".into(),
-            ));
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let floor = server.rss();
+    let floor = floor_rss(&server).await?;
     say(&format!(
         "serve-qos: floor (no rung loaded) {} MiB resident",
         floor >> 20

@@ -494,6 +494,8 @@ struct Ladders {
     /// The session's options: a switch re-reads the head and recomputes tokens as the
     /// session's does.
     opts: SessionOptions,
+    /// Whether answers are set aside for more protected ones (`ServerConfig::set_aside`).
+    set_aside: bool,
 }
 
 impl Ladders {
@@ -547,7 +549,7 @@ impl Ladders {
 
 /// The engine thread's loop with up to `slots` answers decoded together; returns when the
 /// queue is closed.
-pub fn run(mut session: Session, shared: &Shared, slots: usize) {
+pub fn run(mut session: Session, shared: &Shared, slots: usize, set_aside: bool) {
     let slots = u32::try_from(slots.max(1)).unwrap_or(u32::MAX);
     let opts = session.options().clone();
     let ladder = session.ladder().clone();
@@ -569,6 +571,7 @@ pub fn run(mut session: Session, shared: &Shared, slots: usize) {
         slots,
         park_deadline: opts.park_deadline,
         opts: opts.clone(),
+        set_aside,
     };
     let start = session.current_index();
     drop(session);

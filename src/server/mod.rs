@@ -112,6 +112,11 @@ pub struct ServerConfig {
     /// serial loop does); [`DEFAULT_PARALLEL`] unless set. 1 answers one request at a time,
     /// the session's own loop (`serve --serial`).
     pub parallel: usize,
+    /// In the batched loop, when no rung holds every running answer, set the least protected
+    /// aside (their caches to files) so the others go on (true, the default); false parks the
+    /// whole batch, as before (`serve --no-set-aside`, kept for the comparison the
+    /// `serve-aside` bench makes).
+    pub set_aside: bool,
 }
 
 impl Default for ServerConfig {
@@ -141,6 +146,7 @@ impl Default for ServerConfig {
             state_dir: None,
             state_max_mib: crate::state::DEFAULT_MAX_MIB,
             parallel: DEFAULT_PARALLEL,
+            set_aside: true,
         }
     }
 }
@@ -260,6 +266,7 @@ impl Server {
             let opts = config.session.clone();
             let measure = config.measure_rungs;
             let parallel = config.parallel;
+            let set_aside = config.set_aside;
             std::thread::Builder::new()
                 .name("molt-engine".into())
                 .spawn(move || {
@@ -284,7 +291,7 @@ impl Server {
                     worker::publish(&shared, &mut session, None, true);
                     let _ = ready_tx.send(Ok(()));
                     if parallel > 1 {
-                        batch::run(session, &shared, parallel);
+                        batch::run(session, &shared, parallel, set_aside);
                     } else {
                         worker::run(session, &shared);
                     }

@@ -68,6 +68,16 @@ pub struct Args {
     /// the batched loop finishes every turn before a slow trace has fallen far).
     #[arg(long, default_value_t = 1)]
     pub serve_qos_think_rounds: usize,
+    /// A foreground answer beside a long background one when memory falls below what holds
+    /// both, through the real HTTP service (two sequences), with answers set aside (the
+    /// default) and with the whole batch parked (`serve --no-set-aside`): what the foreground
+    /// user waits, whether the background answer comes back whole, the overshoot
+    /// (results/serve_aside.json).
+    #[arg(long)]
+    pub serve_aside: bool,
+    /// How long --serve-aside keeps the budget low, ms.
+    #[arg(long, default_value_t = 20_000)]
+    pub serve_aside_low_ms: u64,
     /// The device size for --real-hog, MiB (default: the trace's initial budget).
     #[arg(long, requires = "real_hog")]
     pub device_mib: Option<u64>,
@@ -243,6 +253,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         && !a.footprint
         && !a.qos
         && !a.serve_qos
+        && !a.serve_aside
         && !a.recall
         && !a.stall
         && !a.soak
@@ -253,7 +264,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         && a.conditions.is_none()
     {
         bail!(
-            "nothing to run: pass --conditions all, --cost-sweep, --speed, --footprint, --recall, --precision, --stall, --qos, --serve-qos, --soak, --sampling and/or --reliability"
+            "nothing to run: pass --conditions all, --cost-sweep, --speed, --footprint, --recall, --precision, --stall, --qos, --serve-qos, --serve-aside, --soak, --sampling and/or --reliability"
         );
     }
     if a.stall && (a.stall_lengths.is_empty() || a.stall_lengths.contains(&0)) {
@@ -270,6 +281,9 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     }
     if a.serve_qos {
         run_serve_qos(g, a)?;
+    }
+    if a.serve_aside {
+        run_serve_aside(g, a)?;
     }
     if a.footprint {
         run_footprint(g, a)?;
@@ -1087,12 +1101,9 @@ fn run_qos(g: &GlobalArgs, a: &Args) -> Result<()> {
     write_result(&a.out_dir, "qos.json", &doc)
 }
 
-fn run_serve_qos(g: &GlobalArgs, a: &Args) -> Result<()> {
-    use molt::bench::serve_qos::{ServeQosOptions, run, standard_conversations};
-    use molt::pressure::Trace;
-    let trace = Trace::load(&a.serve_qos_trace)?;
-    let last_step = trace.steps.last().map_or(0, |s| s.at);
-    // The server child gets the same ladder, models, context and threads as this command.
+/// The global options a served bench's child gets: the same ladder, models, context and
+/// threads as this command.
+fn child_global_args(g: &GlobalArgs) -> Vec<String> {
     let mut global_args = vec!["--ladder".to_string(), g.ladder.clone()];
     if let Some(d) = &g.models_dir {
         global_args.push("--models-dir".into());
@@ -1108,6 +1119,41 @@ fn run_serve_qos(g: &GlobalArgs, a: &Args) -> Result<()> {
         global_args.push("--ubatch".into());
         global_args.push(u.to_string());
     }
+    global_args
+}
+
+fn run_serve_aside(g: &GlobalArgs, a: &Args) -> Result<()> {
+    use molt::bench::serve_aside::{ServeAsideOptions, run, standard_messages};
+    let (foreground, background) = standard_messages();
+    let opts = ServeAsideOptions {
+        program: std::env::current_exe()?,
+        global_args: child_global_args(g),
+        work_dir: std::env::temp_dir().join(format!("molt-serve-aside-{}", std::process::id())),
+        foreground,
+        background,
+        fg_max_tokens: 80,
+        bg_max_tokens: 240,
+        low_ms: a.serve_aside_low_ms,
+        settle_ms: 2_000,
+    };
+    let info = RunInfo::now();
+    let report = run(&opts, &mut |s| eprintln!("{s}"))?;
+    let _ = std::fs::remove_dir_all(&opts.work_dir);
+    let mut doc = serde_json::to_value(&report)?;
+    if let serde_json::Value::Object(m) = &mut doc {
+        m.insert("run".into(), serde_json::to_value(info)?);
+        m.insert("n_ctx".into(), serde_json::json!(g.n_ctx));
+        m.insert("threads".into(), serde_json::json!(g.threads));
+    }
+    write_result(&a.out_dir, "serve_aside.json", &doc)
+}
+
+fn run_serve_qos(g: &GlobalArgs, a: &Args) -> Result<()> {
+    use molt::bench::serve_qos::{ServeQosOptions, run, standard_conversations};
+    use molt::pressure::Trace;
+    let trace = Trace::load(&a.serve_qos_trace)?;
+    let last_step = trace.steps.last().map_or(0, |s| s.at);
+    let global_args = child_global_args(g);
     let name = if a.real_hog {
         "serve_qos_real_hog"
     } else {

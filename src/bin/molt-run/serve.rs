@@ -65,6 +65,11 @@ pub struct Args {
     /// hibernates conversations, parks and honours the park deadline). Same as --parallel 1.
     #[arg(long, conflicts_with = "parallel")]
     pub serial: bool,
+    /// When no rung holds every running answer, park the whole batch instead of setting the
+    /// least protected answers aside (their caches to files under --state-dir) so the others
+    /// go on: the behaviour before set-aside, kept for comparison (`bench --serve-aside`).
+    #[arg(long)]
+    pub no_set_aside: bool,
     /// Seconds a request may wait for memory before it fails with 503.
     #[arg(long, default_value_t = 120)]
     pub admission_timeout_s: u64,
@@ -214,6 +219,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         state_dir: Some(state_dir),
         state_max_mib: a.state_max_mib,
         parallel: if a.serial { 1 } else { usize::from(a.parallel) },
+        set_aside: !a.no_set_aside,
         ..ServerConfig::default()
     };
     let state_dir_shown = config.state_dir.clone().unwrap_or_default();

@@ -152,7 +152,7 @@ pub(super) fn choose(
     aside: &[Aside],
     budget: u64,
 ) -> Option<Vec<usize>> {
-    if tenants.len() < 2 {
+    if tenants.len() < 2 || !l.set_aside {
         return None;
     }
     let s = snapshot(l, shared, (rung, rung), tenants, aside, budget);

@@ -1,0 +1,76 @@
+//! The results page's section on setting an answer aside, from `serve_aside.json` (written by
+//! `molt-run bench --serve-aside`): a foreground answer beside a long background one when
+//! memory falls below what holds both, with answers set aside and with the whole batch
+//! parked, as the user of each answer sees it.
+
+use std::fmt::Write as _;
+
+use super::super::serve_aside::{ArmReport, ServeAsideReport};
+
+fn mib(b: i64) -> String {
+    format!("{:.1}", b as f64 / 1_048_576.0)
+}
+
+fn row(a: &ArmReport) -> String {
+    let fg = &a.foreground;
+    let bg = &a.background;
+    format!(
+        "| {} | {:.2} s | {:.1} s ({}) | {} | {:.1} s | {} | {} | {} MiB |",
+        a.arm,
+        fg.longest_gap_after_cut_ms / 1e3,
+        fg.last_token_after_cut_ms / 1e3,
+        if fg.ended_before_memory_returned {
+            "before memory returned"
+        } else {
+            "after memory returned"
+        },
+        if fg.switches.is_empty() {
+            "—".to_string()
+        } else {
+            fg.switches.join(", ")
+        },
+        bg.longest_gap_after_cut_ms / 1e3,
+        bg.levers.join(" → "),
+        match bg.differs_at_char {
+            None => "yes".to_string(),
+            Some(c) => format!("no: parts at character {c} of {}", bg.text.chars().count()),
+        },
+        mib(a.max_overshoot_measured_bytes)
+    )
+}
+
+/// The section.
+#[must_use]
+pub fn section(doc: &ServeAsideReport) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "\n## A foreground answer beside a background one when memory falls\n"
+    );
+    let low = doc.arms.first().map_or(0, |a| a.low_budget_bytes);
+    let _ = writeln!(
+        s,
+        "`molt-run serve --parallel 2` with a background answer ({} prompt tokens, up to {} tokens) and a foreground one ({} prompt tokens, {} tokens) running together; then, for {:.0} s, a budget of {:.1} MiB: {} with the foreground answer whole, not with the background answer's cache beside it. `set-aside` is the server's default (the scheduler's plan sets the background answer aside, its cache to a file under the state directory); `whole-park` is `serve --no-set-aside`, the behaviour before (no rung holds the batch: it parks whole). Each arm on a server of its own; overshoot is the resident set above the idle server's floor against the budget, from {:.0} s after the cut (the switch acting) until memory returns. From `molt-run bench --serve-aside`.\n",
+        doc.bg_prompt_tokens,
+        doc.bg_max_tokens,
+        doc.fg_prompt_tokens,
+        doc.fg_max_tokens,
+        doc.low_ms as f64 / 1e3,
+        low as f64 / 1_048_576.0,
+        doc.rung,
+        doc.settle_ms as f64 / 1e3
+    );
+    let _ = writeln!(
+        s,
+        "| arm | foreground: longest wait after the cut | foreground: last token after the cut | foreground: switches | background: longest wait | background: levers | background: as alone | max overshoot |"
+    );
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|");
+    for a in &doc.arms {
+        let _ = writeln!(s, "{}", row(a));
+    }
+    let _ = writeln!(
+        s,
+        "\n*As alone*: the background answer's text against the one the same request gives alone, unpressured (greedy). A set-aside answer resumes from its file on the rung it left; two answers resumed together are decoded in one batch, whose arithmetic can part from a lone sequence's at a near tie."
+    );
+    s
+}

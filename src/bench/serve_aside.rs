@@ -1,0 +1,474 @@
+//! A foreground answer beside a background one when memory falls below what holds them both,
+//! through the real `molt-run serve` (the batched loop, two sequences): what the foreground
+//! user waits, what becomes of the background answer, and whether the process stays within
+//! the budget — with answers set aside (the default) and with the whole batch parked (the
+//! behaviour before, `serve --no-set-aside`), each arm on a server of its own.
+//!
+//! An arm: the floor (the idle server's resident set with no rung loaded, as `serve_qos`
+//! measures it); each answer alone, unpressured (its text, and the foreground prompt's
+//! length); then the background answer starts, the foreground one joins, and once both are
+//! streaming the budget falls to what holds the smallest rung with the foreground answer
+//! whole and a few cells to spare — not with the background answer's cache beside it. The
+//! budget stays there `low_ms`, then memory returns. Every stream is read event by event with
+//! its arrival time, and the server's resident set is sampled every 100 ms.
+//!
+//! What the user feels, per arm: the foreground answer's longest wait between two tokens after
+//! the cut, and whether it ended before memory returned; the background answer's pause, and
+//! whether its text is the one it gives alone (a set-aside answer resumes from its file on
+//! the rung it left). Beside them: the largest measured overshoot (resident set above the
+//! floor, against the budget) once the cut has settled.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use super::serve_qos::{ServeQosError, floor_rss, get_status, post_budget, signed, spawn_server};
+use crate::server::client;
+
+/// Options of the run.
+#[derive(Debug, Clone)]
+pub struct ServeAsideOptions {
+    /// The `molt-run` binary.
+    pub program: PathBuf,
+    /// Global options placed before `serve` (ladder, models, threads, context).
+    pub global_args: Vec<String>,
+    /// Where each arm's server keeps its state files, record and log.
+    pub work_dir: PathBuf,
+    /// The foreground user's message.
+    pub foreground: String,
+    /// The background job's message (long: its cache is what does not fit).
+    pub background: String,
+    /// `max_tokens` of the foreground answer.
+    pub fg_max_tokens: usize,
+    /// `max_tokens` of the background answer.
+    pub bg_max_tokens: usize,
+    /// How long the budget stays low, ms.
+    pub low_ms: u64,
+    /// Time after the cut the process is given to act on it before overshoot counts, ms.
+    pub settle_ms: u64,
+}
+
+/// The shipped messages: a coding question in the foreground, a long report to summarise in
+/// the background.
+#[must_use]
+pub fn standard_messages() -> (String, String) {
+    let fg = "Write a Python function that returns the n-th Fibonacci number, iteratively, with a docstring.".to_string();
+    let bg = [
+        "Here are the release notes of the archive service, version 4.2.",
+        "The nightly job now compresses logs with zstd at level 9, which cut storage by a third.",
+        "The retention window is 45 days for audit logs and 14 days for debug logs.",
+        "The archive bucket is called cold-ledger-eu and lives in the Frankfurt region.",
+        "The on-call owner for the archive is Marguerite Abadie; her backup is Tobias Lindqvist.",
+        "Rotation happens at 02:30 UTC and takes about eleven minutes on a normal night.",
+        "Failed uploads are retried five times with exponential backoff starting at 2 seconds.",
+        "A checksum mismatch now pages the on-call owner instead of only writing a warning.",
+        "The dashboard shows upload latency per region and the size of the retry queue.",
+        "Old snapshots from before version 4.0 are kept read-only until the end of the quarter.",
+        "Summarise these notes as a bulleted list for the weekly report, one bullet per fact,",
+        "then write a short paragraph on the risks each change brings.",
+    ]
+    .join(" ");
+    (fg, bg)
+}
+
+/// One streamed answer, as its client saw it.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct StreamReport {
+    /// Tokens streamed.
+    pub tokens: usize,
+    /// `finish_reason` of its last chunk.
+    pub finish: String,
+    /// The text.
+    pub text: String,
+    /// Whether the text is the one the same request gives alone, unpressured.
+    pub matches_alone: bool,
+    /// Where it first differs from that text (a character index), if it does. Greedy answers
+    /// decoded beside another (two sequences in one decode) can part from the one decoded
+    /// alone at a near tie, whatever became of their caches.
+    pub differs_at_char: Option<usize>,
+    /// The longest wait between two tokens after the cut, ms.
+    pub longest_gap_after_cut_ms: f64,
+    /// When its last token came, ms after the cut.
+    pub last_token_after_cut_ms: f64,
+    /// Whether it ended before memory returned.
+    pub ended_before_memory_returned: bool,
+    /// The stall events' reasons.
+    pub stalls: Vec<String>,
+    /// The lever events (`park`, `resume`, …).
+    pub levers: Vec<String>,
+    /// The switches, `from→to at token N (cost ms)`.
+    pub switches: Vec<String>,
+}
+
+/// One arm of the run.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ArmReport {
+    /// `set-aside` or `whole-park`.
+    pub arm: String,
+    /// The foreground answer.
+    pub foreground: StreamReport,
+    /// The background answer.
+    pub background: StreamReport,
+    /// The low budget, bytes.
+    pub low_budget_bytes: u64,
+    /// The idle server's resident set with no rung loaded, bytes.
+    pub floor_rss_bytes: u64,
+    /// The largest resident set above the floor minus the budget, while the budget was low
+    /// and `settle_ms` after the cut, bytes.
+    pub max_overshoot_measured_bytes: i64,
+    /// The same in the first `settle_ms` after the cut (the switch acting), bytes.
+    pub max_overshoot_measured_settling_bytes: i64,
+    /// The largest number of set-aside cache files seen at once.
+    pub aside_files: usize,
+}
+
+/// The run's report (`results/serve_aside.json`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ServeAsideReport {
+    /// The arms, set-aside first.
+    pub arms: Vec<ArmReport>,
+    /// The foreground prompt's tokens.
+    pub fg_prompt_tokens: u64,
+    /// The background prompt's tokens.
+    pub bg_prompt_tokens: u64,
+    /// `max_tokens` of the two answers.
+    pub fg_max_tokens: usize,
+    /// `max_tokens` of the background answer.
+    pub bg_max_tokens: usize,
+    /// How long the budget stayed low, ms.
+    pub low_ms: u64,
+    /// See [`ServeAsideOptions::settle_ms`].
+    pub settle_ms: u64,
+    /// The smallest rung (the one the low budget holds with the foreground answer alone).
+    pub rung: String,
+}
+
+/// Runs both arms: see the module doc.
+///
+/// # Errors
+///
+/// [`ServeQosError`] when a server does not start, a request fails or the prompts do not
+/// make the scenario (the background cache too small to matter).
+pub fn run(
+    opts: &ServeAsideOptions,
+    say: &mut dyn FnMut(&str),
+) -> Result<ServeAsideReport, ServeQosError> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(super::serve_qos::io("starting the async runtime"))?;
+    rt.block_on(async {
+        let mut arms = Vec::new();
+        let mut facts = None;
+        for (arm, set_aside) in [("set-aside", true), ("whole-park", false)] {
+            let (report, f) = run_arm(opts, arm, set_aside, say).await?;
+            arms.push(report);
+            facts = Some(f);
+        }
+        let (fg_prompt_tokens, bg_prompt_tokens, rung) = facts.unwrap_or_default();
+        Ok(ServeAsideReport {
+            arms,
+            fg_prompt_tokens,
+            bg_prompt_tokens,
+            fg_max_tokens: opts.fg_max_tokens,
+            bg_max_tokens: opts.bg_max_tokens,
+            low_ms: opts.low_ms,
+            settle_ms: opts.settle_ms,
+            rung,
+        })
+    })
+}
+
+fn body(content: &str, max_tokens: usize, stream: bool, background: bool) -> Value {
+    let mut b = json!({
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+    });
+    if background {
+        b["molt"] = json!({"class": "background"});
+    }
+    b
+}
+
+/// A non-streamed answer: its text and prompt tokens.
+async fn alone(addr: std::net::SocketAddr, b: &Value) -> Result<(String, u64), ServeQosError> {
+    let r = client::post_json(addr, "/v1/chat/completions", b)
+        .await
+        .map_err(super::serve_qos::io("POST /v1/chat/completions"))?;
+    let v: Value = r
+        .json()
+        .map_err(|e| ServeQosError::Server(format!("answer is not JSON: {e}")))?;
+    if r.status != 200 {
+        return Err(ServeQosError::Server(format!("answer refused: {v}")));
+    }
+    Ok((
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or("")
+            .to_string(),
+        v["usage"]["prompt_tokens"].as_u64().unwrap_or(0),
+    ))
+}
+
+type Events = Arc<Mutex<(Vec<(Instant, Value)>, bool)>>;
+
+/// Reads a stream into `events` until it ends (the flag set then).
+fn read_stream(addr: std::net::SocketAddr, b: Value) -> Events {
+    let events: Events = Arc::new(Mutex::new((Vec::new(), false)));
+    let out = Arc::clone(&events);
+    tokio::spawn(async move {
+        if let Ok(Ok(mut s)) = client::stream(addr, "/v1/chat/completions", &b).await {
+            while let Ok(Some(ev)) = s.next().await {
+                let v = ev.json().unwrap_or(Value::String(ev.data));
+                out.lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .0
+                    .push((Instant::now(), v));
+            }
+        }
+        out.lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .1 = true;
+    });
+    events
+}
+
+fn kind(v: &Value) -> &str {
+    v["molt"]["event"].as_str().unwrap_or("")
+}
+
+fn tokens_in(e: &Events) -> usize {
+    e.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .0
+        .iter()
+        .filter(|(_, v)| kind(v) == "token")
+        .count()
+}
+
+fn ended(e: &Events) -> bool {
+    e.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .1
+}
+
+async fn until(
+    what: &str,
+    deadline: Duration,
+    mut f: impl FnMut() -> bool,
+) -> Result<(), ServeQosError> {
+    let t0 = Instant::now();
+    while !f() {
+        if t0.elapsed() > deadline {
+            return Err(ServeQosError::Server(format!(
+                "timed out waiting for {what}"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
+/// What a stream's events say, against the cut and the return of memory.
+fn summarise(e: &Events, want: &str, cut: Instant, back: Instant) -> StreamReport {
+    let g = e.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let events = &g.0;
+    let mut r = StreamReport::default();
+    let mut last: Option<Instant> = None;
+    for (at, v) in events {
+        match kind(v) {
+            "token" => {
+                r.tokens += 1;
+                if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
+                    r.text.push_str(c);
+                }
+                if let Some(prev) = last
+                    && *at > cut
+                {
+                    let gap = at.duration_since(prev.max(cut)).as_secs_f64() * 1e3;
+                    r.longest_gap_after_cut_ms = r.longest_gap_after_cut_ms.max(gap);
+                }
+                last = Some(*at);
+            }
+            "stall" => r
+                .stalls
+                .push(v["molt"]["reason"].as_str().unwrap_or("").to_string()),
+            "lever" => r
+                .levers
+                .push(v["molt"]["lever"].as_str().unwrap_or("").to_string()),
+            "switch" => {
+                let m = &v["molt"];
+                r.switches.push(format!(
+                    "{}→{} at token {} ({:.0} ms)",
+                    m["from"].as_str().unwrap_or(""),
+                    m["to"].as_str().unwrap_or(""),
+                    m["at_token"].as_u64().unwrap_or(0),
+                    m["cost_ms"].as_f64().unwrap_or(0.0)
+                ));
+            }
+            _ => {}
+        }
+        if let Some(f) = v["choices"][0]["finish_reason"].as_str() {
+            r.finish = f.to_string();
+        }
+    }
+    if let Some(l) = last {
+        r.last_token_after_cut_ms = l.saturating_duration_since(cut).as_secs_f64() * 1e3;
+        r.ended_before_memory_returned = l < back;
+    }
+    r.matches_alone = r.text == want;
+    r.differs_at_char = (!r.matches_alone).then(|| {
+        r.text
+            .chars()
+            .zip(want.chars())
+            .take_while(|(a, b)| a == b)
+            .count()
+    });
+    r
+}
+
+async fn run_arm(
+    opts: &ServeAsideOptions,
+    arm: &str,
+    set_aside: bool,
+    say: &mut dyn FnMut(&str),
+) -> Result<(ArmReport, (u64, u64, String)), ServeQosError> {
+    let work = opts.work_dir.join(arm);
+    let _ = std::fs::remove_dir_all(&work);
+    let mut serve_args: Vec<String> = [
+        "--port",
+        "0",
+        "--parallel",
+        "2",
+        "--admission-timeout-s",
+        "36000",
+        "--park-deadline-s",
+        "36000",
+    ]
+    .iter()
+    .map(ToString::to_string)
+    .collect();
+    if !set_aside {
+        serve_args.push("--no-set-aside".into());
+    }
+    let mut server = spawn_server(&opts.program, &opts.global_args, &serve_args, &work)?;
+    let addr = server.addr;
+    let floor = floor_rss(&server).await?;
+    post_budget(addr, &json!({"unlimited": true})).await?;
+    let fg = body(&opts.foreground, opts.fg_max_tokens, false, false);
+    let bg = body(&opts.background, opts.bg_max_tokens, false, true);
+    let (want_fg, fg_prompt) = alone(addr, &fg).await?;
+    let (want_bg, bg_prompt) = alone(addr, &bg).await?;
+    let status = get_status(addr).await?;
+    let rungs = status["engine"]["rungs"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let small = rungs
+        .last()
+        .ok_or_else(|| ServeQosError::Server("the status lists no rung".into()))?;
+    let resident = (small["resident_mib"].as_f64().unwrap_or(0.0) * 1_048_576.0) as u64;
+    let kv = small["kv_bytes_per_token"].as_u64().unwrap_or(0);
+    let fg_whole = fg_prompt + opts.fg_max_tokens as u64 + 32;
+    let low = resident + kv * fg_whole;
+    // The background answer holds at least its prompt and 8 tokens when the cut comes.
+    if resident + kv * (fg_prompt + bg_prompt + 8) <= low {
+        return Err(ServeQosError::Server(format!(
+            "the background prompt ({bg_prompt} tokens) is too short: the smallest rung would hold both answers under the cut"
+        )));
+    }
+    let rung = small["name"].as_str().unwrap_or("").to_string();
+    say(&format!(
+        "serve-aside [{arm}]: floor {} MiB; prompts {fg_prompt} (foreground) and {bg_prompt} (background) tokens; the cut: {:.1} MiB ({rung} with the foreground answer alone)",
+        floor >> 20,
+        low as f64 / 1_048_576.0
+    ));
+
+    let bg_events = read_stream(addr, body(&opts.background, opts.bg_max_tokens, true, true));
+    until(
+        "the background answer's 8th token",
+        Duration::from_secs(300),
+        || tokens_in(&bg_events) >= 8 || ended(&bg_events),
+    )
+    .await?;
+    let fg_events = read_stream(
+        addr,
+        body(&opts.foreground, opts.fg_max_tokens, true, false),
+    );
+    until(
+        "the foreground answer's 4th token",
+        Duration::from_secs(300),
+        || tokens_in(&fg_events) >= 4 || ended(&fg_events),
+    )
+    .await?;
+    if ended(&bg_events) || ended(&fg_events) {
+        return Err(ServeQosError::Server(
+            "an answer ended before the cut: raise its max_tokens".into(),
+        ));
+    }
+    let cut = Instant::now();
+    post_budget(addr, &json!({"bytes": low})).await?;
+    let aside_dir = work.join("state").join("aside");
+    let mut settling = i64::MIN;
+    let mut settled = i64::MIN;
+    let mut aside_files = 0;
+    while cut.elapsed() < Duration::from_millis(opts.low_ms) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let over = signed(server.rss().saturating_sub(floor)) - signed(low);
+        if cut.elapsed() < Duration::from_millis(opts.settle_ms) {
+            settling = settling.max(over);
+        } else {
+            settled = settled.max(over);
+        }
+        let files = std::fs::read_dir(&aside_dir).map_or(0, |d| d.flatten().count());
+        aside_files = aside_files.max(files);
+        if !server.alive() {
+            return Err(ServeQosError::Server("the server died".into()));
+        }
+    }
+    let back = Instant::now();
+    post_budget(addr, &json!({"unlimited": true})).await?;
+    until("both answers to end", Duration::from_secs(600), || {
+        ended(&bg_events) && ended(&fg_events)
+    })
+    .await?;
+    let foreground = summarise(&fg_events, &want_fg, cut, back);
+    let background = summarise(&bg_events, &want_bg, cut, back);
+    say(&format!(
+        "serve-aside [{arm}]: foreground: longest wait after the cut {:.0} ms, last token {:.1} s after the cut ({}), {} tokens; background: longest wait {:.1} s, matches alone {}, levers {:?}; max overshoot {:.1} MiB (settling {:.1} MiB)",
+        foreground.longest_gap_after_cut_ms,
+        foreground.last_token_after_cut_ms / 1e3,
+        if foreground.ended_before_memory_returned {
+            "before memory returned"
+        } else {
+            "after memory returned"
+        },
+        foreground.tokens,
+        background.longest_gap_after_cut_ms / 1e3,
+        background.matches_alone,
+        background.levers,
+        settled as f64 / 1_048_576.0,
+        settling as f64 / 1_048_576.0,
+    ));
+    drop(server);
+    let _ = std::fs::remove_dir_all(&work);
+    Ok((
+        ArmReport {
+            arm: arm.to_string(),
+            foreground,
+            background,
+            low_budget_bytes: low,
+            floor_rss_bytes: floor,
+            max_overshoot_measured_bytes: settled,
+            max_overshoot_measured_settling_bytes: settling,
+            aside_files,
+        },
+        (fg_prompt, bg_prompt, rung),
+    ))
+}
