@@ -423,6 +423,36 @@ async fn a_file_of_a_rung_the_budget_no_longer_holds_wakes_through_the_switch() 
     srv.shutdown().await;
 }
 
+/// A budget in MiB that holds the small rung with a foreground answer to `SECOND` of
+/// `fg_max` tokens whole, and a few cells to spare — not with a long background answer's
+/// cache beside it.
+async fn fg_alone_cut(addr: SocketAddr, fg_max: u64) -> f64 {
+    let probe = client::post_json(addr, "/v1/chat/completions", &chat(SECOND, 1, false))
+        .await
+        .unwrap()
+        .json()
+        .unwrap();
+    let fg_prompt = probe["usage"]["prompt_tokens"].as_u64().unwrap();
+    let s = status(addr).await;
+    let small = s["engine"]["rungs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == "small")
+        .unwrap()
+        .clone();
+    let kv = small["kv_bytes_per_token"].as_f64().unwrap();
+    small["resident_mib"].as_f64().unwrap() + kv * (fg_prompt + fg_max + 4) as f64 / 1048576.0
+}
+
+/// The long background request of the set-aside tests.
+fn background_request() -> Value {
+    let long = [FIRST, SECOND, FIRST, SECOND].join("; ");
+    let mut background = chat(&long, 160, true);
+    background["molt"] = json!({"class": "background"});
+    background
+}
+
 /// The events of a stream that are `kind`, their `molt` objects.
 fn of_kind<'a>(events: &'a [(Instant, Value)], kind: &str) -> Vec<&'a Value> {
     events
@@ -444,31 +474,11 @@ async fn a_background_answer_is_set_aside_so_the_foreground_one_goes_on() {
     let dir = tempfile::tempdir().unwrap();
     let srv = batched_with_state(dir.path()).await;
     let addr = srv.addr;
-    let long = [FIRST, SECOND, FIRST, SECOND].join("; ");
-    let mut background = chat(&long, 160, true);
-    background["molt"] = json!({"class": "background"});
+    let background = background_request();
     let want_bg = alone(addr, &background).await;
     let fg_max = 16u64;
     let foreground = chat(SECOND, fg_max as usize, true);
-    let probe = client::post_json(addr, "/v1/chat/completions", &chat(SECOND, 1, false))
-        .await
-        .unwrap()
-        .json()
-        .unwrap();
-    let fg_prompt = probe["usage"]["prompt_tokens"].as_u64().unwrap();
-    let s = status(addr).await;
-    let small = s["engine"]["rungs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|r| r["name"] == "small")
-        .unwrap()
-        .clone();
-    let kv = small["kv_bytes_per_token"].as_f64().unwrap();
-    // The small rung with the foreground answer whole, and a few cells to spare: not with
-    // the background answer's cache beside it.
-    let cut =
-        small["resident_mib"].as_f64().unwrap() + kv * (fg_prompt + fg_max + 4) as f64 / 1048576.0;
+    let cut = fg_alone_cut(addr, fg_max).await;
     assert!(cut < small_only_budget(addr).await);
 
     let mut bg = open(addr, &background).await;
@@ -547,5 +557,109 @@ async fn a_background_answer_is_set_aside_so_the_foreground_one_goes_on() {
         "the background answer, set aside and resumed vs alone"
     );
     assert_eq!(files(), 0, "its file is removed once read back");
+    srv.shutdown().await;
+}
+
+/// `serve --no-set-aside` keeps the behaviour before set-aside, for comparison: the same cut
+/// parks the whole batch, the foreground answer with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_set_aside_the_same_cut_parks_the_whole_batch() {
+    let _serial = serial().await;
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let srv = start(move |c| {
+        c.parallel = 2;
+        c.state_dir = Some(state);
+        c.set_aside = false;
+    })
+    .await;
+    let addr = srv.addr;
+    let background = background_request();
+    let cut = fg_alone_cut(addr, 16).await;
+    let mut bg = open(addr, &background).await;
+    let head_bg = until_tokens(&mut bg, 4).await;
+    let mut fg = open(addr, &chat(SECOND, 16, true)).await;
+    let mut efg = until_tokens(&mut fg, 1).await;
+    let r = client::post_json(addr, "/v1/molt/budget", &json!({"mib": cut}))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+    while !efg.iter().any(|(_, e)| molt_kind(e) == "stall") {
+        efg.push(
+            next(&mut fg)
+                .await
+                .expect("the foreground answer ended unparked"),
+        );
+    }
+    let reason = of_kind(&efg, "stall")[0]["reason"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(reason.contains("below every rung"), "{reason}");
+    let r = client::post_json(addr, "/v1/molt/budget", &json!({"unlimited": true}))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+    let (ebg, efg) = tokio::join!(drain(&mut bg, head_bg), drain(&mut fg, efg));
+    assert_eq!(
+        tokens(&efg).len(),
+        16,
+        "the foreground answer ends after the park"
+    );
+    assert!(!of_kind(&ebg, "stall").is_empty());
+    srv.shutdown().await;
+}
+
+/// A set-aside cache that cannot be read back (its file truncated while it waits) is not
+/// used: the answer re-reads its history on resuming and runs to its end, nothing lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_set_aside_cache_that_cannot_be_read_back_is_re_read() {
+    let _serial = serial().await;
+    let dir = tempfile::tempdir().unwrap();
+    let srv = batched_with_state(dir.path()).await;
+    let addr = srv.addr;
+    let cut = fg_alone_cut(addr, 16).await;
+    let mut bg = open(addr, &background_request()).await;
+    let mut ebg = until_tokens(&mut bg, 4).await;
+    let mut fg = open(addr, &chat(SECOND, 16, true)).await;
+    let head_fg = until_tokens(&mut fg, 1).await;
+    let r = client::post_json(addr, "/v1/molt/budget", &json!({"mib": cut}))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+    while !ebg.iter().any(|(_, e)| molt_kind(e) == "stall") {
+        ebg.push(
+            next(&mut bg)
+                .await
+                .expect("the background answer ended unparked"),
+        );
+    }
+    let file = std::fs::read_dir(dir.path().join("state").join("aside"))
+        .unwrap()
+        .flatten()
+        .next()
+        .expect("a set-aside file")
+        .path();
+    let bytes = std::fs::read(&file).unwrap();
+    std::fs::write(&file, &bytes[..bytes.len() / 2]).unwrap();
+    let _ = drain(&mut fg, head_fg).await;
+    let r = client::post_json(addr, "/v1/molt/budget", &json!({"unlimited": true}))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+    let ebg = drain(&mut bg, ebg).await;
+    let levers: Vec<&str> = of_kind(&ebg, "lever")
+        .iter()
+        .filter_map(|l| l["lever"].as_str())
+        .collect();
+    assert_eq!(levers, ["park", "resume"], "{levers:?}");
+    let finish = ebg
+        .iter()
+        .filter_map(|(_, e)| e["choices"][0]["finish_reason"].as_str())
+        .last()
+        .unwrap();
+    assert!(matches!(finish, "length" | "stop"), "{finish}");
+    assert!(tokens(&ebg).len() > 4, "it went on after resuming");
+    assert!(!file.exists(), "the unreadable file is removed");
     srv.shutdown().await;
 }
