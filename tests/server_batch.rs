@@ -655,8 +655,8 @@ async fn a_set_aside_cache_that_cannot_be_read_back_is_re_read() {
     assert_eq!(levers, ["park", "resume"], "{levers:?}");
     let finish = ebg
         .iter()
-        .filter_map(|(_, e)| e["choices"][0]["finish_reason"].as_str())
-        .last()
+        .rev()
+        .find_map(|(_, e)| e["choices"][0]["finish_reason"].as_str())
         .unwrap();
     assert!(matches!(finish, "length" | "stop"), "{finish}");
     assert!(tokens(&ebg).len() > 4, "it went on after resuming");
