@@ -663,3 +663,49 @@ async fn a_set_aside_cache_that_cannot_be_read_back_is_re_read() {
     assert!(!file.exists(), "the unreadable file is removed");
     srv.shutdown().await;
 }
+
+/// With every sequence running a background answer, a foreground request does not wait for
+/// one to end: the later background answer is set aside (its cache to its file) and the
+/// request joins in its sequence; the set-aside answer resumes once a sequence frees, and
+/// ends as it ends alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreground_request_takes_a_background_answers_sequence() {
+    let _serial = serial().await;
+    let dir = tempfile::tempdir().unwrap();
+    let srv = batched_with_state(dir.path()).await;
+    let addr = srv.addr;
+    let mut first = chat(FIRST, 400, true);
+    first["molt"] = json!({"class": "background"});
+    let mut second = chat(SECOND, 400, true);
+    second["molt"] = json!({"class": "background"});
+    let want_second = alone(addr, &second).await;
+    let mut b1 = open(addr, &first).await;
+    let head_1 = until_tokens(&mut b1, 2).await;
+    let mut b2 = open(addr, &second).await;
+    let head_2 = until_tokens(&mut b2, 2).await;
+    let mut fg = open(addr, &chat("what is the staging host called", 8, true)).await;
+    // Read together: each event's time is when it arrived.
+    let (efg, e1, e2) = tokio::join!(
+        drain(&mut fg, Vec::new()),
+        drain(&mut b1, head_1),
+        drain(&mut b2, head_2)
+    );
+    let last = |e: &[(Instant, Value)]| e.iter().rfind(|(_, e)| molt_kind(e) == "token").unwrap().0;
+    let fg_first = efg.iter().find(|(_, e)| molt_kind(e) == "token").unwrap().0;
+    assert!(
+        fg_first < last(&e1) && fg_first < last(&e2),
+        "the foreground request waited for a background answer to end"
+    );
+    assert!(of_kind(&e1, "stall").is_empty(), "the earlier one runs on");
+    let stall = of_kind(&e2, "stall");
+    assert_eq!(stall.len(), 1, "{stall:?}");
+    let reason = stall[0]["reason"].as_str().unwrap();
+    assert!(reason.contains("a foreground request waits"), "{reason}");
+    let levers: Vec<&str> = of_kind(&e2, "lever")
+        .iter()
+        .filter_map(|l| l["lever"].as_str())
+        .collect();
+    assert_eq!(levers, ["park", "resume"], "{levers:?}");
+    assert_eq!(text(&e2), want_second, "set aside and resumed vs alone");
+    srv.shutdown().await;
+}

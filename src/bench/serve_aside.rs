@@ -17,6 +17,12 @@
 //! whether its text is the one it gives alone (a set-aside answer resumes from its file on
 //! the rung it left). Beside them: the largest measured overshoot (resident set above the
 //! floor, against the budget) once the cut has settled.
+//!
+//! A second scene on the same server, memory ample: two background answers fill both
+//! sequences, then a foreground request comes. Set aside, the later background answer yields
+//! its sequence (its cache to its file) and resumes when one frees; parked whole (the old
+//! behaviour), the request waits for a background answer to end. Measured: the foreground
+//! request's time to its first token, and whether the background answers end as alone.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -123,6 +129,23 @@ pub struct ArmReport {
     pub max_overshoot_measured_settling_bytes: i64,
     /// The largest number of set-aside cache files seen at once.
     pub aside_files: usize,
+    /// The second scene: every sequence busy with a background answer when a foreground
+    /// request comes, memory ample (absent in files written before it was measured).
+    #[serde(default)]
+    pub sequences: Option<SequencesReport>,
+}
+
+/// Two background answers fill both sequences; a foreground request comes.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SequencesReport {
+    /// The foreground request's time to its first token, from when it was sent, ms.
+    pub fg_ttft_ms: f64,
+    /// Whether its first token came before either background answer ended.
+    pub fg_before_a_background_ended: bool,
+    /// The earlier background answer.
+    pub first: StreamReport,
+    /// The later one (the one set aside, when one is).
+    pub second: StreamReport,
 }
 
 /// The run's report (`results/serve_aside.json`).
@@ -333,6 +356,76 @@ fn summarise(e: &Events, want: &str, cut: Instant, back: Instant) -> StreamRepor
     r
 }
 
+/// The second scene (see the module doc), memory ample.
+async fn sequences_scene(
+    addr: std::net::SocketAddr,
+    opts: &ServeAsideOptions,
+    want_first: &str,
+) -> Result<SequencesReport, ServeQosError> {
+    let second_msg = format!("Second copy. {}", opts.background);
+    let (want_second, _) = alone(addr, &body(&second_msg, opts.bg_max_tokens, false, true)).await?;
+    let first = read_stream(addr, body(&opts.background, opts.bg_max_tokens, true, true));
+    until(
+        "the first background answer's 8th token",
+        Duration::from_secs(300),
+        || tokens_in(&first) >= 8 || ended(&first),
+    )
+    .await?;
+    let second = read_stream(addr, body(&second_msg, opts.bg_max_tokens, true, true));
+    until(
+        "the second background answer's 4th token",
+        Duration::from_secs(300),
+        || tokens_in(&second) >= 4 || ended(&second),
+    )
+    .await?;
+    if ended(&first) || ended(&second) {
+        return Err(ServeQosError::Server(
+            "a background answer ended before the foreground request came: raise its max_tokens"
+                .into(),
+        ));
+    }
+    let sent = Instant::now();
+    let fg = read_stream(
+        addr,
+        body(&opts.foreground, opts.fg_max_tokens, true, false),
+    );
+    until("every answer to end", Duration::from_secs(900), || {
+        ended(&fg) && ended(&first) && ended(&second)
+    })
+    .await?;
+    let first_token = |e: &Events| {
+        e.lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .0
+            .iter()
+            .find(|(_, v)| kind(v) == "token")
+            .map(|(at, _)| *at)
+    };
+    let last_token = |e: &Events| {
+        e.lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .0
+            .iter()
+            .rev()
+            .find(|(_, v)| kind(v) == "token")
+            .map(|(at, _)| *at)
+    };
+    let fg_first = first_token(&fg);
+    let ended_first = [last_token(&first), last_token(&second)]
+        .into_iter()
+        .flatten()
+        .min();
+    let fg_ttft_ms = fg_first.map_or(f64::NAN, |t| t.duration_since(sent).as_secs_f64() * 1e3);
+    // No cut in this scene: the stream summaries are taken against the request's sending.
+    let far = sent + Duration::from_secs(3600);
+    Ok(SequencesReport {
+        fg_ttft_ms,
+        fg_before_a_background_ended: matches!((fg_first, ended_first), (Some(a), Some(b)) if a < b),
+        first: summarise(&first, want_first, sent, far),
+        second: summarise(&second, &want_second, sent, far),
+    })
+}
+
 async fn run_arm(
     opts: &ServeAsideOptions,
     arm: &str,
@@ -456,10 +549,23 @@ async fn run_arm(
         settled as f64 / 1_048_576.0,
         settling as f64 / 1_048_576.0,
     ));
+    let sequences = sequences_scene(addr, opts, &want_bg).await?;
+    say(&format!(
+        "serve-aside [{arm}]: every sequence busy with a background answer: the foreground request's first token after {:.0} ms ({}); the later background answer: levers {:?}, matches alone {}",
+        sequences.fg_ttft_ms,
+        if sequences.fg_before_a_background_ended {
+            "before either background answer ended"
+        } else {
+            "after a background answer ended"
+        },
+        sequences.second.levers,
+        sequences.second.matches_alone
+    ));
     drop(server);
     let _ = std::fs::remove_dir_all(&work);
     Ok((
         ArmReport {
+            sequences: Some(sequences),
             arm: arm.to_string(),
             foreground,
             background,

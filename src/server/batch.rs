@@ -687,6 +687,18 @@ pub fn run(mut session: Session, shared: &Shared, slots: usize, set_aside: bool)
             continue;
         };
         let reserve = aside::in_memory(&aside);
+        // A foreground request waiting while every sequence runs an answer takes a background
+        // answer's sequence, that answer set aside.
+        let room = Budget {
+            bytes: read_budget(shared, &tenants).bytes.saturating_sub(reserve),
+            ..read_budget(shared, &tenants)
+        };
+        if let Some(job) = aside::make_room(shared, &l, running, &mut tenants, &mut aside, room)
+            && let Some(t) = admit(shared, running, &l, job)
+        {
+            tenants.push(t);
+            publish_batch(shared, &l, running, &tenants);
+        }
         join_waiting(shared, &l, running, &mut tenants, &mut held, reserve);
         let budget = read_budget(shared, &tenants);
         if last_budget != Some(budget.bytes) {
@@ -712,7 +724,8 @@ pub fn run(mut session: Session, shared: &Shared, slots: usize, set_aside: bool)
             Fit::Run => {}
             Fit::SetAside(which) => {
                 if let Some(e) = engine.as_mut() {
-                    aside::set_aside(shared, &l, e, &mut tenants, which, &mut aside, budget);
+                    let why = aside::Why::Memory;
+                    aside::set_aside(shared, &l, e, &mut tenants, which, &mut aside, budget, &why);
                 }
                 continue;
             }

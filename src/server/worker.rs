@@ -198,6 +198,11 @@ impl Queue {
         g.jobs.remove(i)
     }
 
+    /// Whether some waiting job (not cancelled) satisfies `f`.
+    pub(super) fn any(&self, f: impl Fn(&Job) -> bool) -> bool {
+        self.lock().jobs.iter().any(|j| !j.cancelled() && f(j))
+    }
+
     /// Takes the first waiting job that `fits` accepts, without waiting: what the engine
     /// answers while an earlier job is deferred for memory.
     pub(super) fn take_first(&self, fits: impl Fn(&Job) -> bool) -> Option<Job> {

@@ -68,6 +68,47 @@ pub fn section(doc: &ServeAsideReport) -> String {
     for a in &doc.arms {
         let _ = writeln!(s, "{}", row(a));
     }
+    let scenes: Vec<(&str, &super::super::serve_aside::SequencesReport)> = doc
+        .arms
+        .iter()
+        .filter_map(|a| a.sequences.as_ref().map(|q| (a.arm.as_str(), q)))
+        .collect();
+    if !scenes.is_empty() {
+        let _ = writeln!(
+            s,
+            "\nThe same servers, memory ample: two background answers fill both sequences, then the foreground request comes.\n"
+        );
+        let _ = writeln!(
+            s,
+            "| arm | foreground: first token after | before a background answer ended | later background answer: levers | as alone |"
+        );
+        let _ = writeln!(s, "|---|---|---|---|---|");
+        for (arm, q) in &scenes {
+            let _ = writeln!(
+                s,
+                "| {} | {:.2} s | {} | {} | {} |",
+                arm,
+                q.fg_ttft_ms / 1e3,
+                if q.fg_before_a_background_ended {
+                    "yes"
+                } else {
+                    "no"
+                },
+                if q.second.levers.is_empty() {
+                    "—".to_string()
+                } else {
+                    q.second.levers.join(" → ")
+                },
+                match q.second.differs_at_char {
+                    None => "yes".to_string(),
+                    Some(c) => format!(
+                        "no: parts at character {c} of {}",
+                        q.second.text.chars().count()
+                    ),
+                }
+            );
+        }
+    }
     let _ = writeln!(
         s,
         "\n*As alone*: the background answer's text against the one the same request gives alone, unpressured (greedy). A set-aside answer resumes from its file on the rung it left; two answers resumed together are decoded in one batch, whose arithmetic can part from a lone sequence's at a near tie."

@@ -51,6 +51,14 @@ pub(super) struct Aside {
     since: Instant,
 }
 
+/// Why answers are set aside, in the words their streams hear.
+pub(super) enum Why {
+    /// No rung holds every running answer within the budget.
+    Memory,
+    /// Every sequence runs an answer and a foreground request waits.
+    Sequence,
+}
+
 /// Bytes of set-aside caches held in memory: what the batch's budget must leave them.
 pub(super) fn in_memory(aside: &[Aside]) -> u64 {
     aside
@@ -72,6 +80,70 @@ pub(super) fn clear_leftovers(shared: &Shared) {
     if let Some(dir) = folder(shared) {
         let _ = std::fs::remove_dir_all(dir);
     }
+}
+
+fn is_background_job(j: &super::Job) -> bool {
+    j.conversation
+        .as_ref()
+        .is_some_and(|c| c.class == Class::Background)
+}
+
+fn is_background(t: &Tenant) -> bool {
+    is_background_job(&t.job)
+}
+
+/// A foreground request waiting while every sequence runs an answer and one of them is a
+/// background answer: the least protected background answer (the lowest priority, then the
+/// latest) is set aside — its cache to its file, as when memory runs short — and the request
+/// is taken from the queue to join in its sequence, if the budget holds the batch with it
+/// instead. The set-aside answer resumes when a sequence frees (`resume`).
+pub(super) fn make_room(
+    shared: &Shared,
+    l: &Ladders,
+    engine: &mut Engine,
+    tenants: &mut Vec<Tenant>,
+    aside: &mut Vec<Aside>,
+    budget: Budget,
+) -> Option<super::Job> {
+    if !l.set_aside || tenants.len() < engine.ctx.max_seqs() {
+        return None;
+    }
+    let victim = tenants
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| is_background(t))
+        .min_by_key(|(_, t)| {
+            let priority = t.job.conversation.as_ref().map_or(0, |c| c.priority);
+            (priority, std::cmp::Reverse(t.job.received))
+        })
+        .map(|(i, _)| i)?;
+    let n_ctx = l.config.n_ctx;
+    let reserved: u64 = tenants
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| i != victim)
+        .map(|(_, t)| t.reserved(n_ctx))
+        .sum();
+    let rung = engine.rung;
+    let fits = |j: &super::Job| {
+        let total =
+            (j.prompt_tokens.saturating_add(j.opts.max_tokens) as u64).min(u64::from(n_ctx));
+        !is_background_job(j)
+            && reserved + total <= u64::from(n_ctx)
+            && l.need(rung, reserved + total) <= budget.bytes
+    };
+    let job = shared.queue.take_best(fits)?;
+    set_aside(
+        shared,
+        l,
+        engine,
+        tenants,
+        vec![victim],
+        aside,
+        budget,
+        &Why::Sequence,
+    );
+    Some(job)
 }
 
 /// The scheduler's view of a tenant: its class and priority from its conversation (a request
@@ -170,6 +242,7 @@ pub(super) fn choose(
 
 /// Sets the answers at `which` aside: each cache exported on the engine's rung, its sequence
 /// freed, the cache written to its file (or kept in memory), the answer told.
+#[allow(clippy::too_many_arguments)] // the batch's parts, each needed once
 pub(super) fn set_aside(
     shared: &Shared,
     l: &Ladders,
@@ -178,6 +251,7 @@ pub(super) fn set_aside(
     mut which: Vec<usize>,
     aside: &mut Vec<Aside>,
     budget: Budget,
+    why: &Why,
 ) {
     static NEXT_FILE: AtomicU64 = AtomicU64::new(0);
     which.sort_unstable();
@@ -255,8 +329,18 @@ pub(super) fn set_aside(
             shared,
             Event::Stall {
                 reason: format!(
-                    "budget {} MiB holds no rung with every running answer; set aside for {protected} more protected, {where_}, waiting for memory{}",
-                    budget.bytes >> 20,
+                    "{}, {where_}, waiting for {}{}",
+                    match why {
+                        Why::Memory => format!(
+                            "budget {} MiB holds no rung with every running answer; set aside for {protected} more protected",
+                            budget.bytes >> 20
+                        ),
+                        Why::Sequence => "every sequence runs an answer and a foreground request waits: set aside for it".to_string(),
+                    },
+                    match why {
+                        Why::Memory => "memory",
+                        Why::Sequence => "a sequence",
+                    },
                     deadline.map_or(String::new(), |d| format!(
                         " for up to {:.0} s",
                         d.as_secs_f64()
@@ -437,6 +521,18 @@ pub(super) fn resume(
             continue;
         };
         let (_, mut a) = taken.swap_remove(k);
+        // Every sequence runs an answer: it waits for one to end. A background answer leaves
+        // the last free sequence to a foreground request waiting for one.
+        if let Some(e) = engine.as_ref()
+            && e.rung == to
+            && (tenants.len() >= e.ctx.max_seqs()
+                || (tenants.len() + 1 == e.ctx.max_seqs()
+                    && is_background(&a.t)
+                    && shared.queue.any(|j| !is_background_job(j))))
+        {
+            aside.push(a);
+            continue;
+        }
         let parked_ms = a.since.elapsed().as_secs_f64() * 1e3;
         a.t.stall_ms += parked_ms;
         let cache = std::mem::replace(&mut a.cache, Cache::None);
