@@ -681,3 +681,105 @@ fn a_full_disk_keeps_the_conversation_in_ram_and_says_why() {
         );
     });
 }
+
+/// A running answer the batched loop would set aside (no rung holds it beside a foreground
+/// answer) whose file cannot be written — a full disk — is put back into its sequence: its
+/// cache in memory, in the source's layout, would free less than the plan counted on. A log
+/// line says why, and the batch is fitted as a whole: it parks, and when memory returns both
+/// answers resume and run to their ends. Nothing lost.
+#[test]
+fn a_set_aside_that_cannot_be_written_parks_the_batch_and_says_why() {
+    if forced_parallel() == Some(1) || (forced_parallel().is_none() && !DEFAULT_BATCHED) {
+        return; // the one-at-a-time loop runs one answer: nothing to set aside
+    }
+    let _ = common::tiny_ladder();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let d = tempfile::tempdir().unwrap();
+        let ladder = common::fixture_dir().join("tiny.toml");
+        let s = Served::start(
+            &ladder,
+            &d.path().join("state"),
+            &d.path().join("1.log"),
+            Some("state_disk_full:1"),
+            20,
+        );
+        let st = status(s.addr).await;
+        let small = st["engine"]["rungs"].as_array().unwrap().last().unwrap().clone();
+        // The smallest rung with ~100 cells: the short foreground answer fits, the long
+        // background one's cache beside it does not.
+        let cut = small["resident_mib"].as_f64().unwrap()
+            + small["kv_bytes_per_token"].as_f64().unwrap() * 100.0 / 1_048_576.0;
+        let long = ["the scheduler parks the weights of a background job"; 24].join("; ");
+        let stream = |content: &str, max_tokens: usize, background: bool| {
+            let mut b = json!({
+                "messages": [{"role": "user", "content": content}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "stream": true,
+            });
+            if background {
+                b["molt"] = json!({"class": "background"});
+            }
+            b
+        };
+        let open = |b: Value| async move {
+            client::stream(s.addr, "/v1/chat/completions", &b)
+                .await
+                .unwrap()
+                .ok()
+                .unwrap()
+        };
+        let kind = |v: &Value| v["molt"]["event"].as_str().unwrap_or("").to_string();
+        let mut bg = open(stream(&long, 200, true)).await;
+        let mut bg_events: Vec<Value> = Vec::new();
+        while bg_events.iter().filter(|v| kind(v) == "token").count() < 4 {
+            bg_events.push(bg.next().await.unwrap().unwrap().json().unwrap());
+        }
+        let mut fg = open(stream("which port does the staging server use", 16, false)).await;
+        let mut fg_events: Vec<Value> = Vec::new();
+        while !fg_events.iter().any(|v| kind(v) == "token") {
+            let ev = fg.next().await.unwrap().expect("the foreground answer ended early");
+            fg_events.push(ev.json().unwrap_or(Value::Null));
+        }
+        let r = client::post_json(s.addr, "/v1/molt/budget", &json!({"mib": cut}))
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200);
+        while !fg_events.iter().any(|v| kind(v) == "stall") {
+            let ev = fg.next().await.unwrap().expect("the foreground answer ended unparked");
+            fg_events.push(ev.json().unwrap_or(Value::Null));
+        }
+        let log = s.log();
+        assert!(
+            log.contains("could not be set aside") && log.contains("the disk is full"),
+            "{log}"
+        );
+        let r = client::post_json(s.addr, "/v1/molt/budget", &json!({"unlimited": true}))
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200);
+        while let Some(ev) = fg.next().await.unwrap() {
+            fg_events.push(ev.json().unwrap_or(Value::Null));
+        }
+        while let Some(ev) = bg.next().await.unwrap() {
+            bg_events.push(ev.json().unwrap_or(Value::Null));
+        }
+        for (name, events) in [("background", &bg_events), ("foreground", &fg_events)] {
+            let stall = events.iter().find(|v| kind(v) == "stall").unwrap();
+            let reason = stall["molt"]["reason"].as_str().unwrap();
+            assert!(reason.contains("below every rung"), "{name}: {reason}");
+            let finish = events
+                .iter()
+                .rev()
+                .find_map(|v| v["choices"][0]["finish_reason"].as_str())
+                .unwrap();
+            assert!(matches!(finish, "length" | "stop"), "{name}: {finish}");
+        }
+        s.kill();
+        record(
+            "state_disk_full (ENOSPC while setting a running answer aside)",
+            "the answer was put back into its sequence with a log line saying why, the batch parked as a whole, and both answers resumed and ran to their ends",
+        );
+    });
+}

@@ -496,6 +496,9 @@ struct Ladders {
     opts: SessionOptions,
     /// Whether answers are set aside for more protected ones (`ServerConfig::set_aside`).
     set_aside: bool,
+    /// Until when answers are not set aside for memory (a set-aside cache could not be
+    /// written: see `aside::set_aside`).
+    no_aside_until: std::cell::Cell<Option<Instant>>,
 }
 
 impl Ladders {
@@ -572,6 +575,7 @@ pub fn run(mut session: Session, shared: &Shared, slots: usize, set_aside: bool)
         park_deadline: opts.park_deadline,
         opts: opts.clone(),
         set_aside,
+        no_aside_until: std::cell::Cell::new(None),
     };
     let start = session.current_index();
     drop(session);

@@ -51,6 +51,10 @@ pub(super) struct Aside {
     since: Instant,
 }
 
+/// How long the batch is fitted without setting answers aside for memory after a cache could
+/// not be written.
+const NO_ASIDE_AFTER_FAILURE: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Why answers are set aside, in the words their streams hear.
 pub(super) enum Why {
     /// No rung holds every running answer within the budget.
@@ -224,7 +228,10 @@ pub(super) fn choose(
     aside: &[Aside],
     budget: u64,
 ) -> Option<Vec<usize>> {
-    if tenants.len() < 2 || !l.set_aside {
+    if tenants.len() < 2
+        || !l.set_aside
+        || l.no_aside_until.get().is_some_and(|t| Instant::now() < t)
+    {
         return None;
     }
     let s = snapshot(l, shared, (rung, rung), tenants, aside, budget);
@@ -301,9 +308,49 @@ pub(super) fn set_aside(
                 };
                 let written = std::fs::create_dir_all(&dir)
                     .map_err(|e| e.to_string())
-                    .and_then(|()| file.write_atomic(&path).map_err(|e| e.to_string()));
+                    .and_then(|()| {
+                        file.write_atomic(&path).map_err(|e| {
+                            if e.is_disk_full() {
+                                format!("the disk is full: {e}")
+                            } else {
+                                e.to_string()
+                            }
+                        })
+                    });
                 match written {
                     Ok(bytes) => Cache::File { path, bytes },
+                    // Short of memory, a cache held in memory in the source's layout frees
+                    // less than the plan counted on: the answer goes back into its sequence,
+                    // and the batch is fitted without setting answers aside for a while (it
+                    // parks whole when no rung holds it, its caches in memory).
+                    Err(e) if matches!(why, Why::Memory) => {
+                        let back = engine.ctx.add_seq().filter(|&seq| {
+                            engine.ctx.import_seq(seq, &file.blob).is_ok()
+                                && engine.ctx.n_past(seq) == Some(t.cached.len())
+                        });
+                        if let Some(seq) = back {
+                            eprintln!(
+                                "molt serve: {} could not be set aside: {} could not be written ({e}); the batch is fitted as a whole for {} s",
+                                t.job.id,
+                                path.display(),
+                                NO_ASIDE_AFTER_FAILURE.as_secs()
+                            );
+                            t.seq = seq;
+                            tenants.insert(i, t);
+                            l.no_aside_until
+                                .set(Some(Instant::now() + NO_ASIDE_AFTER_FAILURE));
+                            continue;
+                        }
+                        eprintln!(
+                            "molt serve: {} set aside with its cache in memory: {} could not be written ({e}), nor the cache put back",
+                            t.job.id,
+                            path.display()
+                        );
+                        Cache::Memory(Exportedseq {
+                            blob: file.blob,
+                            ms: x.ms,
+                        })
+                    }
                     Err(e) => {
                         eprintln!(
                             "molt serve: {} set aside with its cache in memory: {} could not be written ({e})",
