@@ -298,6 +298,21 @@ async fn until(
     Ok(())
 }
 
+/// Opens a stream of `b` and waits until it has streamed `n` tokens (or ended).
+async fn stream_until(
+    addr: std::net::SocketAddr,
+    b: Value,
+    n: usize,
+    what: &str,
+) -> Result<Events, ServeQosError> {
+    let events = read_stream(addr, b);
+    until(what, Duration::from_secs(300), || {
+        tokens_in(&events) >= n || ended(&events)
+    })
+    .await?;
+    Ok(events)
+}
+
 /// What a stream's events say, against the cut and the return of memory.
 fn summarise(e: &Events, want: &str, cut: Instant, back: Instant) -> StreamReport {
     let g = e.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -364,18 +379,18 @@ async fn sequences_scene(
 ) -> Result<SequencesReport, ServeQosError> {
     let second_msg = format!("Second copy. {}", opts.background);
     let (want_second, _) = alone(addr, &body(&second_msg, opts.bg_max_tokens, false, true)).await?;
-    let first = read_stream(addr, body(&opts.background, opts.bg_max_tokens, true, true));
-    until(
+    let first = stream_until(
+        addr,
+        body(&opts.background, opts.bg_max_tokens, true, true),
+        8,
         "the first background answer's 8th token",
-        Duration::from_secs(300),
-        || tokens_in(&first) >= 8 || ended(&first),
     )
     .await?;
-    let second = read_stream(addr, body(&second_msg, opts.bg_max_tokens, true, true));
-    until(
+    let second = stream_until(
+        addr,
+        body(&second_msg, opts.bg_max_tokens, true, true),
+        4,
         "the second background answer's 4th token",
-        Duration::from_secs(300),
-        || tokens_in(&second) >= 4 || ended(&second),
     )
     .await?;
     if ended(&first) || ended(&second) {
@@ -483,21 +498,18 @@ async fn run_arm(
         low as f64 / 1_048_576.0
     ));
 
-    let bg_events = read_stream(addr, body(&opts.background, opts.bg_max_tokens, true, true));
-    until(
+    let bg_events = stream_until(
+        addr,
+        body(&opts.background, opts.bg_max_tokens, true, true),
+        8,
         "the background answer's 8th token",
-        Duration::from_secs(300),
-        || tokens_in(&bg_events) >= 8 || ended(&bg_events),
     )
     .await?;
-    let fg_events = read_stream(
+    let fg_events = stream_until(
         addr,
         body(&opts.foreground, opts.fg_max_tokens, true, false),
-    );
-    until(
+        4,
         "the foreground answer's 4th token",
-        Duration::from_secs(300),
-        || tokens_in(&fg_events) >= 4 || ended(&fg_events),
     )
     .await?;
     if ended(&bg_events) || ended(&fg_events) {
