@@ -709,3 +709,61 @@ async fn a_foreground_request_takes_a_background_answers_sequence() {
     assert_eq!(text(&e2), want_second, "set aside and resumed vs alone");
     srv.shutdown().await;
 }
+
+/// A set-aside cache counts against `--state-max-mib` with the conversations' files: one that
+/// would pass the bound is not written (no conversation's file is evicted for it); the answer
+/// stays in its sequence and the batch is fitted as a whole — it parks, and both answers end
+/// once memory returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_set_aside_past_the_state_bound_parks_the_batch_instead() {
+    let _serial = serial().await;
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let srv = start(move |c| {
+        c.parallel = 2;
+        c.state_dir = Some(state);
+        c.state_max_mib = 0;
+    })
+    .await;
+    let addr = srv.addr;
+    let cut = fg_alone_cut(addr, 16).await;
+    let mut bg = open(addr, &background_request()).await;
+    let head_bg = until_tokens(&mut bg, 4).await;
+    let mut fg = open(addr, &chat(SECOND, 16, true)).await;
+    let mut efg = until_tokens(&mut fg, 1).await;
+    let r = client::post_json(addr, "/v1/molt/budget", &json!({"mib": cut}))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+    while !efg.iter().any(|(_, e)| molt_kind(e) == "stall") {
+        efg.push(
+            next(&mut fg)
+                .await
+                .expect("the foreground answer ended unparked"),
+        );
+    }
+    let reason = of_kind(&efg, "stall")[0]["reason"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(reason.contains("below every rung"), "{reason}");
+    let aside = dir.path().join("state").join("aside");
+    assert_eq!(
+        std::fs::read_dir(&aside).map_or(0, |d| d.flatten().count()),
+        0,
+        "nothing written past the bound"
+    );
+    let r = client::post_json(addr, "/v1/molt/budget", &json!({"unlimited": true}))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+    let (ebg, efg) = tokio::join!(drain(&mut bg, head_bg), drain(&mut fg, efg));
+    assert_eq!(tokens(&efg).len(), 16, "the foreground answer ends");
+    let finish = ebg
+        .iter()
+        .rev()
+        .find_map(|(_, e)| e["choices"][0]["finish_reason"].as_str())
+        .unwrap();
+    assert!(matches!(finish, "length" | "stop"), "{finish}");
+    srv.shutdown().await;
+}

@@ -79,6 +79,32 @@ fn folder(shared: &Shared) -> Option<PathBuf> {
     shared.conversations.dir().map(|d| d.path().join("aside"))
 }
 
+/// Whether `bytes` more under the state directory keep it within `--state-max-mib`, its
+/// conversations' files and the caches set aside counted together; `Err` says why not. A
+/// set-aside cache is not a reason to evict a conversation's file: it is refused instead.
+fn within_bound(shared: &Shared, aside_dir: &std::path::Path, bytes: u64) -> Result<(), String> {
+    let Some(d) = shared.conversations.dir() else {
+        return Ok(());
+    };
+    let files: u64 = d.entries().iter().map(|e| e.bytes).sum();
+    let aside: u64 = std::fs::read_dir(aside_dir).map_or(0, |r| {
+        r.flatten()
+            .filter_map(|e| e.metadata().ok())
+            .map(|m| m.len())
+            .sum()
+    });
+    if files + aside + bytes > d.max_bytes() {
+        return Err(format!(
+            "the state directory's bound ({} MiB) would be passed: {} MiB of state files, {} MiB set aside, {:.1} MiB more",
+            d.max_bytes() >> 20,
+            files >> 20,
+            aside >> 20,
+            bytes as f64 / 1_048_576.0
+        ));
+    }
+    Ok(())
+}
+
 /// Removes the caches a previous run set aside (their requests ended with it).
 pub(super) fn clear_leftovers(shared: &Shared) {
     if let Some(dir) = folder(shared) {
@@ -306,8 +332,8 @@ pub(super) fn set_aside(
                     },
                     blob: x.blob,
                 };
-                let written = std::fs::create_dir_all(&dir)
-                    .map_err(|e| e.to_string())
+                let written = within_bound(shared, &dir, file.blob.len() as u64)
+                    .and_then(|()| std::fs::create_dir_all(&dir).map_err(|e| e.to_string()))
                     .and_then(|()| {
                         file.write_atomic(&path).map_err(|e| {
                             if e.is_disk_full() {
