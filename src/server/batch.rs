@@ -525,6 +525,13 @@ impl Ladders {
         })
     }
 
+    /// Whether `job` joins a batch on `rung` whose other answers reserve `reserved` cells:
+    /// the window holds every answer whole, and `budget` the rung with all of them.
+    fn joins(&self, rung: usize, reserved: u64, job: &Job, budget: u64) -> bool {
+        let total = reserved + job_cells(job, self.config.n_ctx);
+        total <= u64::from(self.config.n_ctx) && self.need(rung, total) <= budget
+    }
+
     fn name(&self, rung: usize) -> &str {
         self.ladder.rungs[rung].name()
     }
@@ -607,11 +614,7 @@ pub fn run(mut session: Session, shared: &Shared, slots: usize, set_aside: bool)
             publish_engine(shared, &l, engine.as_ref(), &tenants);
         }
         if !aside.is_empty() {
-            let b = read_budget(shared, &tenants);
-            let b = Budget {
-                bytes: b.bytes.saturating_sub(aside::in_memory(&aside)),
-                ..b
-            };
+            let b = less(read_budget(shared, &tenants), aside::in_memory(&aside));
             aside::resume(shared, &mut l, &mut engine, &mut tenants, &mut aside, b);
         }
         if held.as_ref().is_some_and(|h| h.job.cancelled()) {
@@ -693,10 +696,7 @@ pub fn run(mut session: Session, shared: &Shared, slots: usize, set_aside: bool)
         let reserve = aside::in_memory(&aside);
         // A foreground request waiting while every sequence runs an answer takes a background
         // answer's sequence, that answer set aside.
-        let room = Budget {
-            bytes: read_budget(shared, &tenants).bytes.saturating_sub(reserve),
-            ..read_budget(shared, &tenants)
-        };
+        let room = less(read_budget(shared, &tenants), reserve);
         if let Some(job) = aside::make_room(shared, &l, running, &mut tenants, &mut aside, room)
             && let Some(t) = admit(shared, running, &l, job)
         {
@@ -719,11 +719,7 @@ pub fn run(mut session: Session, shared: &Shared, slots: usize, set_aside: bool)
                 );
             }
         }
-        // What the batch may take: the budget less the set-aside caches held in memory.
-        let fit = Budget {
-            bytes: budget.bytes.saturating_sub(reserve),
-            ..budget
-        };
+        let fit = less(budget, reserve);
         match fit_rung(&mut l, shared, &mut engine, &mut tenants, &aside, fit) {
             Fit::Run => {}
             Fit::SetAside(which) => {
@@ -828,6 +824,21 @@ fn fail_all_waiting(shared: &Shared, e: &ApiError) {
         let _ = job.tx.send(Update::Failed(e.clone()));
     }
     shared.queue.close();
+}
+
+/// What the batch may take of `b`: the budget less `reserve`, the set-aside caches held in
+/// memory (`aside::in_memory`).
+fn less(b: Budget, reserve: u64) -> Budget {
+    Budget {
+        bytes: b.bytes.saturating_sub(reserve),
+        ..b
+    }
+}
+
+/// Cells a job's sequence holds once its answer is complete (what admission reserves), within
+/// the window: the request's prompt as counted when it came, and its `max_tokens`.
+fn job_cells(j: &Job, n_ctx: u32) -> u64 {
+    (j.prompt_tokens.saturating_add(j.opts.max_tokens) as u64).min(u64::from(n_ctx))
 }
 
 fn read_budget(shared: &Shared, tenants: &[Tenant]) -> Budget {
@@ -1113,8 +1124,7 @@ fn start_idle(
     let Some(h) = held.as_mut() else {
         return (Ok(engine), None);
     };
-    let n_ctx = u64::from(l.config.n_ctx);
-    let total_of = |j: &Job| (j.prompt_tokens.saturating_add(j.opts.max_tokens) as u64).min(n_ctx);
+    let total_of = |j: &Job| job_cells(j, l.config.n_ctx);
     let smallest = l.costs.len() - 1;
     let total = total_of(&h.job);
     let need = l.need(smallest, total);
@@ -1161,8 +1171,7 @@ fn start_on_best(
     job: Job,
     budget: u64,
 ) -> (Result<Option<Engine>, ApiError>, Option<Tenant>) {
-    let total = (job.prompt_tokens.saturating_add(job.opts.max_tokens) as u64)
-        .min(u64::from(l.config.n_ctx));
+    let total = job_cells(&job, l.config.n_ctx);
     let smallest = l.costs.len() - 1;
     let best = (l.home..l.costs.len())
         .find(|&i| l.need(i, total) <= budget)
@@ -1212,14 +1221,8 @@ fn join_waiting(
     // Kept sequences do not count: a newcomer lets kept ones go (`Engine::seq_for`).
     while tenants.len() < engine.ctx.max_seqs() {
         let budget = read_budget(shared, tenants).bytes.saturating_sub(reserve);
-        let n_ctx = l.config.n_ctx;
-        let reserved: u64 = tenants.iter().map(|t| t.reserved(n_ctx)).sum();
-        let rung = engine.rung;
-        let fits = |j: &Job| {
-            let total =
-                (j.prompt_tokens.saturating_add(j.opts.max_tokens) as u64).min(u64::from(n_ctx));
-            reserved + total <= u64::from(n_ctx) && l.need(rung, reserved + total) <= budget
-        };
+        let reserved: u64 = tenants.iter().map(|t| t.reserved(l.config.n_ctx)).sum();
+        let fits = |j: &Job| l.joins(engine.rung, reserved, j, budget);
         // The request waiting for memory goes first when it fits; then the waiting ones by
         // class and priority (foreground first), as the one-at-a-time loop takes them.
         let first = held.take_if(|h| fits(&h.job)).map(|h| h.job);

@@ -15,8 +15,10 @@
 //! be exported) makes the answer re-read its history there: slower, nothing lost. An answer
 //! whose client leaves, or that waits past the park deadline, ends as a parked one does.
 //!
-//! Without a state directory, or when the file cannot be written (a full disk: said in a log
-//! line), the cache waits in memory, and the budget the batch fits counts it.
+//! Without a state directory the cache waits in memory, and the budget the batch fits counts
+//! it. When the file cannot be written (a full disk, or past `--state-max-mib`: said in a log
+//! line), an answer set aside for memory is put back into its sequence and the batch is fitted
+//! as a whole for a while; one set aside for a sequence waits with its cache in memory.
 
 use std::path::PathBuf;
 use std::sync::atomic::AtomicU64;
@@ -27,6 +29,7 @@ use super::{
     StopReason, Tenant, carry_all, carry_into, end_parked, export_for_switch, lever, now_unix_ms,
     publish_batch, publish_engine, report_failed,
 };
+use crate::engine::SeqId;
 use crate::pressure::Budget;
 use crate::sched::{self, Lever, Policy, Snapshot, TenantClass, TenantId, TenantView};
 use crate::server::conversations::Class;
@@ -154,14 +157,8 @@ pub(super) fn make_room(
         .filter(|&(i, _)| i != victim)
         .map(|(_, t)| t.reserved(n_ctx))
         .sum();
-    let rung = engine.rung;
-    let fits = |j: &super::Job| {
-        let total =
-            (j.prompt_tokens.saturating_add(j.opts.max_tokens) as u64).min(u64::from(n_ctx));
-        !is_background_job(j)
-            && reserved + total <= u64::from(n_ctx)
-            && l.need(rung, reserved + total) <= budget.bytes
-    };
+    let fits =
+        |j: &super::Job| !is_background_job(j) && l.joins(engine.rung, reserved, j, budget.bytes);
     let job = shared.queue.take_best(fits)?;
     set_aside(
         shared,
@@ -345,15 +342,17 @@ pub(super) fn set_aside(
                     });
                 match written {
                     Ok(bytes) => Cache::File { path, bytes },
-                    // Short of memory, a cache held in memory in the source's layout frees
-                    // less than the plan counted on: the answer goes back into its sequence,
-                    // and the batch is fitted without setting answers aside for a while (it
-                    // parks whole when no rung holds it, its caches in memory).
-                    Err(e) if matches!(why, Why::Memory) => {
-                        let back = engine.ctx.add_seq().filter(|&seq| {
-                            engine.ctx.import_seq(seq, &file.blob).is_ok()
-                                && engine.ctx.n_past(seq) == Some(t.cached.len())
-                        });
+                    Err(e) => {
+                        // Short of memory, a cache held in memory in the source's layout frees
+                        // less than the plan counted on: the answer goes back into its
+                        // sequence, and the batch is fitted without setting answers aside for
+                        // a while (it parks whole when no rung holds it, its caches in memory).
+                        let for_memory = matches!(why, Why::Memory);
+                        let back = if for_memory {
+                            put_back(engine, &file.blob, t.cached.len())
+                        } else {
+                            None
+                        };
                         if let Some(seq) = back {
                             eprintln!(
                                 "molt serve: {} could not be set aside: {} could not be written ({e}); the batch is fitted as a whole for {} s",
@@ -368,20 +367,14 @@ pub(super) fn set_aside(
                             continue;
                         }
                         eprintln!(
-                            "molt serve: {} set aside with its cache in memory: {} could not be written ({e}), nor the cache put back",
+                            "molt serve: {} set aside with its cache in memory: {} could not be written ({e}){}",
                             t.job.id,
-                            path.display()
-                        );
-                        Cache::Memory(Exportedseq {
-                            blob: file.blob,
-                            ms: x.ms,
-                        })
-                    }
-                    Err(e) => {
-                        eprintln!(
-                            "molt serve: {} set aside with its cache in memory: {} could not be written ({e})",
-                            t.job.id,
-                            path.display()
+                            path.display(),
+                            if for_memory {
+                                ", nor the cache put back"
+                            } else {
+                                ""
+                            }
                         );
                         Cache::Memory(Exportedseq {
                             blob: file.blob,
@@ -398,22 +391,25 @@ pub(super) fn set_aside(
             Cache::File { bytes, .. } => (*bytes, "its cache in a file".to_string()),
         };
         let deadline = l.park_deadline;
+        let (cause, awaited) = match why {
+            Why::Memory => (
+                format!(
+                    "budget {} MiB holds no rung with every running answer; set aside for {protected} more protected",
+                    budget.bytes >> 20
+                ),
+                "memory",
+            ),
+            Why::Sequence => (
+                "every sequence runs an answer and a foreground request waits: set aside for it"
+                    .to_string(),
+                "a sequence",
+            ),
+        };
         t.emit(
             shared,
             Event::Stall {
                 reason: format!(
-                    "{}, {where_}, waiting for {}{}",
-                    match why {
-                        Why::Memory => format!(
-                            "budget {} MiB holds no rung with every running answer; set aside for {protected} more protected",
-                            budget.bytes >> 20
-                        ),
-                        Why::Sequence => "every sequence runs an answer and a foreground request waits: set aside for it".to_string(),
-                    },
-                    match why {
-                        Why::Memory => "memory",
-                        Why::Sequence => "a sequence",
-                    },
+                    "{cause}, {where_}, waiting for {awaited}{}",
                     deadline.map_or(String::new(), |d| format!(
                         " for up to {:.0} s",
                         d.as_secs_f64()
@@ -447,6 +443,17 @@ pub(super) fn set_aside(
         });
     }
     publish_batch(shared, l, engine, tenants);
+}
+
+/// `blob` imported into a new sequence of `engine`, holding `n_past` positions; the sequence
+/// is freed again when that fails.
+fn put_back(engine: &mut Engine, blob: &[u8], n_past: usize) -> Option<SeqId> {
+    let seq = engine.ctx.add_seq()?;
+    if engine.ctx.import_seq(seq, blob).is_ok() && engine.ctx.n_past(seq) == Some(n_past) {
+        return Some(seq);
+    }
+    engine.ctx.remove_seq(seq);
+    None
 }
 
 /// The cache of a set-aside answer, taken back: read from its file (removed), or `None` to
