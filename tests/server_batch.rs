@@ -34,6 +34,14 @@ async fn status(addr: SocketAddr) -> Value {
     r.json().unwrap()
 }
 
+/// Sets the service's budget (`POST /v1/molt/budget`).
+async fn set_budget(addr: SocketAddr, body: Value) {
+    let r = client::post_json(addr, "/v1/molt/budget", &body)
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+}
+
 fn molt_kind(v: &Value) -> &str {
     v["molt"]["event"].as_str().unwrap_or("")
 }
@@ -149,10 +157,7 @@ async fn a_budget_cut_mid_answer_carries_every_running_answer() {
     let head_a = until_tokens(&mut sa, 1).await;
     let mut sb = open(addr, &chat(SECOND, 400, true)).await;
     let head_b = until_tokens(&mut sb, 4).await;
-    let r = client::post_json(addr, "/v1/molt/budget", &json!({"mib": cut}))
-        .await
-        .unwrap();
-    assert_eq!(r.status, 200);
+    set_budget(addr, json!({"mib": cut})).await;
     let (ea, eb) = tokio::join!(drain(&mut sa, head_a), drain(&mut sb, head_b));
     for (name, events) in [("first", &ea), ("second", &eb)] {
         let switches: Vec<&Value> = events
@@ -393,10 +398,7 @@ async fn a_file_of_a_rung_the_budget_no_longer_holds_wakes_through_the_switch() 
     // The budget falls below the big rungs: the idle batch hibernates the conversation to
     // its file and lets its rung go.
     let cut = small_only_budget(addr).await;
-    let r = client::post_json(addr, "/v1/molt/budget", &json!({"mib": cut}))
-        .await
-        .unwrap();
-    assert_eq!(r.status, 200);
+    set_budget(addr, json!({"mib": cut})).await;
     let deadline = Instant::now() + std::time::Duration::from_secs(30);
     loop {
         let st = status(addr).await;
@@ -453,6 +455,59 @@ fn background_request() -> Value {
     background
 }
 
+/// The set-aside tests' scene, once the budget is cut: a long background answer was 4 tokens
+/// in and a foreground answer to `SECOND` 1 token in when the budget fell to `cut` MiB, what
+/// holds the small rung with the foreground answer alone. Both streams and their events so far.
+struct Cut {
+    cut: f64,
+    bg: EventStream,
+    ebg: Vec<(Instant, Value)>,
+    fg: EventStream,
+    efg: Vec<(Instant, Value)>,
+}
+
+async fn both_running_then_cut(addr: SocketAddr, background: &Value, fg_max: u64) -> Cut {
+    let cut = fg_alone_cut(addr, fg_max).await;
+    let mut bg = open(addr, background).await;
+    let ebg = until_tokens(&mut bg, 4).await;
+    let mut fg = open(addr, &chat(SECOND, fg_max as usize, true)).await;
+    let efg = until_tokens(&mut fg, 1).await;
+    set_budget(addr, json!({"mib": cut})).await;
+    Cut {
+        cut,
+        bg,
+        ebg,
+        fg,
+        efg,
+    }
+}
+
+/// Reads `s` into `events` until a stall event has come; `who` names the answer if it ends
+/// first.
+async fn until_stall(s: &mut EventStream, events: &mut Vec<(Instant, Value)>, who: &str) {
+    while !events.iter().any(|(_, e)| molt_kind(e) == "stall") {
+        let ev = next(s).await;
+        events.push(ev.unwrap_or_else(|| panic!("the {who} answer ended unparked")));
+    }
+}
+
+/// The lever events' names, in order.
+fn levers(events: &[(Instant, Value)]) -> Vec<&str> {
+    of_kind(events, "lever")
+        .iter()
+        .filter_map(|l| l["lever"].as_str())
+        .collect()
+}
+
+/// The finish reason of a stream's last chunk that has one.
+fn finish_reason(events: &[(Instant, Value)]) -> &str {
+    events
+        .iter()
+        .rev()
+        .find_map(|(_, e)| e["choices"][0]["finish_reason"].as_str())
+        .unwrap()
+}
+
 /// The events of a stream that are `kind`, their `molt` objects.
 fn of_kind<'a>(events: &'a [(Instant, Value)], kind: &str) -> Vec<&'a Value> {
     events
@@ -477,27 +532,16 @@ async fn a_background_answer_is_set_aside_so_the_foreground_one_goes_on() {
     let background = background_request();
     let want_bg = alone(addr, &background).await;
     let fg_max = 16u64;
-    let foreground = chat(SECOND, fg_max as usize, true);
-    let cut = fg_alone_cut(addr, fg_max).await;
+    let Cut {
+        cut,
+        mut bg,
+        mut ebg,
+        mut fg,
+        efg: head_fg,
+    } = both_running_then_cut(addr, &background, fg_max).await;
     assert!(cut < small_only_budget(addr).await);
-
-    let mut bg = open(addr, &background).await;
-    let head_bg = until_tokens(&mut bg, 4).await;
-    let mut fg = open(addr, &foreground).await;
-    let head_fg = until_tokens(&mut fg, 1).await;
-    let r = client::post_json(addr, "/v1/molt/budget", &json!({"mib": cut}))
-        .await
-        .unwrap();
-    assert_eq!(r.status, 200);
     // The background answer hears it is set aside; its cache waits in a file.
-    let mut ebg = head_bg;
-    while !ebg.iter().any(|(_, e)| molt_kind(e) == "stall") {
-        ebg.push(
-            next(&mut bg)
-                .await
-                .expect("the background answer ended unparked"),
-        );
-    }
+    until_stall(&mut bg, &mut ebg, "background").await;
     let aside_dir = dir.path().join("state").join("aside");
     let files = || {
         std::fs::read_dir(&aside_dir)
@@ -531,10 +575,7 @@ async fn a_background_answer_is_set_aside_so_the_foreground_one_goes_on() {
         .find(|c| c["state"] == "parked");
     assert!(bg_conv.is_some(), "no parked conversation: {st}");
 
-    let r = client::post_json(addr, "/v1/molt/budget", &json!({"unlimited": true}))
-        .await
-        .unwrap();
-    assert_eq!(r.status, 200);
+    set_budget(addr, json!({"unlimited": true})).await;
     let ebg = drain(&mut bg, ebg).await;
     let stall = of_kind(&ebg, "stall");
     let reason = stall[0]["reason"].as_str().unwrap();
@@ -542,10 +583,7 @@ async fn a_background_answer_is_set_aside_so_the_foreground_one_goes_on() {
         reason.contains("set aside") && reason.contains("in a file"),
         "{reason}"
     );
-    let levers: Vec<&str> = of_kind(&ebg, "lever")
-        .iter()
-        .filter_map(|l| l["lever"].as_str())
-        .collect();
+    let levers = levers(&ebg);
     assert_eq!(levers, ["park", "resume"], "{levers:?}");
     assert!(
         of_kind(&ebg, "switch").is_empty(),
@@ -574,32 +612,20 @@ async fn without_set_aside_the_same_cut_parks_the_whole_batch() {
     })
     .await;
     let addr = srv.addr;
-    let background = background_request();
-    let cut = fg_alone_cut(addr, 16).await;
-    let mut bg = open(addr, &background).await;
-    let head_bg = until_tokens(&mut bg, 4).await;
-    let mut fg = open(addr, &chat(SECOND, 16, true)).await;
-    let mut efg = until_tokens(&mut fg, 1).await;
-    let r = client::post_json(addr, "/v1/molt/budget", &json!({"mib": cut}))
-        .await
-        .unwrap();
-    assert_eq!(r.status, 200);
-    while !efg.iter().any(|(_, e)| molt_kind(e) == "stall") {
-        efg.push(
-            next(&mut fg)
-                .await
-                .expect("the foreground answer ended unparked"),
-        );
-    }
+    let Cut {
+        mut bg,
+        ebg: head_bg,
+        mut fg,
+        mut efg,
+        ..
+    } = both_running_then_cut(addr, &background_request(), 16).await;
+    until_stall(&mut fg, &mut efg, "foreground").await;
     let reason = of_kind(&efg, "stall")[0]["reason"]
         .as_str()
         .unwrap()
         .to_string();
     assert!(reason.contains("below every rung"), "{reason}");
-    let r = client::post_json(addr, "/v1/molt/budget", &json!({"unlimited": true}))
-        .await
-        .unwrap();
-    assert_eq!(r.status, 200);
+    set_budget(addr, json!({"unlimited": true})).await;
     let (ebg, efg) = tokio::join!(drain(&mut bg, head_bg), drain(&mut fg, efg));
     assert_eq!(
         tokens(&efg).len(),
@@ -618,22 +644,14 @@ async fn a_set_aside_cache_that_cannot_be_read_back_is_re_read() {
     let dir = tempfile::tempdir().unwrap();
     let srv = batched_with_state(dir.path()).await;
     let addr = srv.addr;
-    let cut = fg_alone_cut(addr, 16).await;
-    let mut bg = open(addr, &background_request()).await;
-    let mut ebg = until_tokens(&mut bg, 4).await;
-    let mut fg = open(addr, &chat(SECOND, 16, true)).await;
-    let head_fg = until_tokens(&mut fg, 1).await;
-    let r = client::post_json(addr, "/v1/molt/budget", &json!({"mib": cut}))
-        .await
-        .unwrap();
-    assert_eq!(r.status, 200);
-    while !ebg.iter().any(|(_, e)| molt_kind(e) == "stall") {
-        ebg.push(
-            next(&mut bg)
-                .await
-                .expect("the background answer ended unparked"),
-        );
-    }
+    let Cut {
+        mut bg,
+        mut ebg,
+        mut fg,
+        efg: head_fg,
+        ..
+    } = both_running_then_cut(addr, &background_request(), 16).await;
+    until_stall(&mut bg, &mut ebg, "background").await;
     let file = std::fs::read_dir(dir.path().join("state").join("aside"))
         .unwrap()
         .flatten()
@@ -643,21 +661,11 @@ async fn a_set_aside_cache_that_cannot_be_read_back_is_re_read() {
     let bytes = std::fs::read(&file).unwrap();
     std::fs::write(&file, &bytes[..bytes.len() / 2]).unwrap();
     let _ = drain(&mut fg, head_fg).await;
-    let r = client::post_json(addr, "/v1/molt/budget", &json!({"unlimited": true}))
-        .await
-        .unwrap();
-    assert_eq!(r.status, 200);
+    set_budget(addr, json!({"unlimited": true})).await;
     let ebg = drain(&mut bg, ebg).await;
-    let levers: Vec<&str> = of_kind(&ebg, "lever")
-        .iter()
-        .filter_map(|l| l["lever"].as_str())
-        .collect();
+    let levers = levers(&ebg);
     assert_eq!(levers, ["park", "resume"], "{levers:?}");
-    let finish = ebg
-        .iter()
-        .rev()
-        .find_map(|(_, e)| e["choices"][0]["finish_reason"].as_str())
-        .unwrap();
+    let finish = finish_reason(&ebg);
     assert!(matches!(finish, "length" | "stop"), "{finish}");
     assert!(tokens(&ebg).len() > 4, "it went on after resuming");
     assert!(!file.exists(), "the unreadable file is removed");
@@ -701,10 +709,7 @@ async fn a_foreground_request_takes_a_background_answers_sequence() {
     assert_eq!(stall.len(), 1, "{stall:?}");
     let reason = stall[0]["reason"].as_str().unwrap();
     assert!(reason.contains("a foreground request waits"), "{reason}");
-    let levers: Vec<&str> = of_kind(&e2, "lever")
-        .iter()
-        .filter_map(|l| l["lever"].as_str())
-        .collect();
+    let levers = levers(&e2);
     assert_eq!(levers, ["park", "resume"], "{levers:?}");
     assert_eq!(text(&e2), want_second, "set aside and resumed vs alone");
     srv.shutdown().await;
@@ -726,22 +731,14 @@ async fn a_set_aside_past_the_state_bound_parks_the_batch_instead() {
     })
     .await;
     let addr = srv.addr;
-    let cut = fg_alone_cut(addr, 16).await;
-    let mut bg = open(addr, &background_request()).await;
-    let head_bg = until_tokens(&mut bg, 4).await;
-    let mut fg = open(addr, &chat(SECOND, 16, true)).await;
-    let mut efg = until_tokens(&mut fg, 1).await;
-    let r = client::post_json(addr, "/v1/molt/budget", &json!({"mib": cut}))
-        .await
-        .unwrap();
-    assert_eq!(r.status, 200);
-    while !efg.iter().any(|(_, e)| molt_kind(e) == "stall") {
-        efg.push(
-            next(&mut fg)
-                .await
-                .expect("the foreground answer ended unparked"),
-        );
-    }
+    let Cut {
+        mut bg,
+        ebg: head_bg,
+        mut fg,
+        mut efg,
+        ..
+    } = both_running_then_cut(addr, &background_request(), 16).await;
+    until_stall(&mut fg, &mut efg, "foreground").await;
     let reason = of_kind(&efg, "stall")[0]["reason"]
         .as_str()
         .unwrap()
@@ -753,17 +750,10 @@ async fn a_set_aside_past_the_state_bound_parks_the_batch_instead() {
         0,
         "nothing written past the bound"
     );
-    let r = client::post_json(addr, "/v1/molt/budget", &json!({"unlimited": true}))
-        .await
-        .unwrap();
-    assert_eq!(r.status, 200);
+    set_budget(addr, json!({"unlimited": true})).await;
     let (ebg, efg) = tokio::join!(drain(&mut bg, head_bg), drain(&mut fg, efg));
     assert_eq!(tokens(&efg).len(), 16, "the foreground answer ends");
-    let finish = ebg
-        .iter()
-        .rev()
-        .find_map(|(_, e)| e["choices"][0]["finish_reason"].as_str())
-        .unwrap();
+    let finish = finish_reason(&ebg);
     assert!(matches!(finish, "length" | "stop"), "{finish}");
     srv.shutdown().await;
 }
