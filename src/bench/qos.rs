@@ -88,7 +88,7 @@ pub struct TenantSpec {
     /// Round at which it arrives (asks to be admitted).
     pub arrival_round: usize,
     /// Priority within its class.
-    pub priority: u8,
+    pub priority: i32,
 }
 
 /// Options of the `QoS` bench.

@@ -107,8 +107,9 @@ pub struct TenantView {
     pub context_tokens: u64,
     /// Leading tokens that are never shed (the system prompt).
     pub pinned_tokens: u64,
-    /// Higher is protected longer within its class.
-    pub priority: u8,
+    /// Higher is protected longer within its class (the HTTP API's `molt.priority`, any
+    /// `i32`).
+    pub priority: i32,
     /// Arrival order; earlier is protected longer (it has more invested).
     pub arrival: u64,
 }
@@ -172,7 +173,7 @@ impl TenantView {
 
     /// Sets priority and arrival.
     #[must_use]
-    pub fn with_order(mut self, priority: u8, arrival: u64) -> TenantView {
+    pub fn with_order(mut self, priority: i32, arrival: u64) -> TenantView {
         self.priority = priority;
         self.arrival = arrival;
         self
@@ -484,6 +485,14 @@ mod tests {
             TenantView::new(4, TenantClass::Background).with_order(0, 0),
         ];
         assert_eq!(protection_order(&tenants), vec![2, 1, 3, 0]);
+        // The API's priorities are any i32: 300 and 1000 do not tie, nor do -5 and 0.
+        let wide = vec![
+            TenantView::new(1, TenantClass::Background).with_order(300, 0),
+            TenantView::new(2, TenantClass::Background).with_order(1000, 1),
+            TenantView::new(3, TenantClass::Background).with_order(-5, 2),
+            TenantView::new(4, TenantClass::Background).with_order(0, 3),
+        ];
+        assert_eq!(protection_order(&wide), vec![1, 0, 3, 2]);
     }
 
     #[test]

@@ -53,7 +53,7 @@ fn tenants(rungs: usize) -> impl Strategy<Value = Vec<TenantView>> {
             0u8..3,
             0u64..20_000,
             0u64..200,
-            0u8..4,
+            -2i32..4,
         ),
         1..=3,
     )

@@ -75,7 +75,7 @@ pub struct Arrival {
     /// Foreground or background.
     pub class: TenantClass,
     /// Priority within its class.
-    pub priority: u8,
+    pub priority: i32,
     /// The prompt, tokenized; prefilled on admission.
     pub prompt: Vec<Token>,
     /// The prompt is chat-templated: pin its opening (system prompt and turn header).

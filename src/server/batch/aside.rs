@@ -186,8 +186,7 @@ fn view(t: &Tenant, id: u64, base: Instant) -> TenantView {
         });
     let arrival = u64::try_from(t.job.received.saturating_duration_since(base).as_nanos())
         .unwrap_or(u64::MAX);
-    TenantView::new(id, class)
-        .with_order(u8::try_from(priority.clamp(0, 255)).unwrap_or(0), arrival)
+    TenantView::new(id, class).with_order(priority, arrival)
 }
 
 /// The batch's policy: no hysteresis (the batch does not move up mid-answer, and a parked
