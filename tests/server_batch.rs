@@ -598,6 +598,86 @@ async fn a_background_answer_is_set_aside_so_the_foreground_one_goes_on() {
     srv.shutdown().await;
 }
 
+/// A set-aside answer resumes on the rung the budget holds, not only the one it left: set
+/// aside on the big rung, it is read back once the budget holds the small rung with its cache
+/// but no longer the big one, and carried there through the switch (its cache projected, a
+/// `molt` switch event in its stream, not re-read), then runs to its end on the small rung —
+/// its tokens numbered on without a gap, those before the cut the ones it gives alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_set_aside_answer_resumes_through_the_switch_on_the_rung_the_budget_holds() {
+    let _serial = serial().await;
+    let dir = tempfile::tempdir().unwrap();
+    let srv = batched_with_state(dir.path()).await;
+    let addr = srv.addr;
+    let background = background_request();
+    let want_bg = alone(addr, &background).await;
+    let small_only = small_only_budget(addr).await;
+    let Cut {
+        mut bg,
+        mut ebg,
+        mut fg,
+        efg,
+        ..
+    } = both_running_then_cut(addr, &background, 16).await;
+    until_stall(&mut bg, &mut ebg, "background").await;
+    // The foreground answer ends on the small rung; the cut still holds it alone, so the
+    // background answer stays aside.
+    drain(&mut fg, efg).await;
+    let listed = status(addr).await;
+    assert!(
+        listed["conversations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|c| c["state"] == "parked"),
+        "still set aside after the foreground answer ended: {listed}"
+    );
+    set_budget(addr, json!({"mib": small_only})).await;
+    let ebg = drain(&mut bg, ebg).await;
+    assert_eq!(levers(&ebg), ["park", "resume"], "{:?}", levers(&ebg));
+    let switches = of_kind(&ebg, "switch");
+    assert_eq!(switches.len(), 1, "{switches:?}");
+    let sw = switches[0];
+    assert_eq!(
+        (
+            sw["from"].as_str(),
+            sw["to"].as_str(),
+            sw["method"].as_str()
+        ),
+        (Some("big"), Some("small"), Some("molt")),
+        "carried, not re-read: {sw}"
+    );
+    let toks = tokens(&ebg);
+    assert_eq!(finish_reason(&ebg), "length");
+    assert_eq!(toks.len(), 160, "it ran to its end");
+    assert!(
+        toks.iter().enumerate().all(|(i, (k, _))| *k == i as u64),
+        "token indices run on without a gap: {toks:?}"
+    );
+    let at = usize::try_from(sw["at_token"].as_u64().unwrap()).unwrap();
+    assert!(
+        toks[..at].iter().all(|(_, r)| r == "big") && toks[at..].iter().all(|(_, r)| r == "small"),
+        "big before the switch at token {at}, small after: {toks:?}"
+    );
+    let before: String = ebg
+        .iter()
+        .filter(|(_, e)| molt_kind(e) == "token")
+        .take(at)
+        .filter_map(|(_, e)| e["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert!(
+        want_bg.starts_with(&before),
+        "the text before the cut is the one it gives alone: {before:?} vs {want_bg:?}"
+    );
+    let aside_dir = dir.path().join("state").join("aside");
+    assert_eq!(
+        std::fs::read_dir(&aside_dir).map_or(0, |d| d.flatten().count()),
+        0,
+        "its file is removed once read back"
+    );
+    srv.shutdown().await;
+}
+
 /// `serve --no-set-aside` keeps the behaviour before set-aside, for comparison: the same cut
 /// parks the whole batch, the foreground answer with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
