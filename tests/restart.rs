@@ -555,6 +555,44 @@ fn a_state_directory_that_cannot_be_written_is_a_startup_error_naming_it() {
     );
 }
 
+/// `--strategy never` is the one-request-at-a-time baseline: the batched loop (the default)
+/// always changes rung under pressure, so it refuses to start with it and says how to run it.
+#[test]
+fn the_never_strategy_in_the_batched_loop_is_a_startup_error_saying_serial() {
+    let _ = common::tiny_ladder();
+    let d = tempfile::tempdir().unwrap();
+    let serve = |extra: &[&str]| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_molt-run"));
+        c.env_remove("MOLT_FAULT")
+            .arg("--ladder")
+            .arg(common::fixture_dir().join("tiny.toml"))
+            .args(["serve", "--port", "0", "--strategy", "never", "--state-dir"])
+            .arg(d.path().join("state"))
+            .args(extra)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        c
+    };
+    let out = serve(&[]).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--strategy never") && err.contains("--serial"),
+        "{err}"
+    );
+    // With --serial it starts: it says where it listens.
+    let mut child = serve(&["--serial"]).spawn().unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    child.kill().unwrap();
+    let _ = child.wait();
+    assert!(line.starts_with("molt serve: listening on http://"), "{line}");
+}
+
 /// A non-streamed answer, or why there was none (the server died).
 async fn try_ask(addr: SocketAddr, messages: &[Value], max_tokens: usize) -> Result<Value, String> {
     match client::post_json(addr, "/v1/chat/completions", &body(messages, max_tokens)).await {

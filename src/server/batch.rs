@@ -74,11 +74,11 @@ use crate::ladder::Ladder;
 use crate::pressure::{Budget, BudgetSource, Tick};
 use crate::routes::{RouteKind, Routes, route_kind};
 use crate::sched::RungCost;
-use crate::session::migrate::{Exported, SwitchTimings, prefill_flops};
+use crate::session::migrate::{Exported, SwitchTimings, prefill_flops, switch_flops};
 use crate::session::{
     CachedState, CarryRoute, Event, Generation, LeverInfo, Prompt, Session, SessionError,
-    SessionOptions, StopReason, SwitchInfo, SwitchMethod, TokenControl, carry_cache, logprobs_of,
-    refresh_projected, sentence_ends_of,
+    SessionOptions, StopReason, Strategy, SwitchInfo, SwitchMethod, TokenControl, carry_cache,
+    logprobs_of, refresh_projected, sentence_ends_of,
 };
 use crate::state::{StateFile, StateMeta, now_unix_ms};
 use crate::transplant::anchor::Anchor;
@@ -1798,6 +1798,8 @@ fn carry_into(
 ) -> Result<(), SessionError> {
     let to = dst.rung;
     let (from_name, to_name) = (l.name(from).to_string(), l.name(to).to_string());
+    // `serve --strategy reprefill`: a cache that changes rung is re-read there, never carried.
+    let by_strategy = from != to && l.opts.strategy == Strategy::Reprefill;
     let projector = if from == to {
         Err("the cache returns to its own rung".to_string())
     } else {
@@ -1855,9 +1857,12 @@ fn carry_into(
             t.seq = seq;
             continue;
         }
+        // `None`: re-read because the server's strategy is the re-prefill; `Some(why)`: the
+        // carry failed.
         let carried = match (&projector, &exported) {
-            (_, None) => Err("its cache could not be exported".to_string()),
-            (Err(e), _) => Err(e.clone()),
+            _ if by_strategy => Err(None),
+            (_, None) => Err(Some("its cache could not be exported".to_string())),
+            (Err(e), _) => Err(Some(e.clone())),
             (Ok(p), Some(x)) => {
                 let c = Carry {
                     l,
@@ -1867,7 +1872,7 @@ fn carry_into(
                     from: &from_name,
                     dst_model: &dst_model,
                 };
-                c.carry(x, &mut dst.ctx, seq, t, &mut scratch)
+                c.carry(x, &mut dst.ctx, seq, t, &mut scratch).map_err(Some)
             }
         };
         let n_tokens = t.cached.len() as u64;
@@ -1885,13 +1890,16 @@ fn carry_into(
                 let _ = dst.ctx.truncate(seq, 0);
                 (t.feed, t.fed) = (feed, 0);
                 t.projected.clear();
-                (
-                    SwitchMethod::ReprefillNoProjector,
-                    SwitchTimings::default(),
-                    Some(format!(
-                        "the cache could not be carried ({why}); re-read instead"
-                    )),
-                )
+                match why {
+                    None => (SwitchMethod::Reprefill, SwitchTimings::default(), None),
+                    Some(why) => (
+                        SwitchMethod::ReprefillNoProjector,
+                        SwitchTimings::default(),
+                        Some(format!(
+                            "the cache could not be carried ({why}); re-read instead"
+                        )),
+                    ),
+                }
             }
         };
         t.seq = seq;
@@ -1912,6 +1920,17 @@ fn carry_into(
             timings: SwitchTimings {
                 cost_ms,
                 load_ms,
+                flops: if method.is_reprefill() {
+                    flops_reprefill
+                } else {
+                    switch_flops(
+                        &timings,
+                        dst_model.n_params(),
+                        dst_model.n_layer() as u64,
+                        dst_model.n_embd() as u64,
+                        n_tokens,
+                    )
+                },
                 ..timings
             },
             flops_reprefill,

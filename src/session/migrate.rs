@@ -84,8 +84,9 @@ pub struct SwitchTimings {
     /// Cells carried (transplant) or tokens re-read (re-prefill).
     pub cells: usize,
     /// FLOPs the projection spent (0 for a re-prefill, whose cost is `flops_reprefill`). In a
-    /// [`super::SwitchInfo`], the switch's own FLOPs: the projection plus the destination's
-    /// first decode.
+    /// [`super::SwitchInfo`], the switch's own FLOPs ([`switch_flops`]): the projection plus
+    /// every position decoded natively on the destination (head, tail, recomputed tokens, the
+    /// first decode).
     pub flops: f64,
     /// Where `load_ms` went when the destination was loaded at the switch (`None`: it was
     /// loaded already, or came off standby).
@@ -881,6 +882,31 @@ pub fn prefill_flops(n_params: u64, n_layer: u64, n_embd: u64, n_tokens: u64) ->
         n_tokens as f64,
     );
     2.0 * p * n + 2.0 * l * e * n * (n + 1.0)
+}
+
+/// FLOPs a Molt switch spent, for "FLOPs avoided": its projection (`timings.flops`) plus
+/// every position it decoded natively on the destination — the head's unanchored part, the
+/// tail, the recomputed tokens and the token sampled last — each a forward pass attending over
+/// up to the `n_past` cells carried.
+#[must_use]
+pub fn switch_flops(
+    timings: &SwitchTimings,
+    n_params: u64,
+    n_layer: u64,
+    n_embd: u64,
+    n_past: u64,
+) -> f64 {
+    let native =
+        timings.head.saturating_sub(timings.head_anchored) + timings.tail + timings.recomputed + 1;
+    #[allow(clippy::cast_precision_loss)]
+    let (p, l, e, m, n) = (
+        n_params as f64,
+        n_layer as f64,
+        n_embd as f64,
+        native as f64,
+        n_past as f64,
+    );
+    timings.flops + 2.0 * p * m + 2.0 * l * e * m * (n + 1.0)
 }
 
 #[cfg(test)]

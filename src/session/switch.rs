@@ -412,7 +412,7 @@ impl Session {
         let flops = if method.is_reprefill() {
             flops_reprefill
         } else {
-            timings.flops + migrate::prefill_flops(n_params, n_layer, n_embd, 1)
+            migrate::switch_flops(&timings, n_params, n_layer, n_embd, n_tokens - 1)
         };
         let info = SwitchInfo {
             at_token,

@@ -39,7 +39,8 @@ pub struct Args {
     /// the per-user data directory).
     #[arg(long)]
     pub projectors: Option<PathBuf>,
-    /// How to change rung under pressure: molt (KV transplant), reprefill, never.
+    /// How to change rung under pressure: molt (KV transplant), reprefill, never (one request
+    /// at a time: with --serial).
     #[arg(long, value_enum, default_value_t = StrategyArg::Molt)]
     pub strategy: StrategyArg,
     /// Budget at start: `unlimited`, `system` (cgroup limits, MemAvailable, PSI), a number of
@@ -194,6 +195,12 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     {
         bail!("--rung {r:?}: the ladder has no such rung");
     }
+    let parallel = if a.serial { 1 } else { usize::from(a.parallel) };
+    if parallel > 1 && matches!(a.strategy, StrategyArg::Never) {
+        bail!(
+            "--strategy never runs one request at a time: add --serial (the batched loop of --parallel {parallel} always changes rung under pressure)"
+        );
+    }
     let config = ServerConfig {
         addr: SocketAddr::new(a.host, a.port),
         context,
@@ -218,7 +225,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         token_pace: (a.pace_ms > 0).then(|| Duration::from_millis(a.pace_ms)),
         state_dir: Some(state_dir),
         state_max_mib: a.state_max_mib,
-        parallel: if a.serial { 1 } else { usize::from(a.parallel) },
+        parallel,
         set_aside: !a.no_set_aside,
         ..ServerConfig::default()
     };
