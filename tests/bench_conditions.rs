@@ -222,15 +222,19 @@ fn conditions_pipeline_on_tiny_ladder() {
     assert!(contexts.iter().all(|c| c.len() >= need));
     let mut routes =
         molt::routes::Routes::new(l, vec![dir.path().join("projectors")], Variant::Auto);
+    // The session's default switch: its rungs observe attention for the token recompute.
+    let mut observing = common::cfg_conditions();
+    observing.attention_tap = true;
     let points = molt::bench::cost_sweep::run(
         l,
-        common::cfg_conditions(),
+        observing,
         &mut routes,
         &contexts,
         &molt::bench::cost_sweep::SweepOptions {
             lengths: vec![32, 64],
             reps: 2,
             head: 4,
+            recompute: Some(molt::transplant::select::TokenRecompute::default_size()),
             tails: vec![8, 48],
             heads: vec![0],
             routes: vec![],
@@ -239,19 +243,29 @@ fn conditions_pipeline_on_tiny_ladder() {
     )
     .unwrap();
     // A tail that does not fit beside the head is skipped at that length, measured where it
-    // fits; the other head re-read (0: the projection alone) follows the tails. The measured
-    // switch re-reads the head, the anchor-less tiny projectors decoding all of it.
+    // fits; the other head re-read (0: the projection alone) follows the tails, and on a size
+    // route the same head without the token recompute. The measured switch re-reads the head,
+    // the anchor-less tiny projectors decoding all of it, and on a size route (only there)
+    // recomputes tokens, inside its cost.
+    assert!(points.iter().any(|p| p.kind == RouteKind::Size));
     for p in &points {
         assert_eq!((p.head, p.head_anchored), (4, 0), "{p:?}");
-        let rereads: Vec<(usize, usize)> = p.tails.iter().map(|t| (t.head, t.tail)).collect();
-        assert_eq!(
-            rereads,
-            if p.context_tokens >= 52 {
-                vec![(4, 8), (4, 48), (0, 0)]
-            } else {
-                vec![(4, 8), (0, 0)]
-            }
+        let size = p.kind == RouteKind::Size;
+        assert_eq!(p.recomputed > 0, size, "{p:?}");
+        assert!(
+            (p.recompute_ms > 0.0) == size && p.recompute_ms < p.transplant_ms.max,
+            "{p:?}"
         );
+        let rereads: Vec<(usize, usize)> = p.tails.iter().map(|t| (t.head, t.tail)).collect();
+        let mut want = if p.context_tokens >= 52 {
+            vec![(4, 8), (4, 48), (0, 0)]
+        } else {
+            vec![(4, 8), (0, 0)]
+        };
+        if size {
+            want.push((4, 0));
+        }
+        assert_eq!(rereads, want);
         for t in &p.tails {
             assert!(
                 t.cost_ms.median > 0.0 && t.jsd.is_finite() && t.jsd_mean >= 0.0,
@@ -270,6 +284,7 @@ fn conditions_pipeline_on_tiny_ladder() {
             lengths: vec![32],
             reps: 1,
             head: 0,
+            recompute: None,
             tails: vec![],
             heads: vec![],
             routes: vec![(a.clone(), b.clone())],

@@ -5,23 +5,28 @@
 //! For each route and length `n`, `reps` times, each time on its own context (the first `n`
 //! tokens of one of the given token streams — by default multi-turn conversations rendered
 //! with the chat template, as a session holds them, see [`chat_contexts`]): the source reads
-//! them; then, alternating, (a) Molt's switch — [`transplant_with`] its cache into the
-//! destination with the default head re-read (the destination's anchor spliced where it
-//! covers the head) and decode the next token there — and the same with each requested
-//! variant (other head re-reads, tail recompute), (b) [`reprefill`] the same `n` tokens plus
-//! the next one on the destination. All end at the destination's first logits; all are
-//! compared (JSD) with the source's own next-token distribution, at the switch step and over
-//! the next [`SEAM`] teacher-forced steps, averaged over the contexts. The re-prefill's
-//! divergence is the floor: it is what the destination says with a perfect cache of its own.
+//! them (its attention tap observing what their last tokens attend to, as a session's does
+//! when it reads a prompt); then, alternating, (a) Molt's default switch — [`transplant_with`]
+//! its cache into the destination with the default head re-read (the destination's anchor
+//! spliced where it covers the head) and, on a size route, the default selective token
+//! recompute (the positions the source attended to, whole sentences, re-read natively on the
+//! destination), then decode the next token there — and the same with each requested
+//! variant (other head re-reads, tail recompute; the projection without recompute), (b)
+//! [`reprefill`] the same `n` tokens plus the next one on the destination. All end at the
+//! destination's first logits; all are compared (JSD) with the source's own next-token
+//! distribution, at the switch step and over the next [`SEAM`] teacher-forced steps, averaged
+//! over the contexts. The re-prefill's divergence is the floor: it is what the destination
+//! says with a perfect cache of its own.
 
 use serde::{Deserialize, Serialize};
 
 use super::speed::Rate;
-use crate::engine::{ContextConfig, Token};
+use crate::engine::{ContextConfig, Span, Token};
 use crate::ladder::Ladder;
 use crate::routes::{RouteKind, Routes, binding, route_kind};
-use crate::session::migrate::{Reread, prefill_flops, reprefill, transplant_with};
-use crate::session::{LiveRung, SessionError, jsd};
+use crate::session::migrate::{Reread, prefill_flops, reprefill, switch_flops, transplant_with};
+use crate::session::{LiveRung, SessionError, SessionOptions, jsd, recompute_ranges};
+use crate::transplant::select::TokenRecompute;
 
 /// One route at one length.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -43,6 +48,13 @@ pub struct SweepPoint {
     pub transplant_ms: Rate,
     /// Its parts (medians), ms: export, project, import, first decode.
     pub transplant_parts_ms: [f64; 4],
+    /// Of its cost, the selective token recompute (median, ms; 0 on a precision route, or
+    /// without recompute).
+    #[serde(default)]
+    pub recompute_ms: f64,
+    /// Positions it re-read by selective token recompute (median).
+    #[serde(default)]
+    pub recomputed: usize,
     /// Re-prefill cost, ms.
     pub reprefill_ms: Rate,
     /// Median re-prefill / median transplant.
@@ -97,6 +109,10 @@ pub struct SweepDoc {
     /// Head re-read of the measured switch (absent in older files: none).
     #[serde(default)]
     pub head_reread: usize,
+    /// Selective token recompute of the measured switch on size routes (absent in older
+    /// files, and `None`: none).
+    #[serde(default)]
+    pub token_recompute: Option<TokenRecompute>,
     /// One per route and length.
     pub points: Vec<SweepPoint>,
 }
@@ -153,6 +169,10 @@ pub struct SweepOptions {
     /// The head re-read of the measured switch (a session's default:
     /// [`crate::session::DEFAULT_HEAD_REREAD`]; 0 for the projection alone).
     pub head: usize,
+    /// Selective token recompute of the measured switch on size routes (a session's default:
+    /// [`TokenRecompute::default_size`]; `None`: none). With it, the plain projection with
+    /// the same head re-read is measured beside it (a head re-read variant).
+    pub recompute: Option<TokenRecompute>,
     /// Tail recompute lengths measured beside it (with the same head re-read; empty: none).
     pub tails: Vec<usize>,
     /// Other head re-read lengths measured beside it (empty: none).
@@ -224,16 +244,33 @@ pub fn run(
                 let mut anchored = 0;
                 let head = opts.head.min(n);
                 // (head, tail) of each re-read variant measured beside the plain transplant.
-                let tails: Vec<(usize, usize)> = opts
+                // On a size route the measured switch recomputes tokens; the projection with the
+                // same head re-read and no recompute is measured beside it.
+                let recompute = opts.recompute.filter(|_| kind == RouteKind::Size);
+                let mut tails: Vec<(usize, usize)> = opts
                     .tails
                     .iter()
                     .filter(|&&w| w + head <= n)
                     .map(|&w| (head, w))
                     .chain(opts.heads.iter().filter(|&&h| h <= n).map(|&h| (h, 0)))
                     .collect();
+                if recompute.is_some() && !tails.contains(&(head, 0)) {
+                    tails.push((head, 0));
+                }
+                let session_opts = SessionOptions {
+                    head_reread: head,
+                    tail_recompute: 0,
+                    token_recompute: recompute,
+                    ..SessionOptions::default()
+                };
+                let (mut rc_ms, mut rc_n) = (Vec::new(), Vec::new());
                 let mut tail_ms = vec![Vec::new(); tails.len()];
                 let mut tail_seam = vec![(0.0, 0.0); tails.len()];
                 let reps = opts.reps.max(1);
+                let (p, l, e) = {
+                    let m = dst.model();
+                    (m.n_params(), m.n_layer() as u64, m.n_embd() as u64)
+                };
                 for rep in 0..reps {
                     // Each repetition reads its own context, so the seam is a mean over `reps`
                     // contexts rather than one (a single one can be near-certain for every
@@ -244,7 +281,18 @@ pub fn run(
                     let last = context[n];
                     let follow = &context[n..n + 1 + SEAM];
                     src.ctx.clear();
-                    src.ctx.decode(history).map_err(engine(src.name()))?;
+                    // What the history's last tokens attend to, as a session observes its
+                    // prompt's (the recompute's selection reads it).
+                    let observed = match recompute {
+                        Some(r) => src
+                            .ctx
+                            .decode_observed(history, r.window)
+                            .map_err(engine(src.name()))?,
+                        None => {
+                            src.ctx.decode(history).map_err(engine(src.name()))?;
+                            None
+                        }
+                    };
                     // The source's own distributions at the switch step and the next `SEAM`
                     // steps (teacher-forced on the corpus), then rewind it.
                     let reference = src
@@ -277,19 +325,45 @@ pub fn run(
                         add(&mut tail_seam[k], v);
                         tail_ms[k].push(t.cost_ms);
                     }
+                    // The default switch: its recompute positions chosen as a session's
+                    // switch chooses them (the selection is part of its cost).
+                    let t_select = std::time::Instant::now();
+                    let ranges = recompute_ranges(
+                        &session_opts,
+                        kind,
+                        history,
+                        observed.as_deref(),
+                        Some(src.ctx.model().as_ref()),
+                        n,
+                    );
+                    let spans = Span::of(history, &ranges);
+                    let select_ms = t_select.elapsed().as_secs_f64() * 1e3;
                     let t = transplant_with(
                         &src.ctx,
                         &mut dst.ctx,
                         &projector,
                         None,
-                        reread(head, 0),
+                        Reread {
+                            spans: &spans,
+                            ..reread(head, 0)
+                        },
                         last,
                     )?;
+                    rc_ms.push(if t.recomputed > 0 {
+                        select_ms + t.spans_ms
+                    } else {
+                        0.0
+                    });
+                    rc_n.push(t.recomputed as f64);
+                    let t = crate::session::migrate::SwitchTimings {
+                        cost_ms: t.cost_ms + select_ms,
+                        ..t
+                    };
                     anchored = t.head_anchored;
                     let v =
                         seam(&mut dst.ctx, &reference, &follow[1..]).map_err(engine(dst.name()))?;
                     add(&mut t_seam, v);
-                    t_flops = t.flops;
+                    t_flops = switch_flops(&t, p, l, e, n as u64);
                     t_ms.push(t.cost_ms);
                     for (p, v) in parts.iter_mut().zip([
                         t.export_ms,
@@ -306,10 +380,7 @@ pub fn run(
                     r_ms.push(r.cost_ms);
                 }
                 let (t_jsd, r_jsd) = (t_seam.0, r_seam.0);
-                let m = dst.model();
-                let (p, l, e) = (m.n_params(), m.n_layer() as u64, m.n_embd() as u64);
                 let reprefill_flops = prefill_flops(p, l, e, n as u64 + 1);
-                let transplant_flops = t_flops + prefill_flops(p, l, e, 1);
                 let (tm, rm) = (Rate::from(t_ms), Rate::from(r_ms));
                 let speedup = if tm.median > 0.0 {
                     rm.median / tm.median
@@ -317,7 +388,16 @@ pub fn run(
                     0.0
                 };
                 progress(&format!(
-                    "  transplant (head {head}, {anchored} from the anchor) {:.1} ms, re-prefill {:.1} ms ({speedup:.1}x); seam JSD {:.4} vs floor {:.4} (mean over {} steps {:.4} vs {:.4})",
+                    "  transplant (head {head}, {anchored} from the anchor{}) {:.1} ms, re-prefill {:.1} ms ({speedup:.1}x); seam JSD {:.4} vs floor {:.4} (mean over {} steps {:.4} vs {:.4})",
+                    if recompute.is_some() {
+                        format!(
+                            ", {} positions recomputed in {:.1} ms",
+                            med(&rc_n),
+                            med(&rc_ms)
+                        )
+                    } else {
+                        String::new()
+                    },
                     tm.median,
                     rm.median,
                     t_jsd,
@@ -370,12 +450,14 @@ pub fn run(
                         med(&parts[2]),
                         med(&parts[3]),
                     ],
+                    recompute_ms: med(&rc_ms),
+                    recomputed: med(&rc_n) as usize,
                     transplant_ms: tm,
                     reprefill_ms: rm,
                     speedup,
-                    transplant_flops,
+                    transplant_flops: t_flops,
                     reprefill_flops,
-                    flops_avoided: 1.0 - transplant_flops / reprefill_flops,
+                    flops_avoided: 1.0 - t_flops / reprefill_flops,
                     transplant_jsd: t_jsd,
                     reprefill_jsd: r_jsd,
                     seam_ratio: if r_jsd > 0.0 { t_jsd / r_jsd } else { f64::NAN },

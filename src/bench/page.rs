@@ -407,18 +407,23 @@ fn sweep_section(doc: &SweepDoc) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "| route | kind | context tokens | transplant ms | re-prefill ms | speedup | FLOPs avoided | transplant JSD | re-prefill JSD (floor) | seam ratio | mean JSD over {} steps, transplant / floor | mean seam ratio |",
+        "| route | kind | context tokens | transplant ms | of it, recompute ms (positions) | re-prefill ms | speedup | FLOPs avoided | transplant JSD | re-prefill JSD (floor) | seam ratio | mean JSD over {} steps, transplant / floor | mean seam ratio |",
         super::cost_sweep::SEAM + 1
     );
-    let _ = writeln!(s, "|{}", "---|".repeat(12));
+    let _ = writeln!(s, "|{}", "---|".repeat(13));
     for p in &doc.points {
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {} | {:.1}× | {} | {:.4} | {:.4} | {:.2} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {:.1}× | {} | {:.4} | {:.4} | {:.2} | {} | {} |",
             p.route,
             serde_word(&p.kind),
             p.context_tokens,
             rate(Some(&p.transplant_ms), 1),
+            if p.recomputed > 0 {
+                format!("{:.1} ({})", p.recompute_ms, p.recomputed)
+            } else {
+                "—".to_string()
+            },
             rate(Some(&p.reprefill_ms), 0),
             p.speedup,
             pct(Some(p.flops_avoided)),
@@ -432,7 +437,7 @@ fn sweep_section(doc: &SweepDoc) -> String {
     if doc.points.iter().any(|p| !p.tails.is_empty()) {
         let _ = writeln!(
             s,
-            "\n**Native re-reads beside the projection** (head re-read: the history's first N tokens decoded on the destination, `--head-reread N`; tail recompute: its last N tokens, `--tail-recompute N`): what each buys at the seam and what it costs.\n"
+            "\n**Native re-reads beside the projection, without the token recompute** (head re-read: the history's first N tokens decoded on the destination, `--head-reread N`; tail recompute: its last N tokens, `--tail-recompute N`): what each buys at the seam and what it costs.\n"
         );
         let _ = writeln!(
             s,
@@ -714,13 +719,17 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
                     "Each repetition carries another multi-turn conversation of the corpus's chats, rendered with the chat template as a session holds it.",
                 _ => "Each repetition carries another window of the corpus's raw text.",
             },
-            if doc.head_reread > 0 {
-                format!(
-                    "The transplant is Molt's default switch: the projection plus a head re-read of the first {} positions (the destination's anchor supplies the template's opening, the rest is decoded), as every session does; the projection alone is measured beside it (head 0) in the second table.",
-                    doc.head_reread
-                )
-            } else {
-                "The transplant is the projection alone (no head re-read).".to_string()
+            match (doc.head_reread, doc.token_recompute) {
+                (h, Some(r)) => format!(
+                    "The transplant is Molt's default switch, as every session makes it: the projection plus a head re-read of the first {h} positions (the destination's anchor supplies the template's opening, the rest is decoded), and on a size route the selective token recompute — {:.0}% of the positions, at least {}, chosen by the attention the history's last {} tokens gave them on the source, whole sentences, re-read natively on the destination (the *recompute* columns). The second table measures variants beside it without the token recompute: the projection with the same head re-read, and the projection alone (head 0).",
+                    r.fraction * 100.0,
+                    r.min_positions,
+                    r.window
+                ),
+                (h, None) if h > 0 => format!(
+                    "The transplant is the projection plus a head re-read of the first {h} positions (the destination's anchor supplies the template's opening, the rest is decoded), without the token recompute a session's switch adds on a size route; the projection alone is measured beside it (head 0) in the second table."
+                ),
+                _ => "The transplant is the projection alone (no head re-read).".to_string(),
             }
         );
         s.push_str(&sweep_section(doc));

@@ -180,7 +180,12 @@ pub fn cost_sweep(doc: &SweepDoc, path: &Path) -> Result<Figure, BenchError> {
         name: name.into(),
         path: path.to_path_buf(),
         caption: format!(
-            "Transplant against re-prefill with both rungs warm, every route, by context length (median of {} repetitions), and how much more the transplant diverges at the seam than a re-prefill does.",
+            "{} against re-prefill with both rungs warm, every route, by context length (median of {} repetitions), and how much more the transplant diverges at the seam than a re-prefill does.",
+            if doc.token_recompute.is_some() {
+                "Molt's default switch (on a size route with its token recompute)"
+            } else {
+                "Transplant"
+            },
             doc.reps
         ),
     })

@@ -553,6 +553,10 @@ fn run_cost_sweep(g: &GlobalArgs, a: &Args) -> Result<()> {
         .n_ctx
         .max(u32::try_from(max_len + 16).unwrap_or(u32::MAX));
     let need = max_len + 1 + molt::bench::cost_sweep::SEAM;
+    // The switch a session makes by default: on a size route it re-reads the tokens the
+    // source attended to, which a session's rungs observe with their attention tap.
+    let recompute = molt::session::SessionOptions::default().token_recompute;
+    config.attention_tap |= recompute.is_some();
     let contexts = {
         let live = molt::session::LiveRung::load(&ladder.rungs[0], config)?;
         match a.contexts {
@@ -602,6 +606,7 @@ fn run_cost_sweep(g: &GlobalArgs, a: &Args) -> Result<()> {
             lengths: a.lengths.clone(),
             reps: a.reps,
             head: a.head_reread,
+            recompute,
             tails: a.tails.iter().flatten().copied().collect(),
             heads: a.heads.iter().flatten().copied().collect(),
             routes: a.routes.clone(),
@@ -641,6 +646,7 @@ fn run_cost_sweep(g: &GlobalArgs, a: &Args) -> Result<()> {
         lengths: a.lengths.clone(),
         contexts: serde_json::to_value(a.contexts)?.as_str().map(String::from),
         head_reread: a.head_reread,
+        token_recompute: recompute,
         points,
     };
     write_result(&a.out_dir, "cost_sweep.json", &doc)
