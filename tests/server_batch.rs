@@ -628,20 +628,40 @@ async fn a_background_answer_is_set_aside_so_the_foreground_one_goes_on() {
     srv.shutdown().await;
 }
 
-/// A set-aside answer resumes on the rung the budget holds, not only the one it left: set
-/// aside on the big rung, it is read back once the budget holds the small rung with its cache
-/// but no longer the big one, and carried there through the switch (its cache projected, a
-/// `molt` switch event in its stream, not re-read), then runs to its end on the small rung —
-/// its tokens numbered on without a gap, those before the cut the ones it gives alone.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_set_aside_answer_resumes_through_the_switch_on_the_rung_the_budget_holds() {
-    let _serial = serial().await;
+/// A budget in MiB that holds rung `name` with a few hundred cells and no larger rung.
+async fn only_budget(addr: SocketAddr, name: &str) -> f64 {
+    let s = status(addr).await;
+    let rungs = s["engine"]["rungs"].as_array().unwrap();
+    let mib = |r: &Value, key: &str| r[key].as_f64().unwrap();
+    let rung = rungs.iter().find(|r| r["name"] == name).unwrap();
+    let cut = rungs
+        .iter()
+        .filter(|r| mib(r, "resident_mib") > mib(rung, "resident_mib"))
+        .map(|r| mib(r, "resident_mib"))
+        .fold(f64::INFINITY, f64::min)
+        - 0.1;
+    assert!(mib(rung, "resident_mib") + 1.0 < cut, "{rungs:?}");
+    cut
+}
+
+/// The set-aside scene, then a budget that holds rung `to` with the background answer and no
+/// larger rung once the foreground answer has ended: the background answer, set aside on
+/// big, resumes on `to`. Checks what holds whatever the route (park then resume, one switch
+/// big → `to`, token indices without a gap, big before the switch and `to` after, the text
+/// before the cut as alone, its file removed) and returns the switch event.
+async fn set_aside_then_resumed_on(to: &str, carry_on_resume: bool) -> Value {
     let dir = tempfile::tempdir().unwrap();
-    let srv = batched_with_state(dir.path()).await;
+    let state = dir.path().join("state");
+    let srv = start(move |c| {
+        c.parallel = 2;
+        c.state_dir = Some(state);
+        c.carry_on_resume = carry_on_resume;
+    })
+    .await;
     let addr = srv.addr;
     let background = background_request();
     let want_bg = alone(addr, &background).await;
-    let small_only = small_only_budget(addr).await;
+    let holds_to = only_budget(addr, to).await;
     let Cut {
         mut bg,
         mut ebg,
@@ -662,21 +682,13 @@ async fn a_set_aside_answer_resumes_through_the_switch_on_the_rung_the_budget_ho
             .any(|c| c["state"] == "parked"),
         "still set aside after the foreground answer ended: {listed}"
     );
-    set_budget(addr, json!({"mib": small_only})).await;
+    set_budget(addr, json!({"mib": holds_to})).await;
     let ebg = drain(&mut bg, ebg).await;
     assert_eq!(levers(&ebg), ["park", "resume"], "{:?}", levers(&ebg));
     let switches = of_kind(&ebg, "switch");
     assert_eq!(switches.len(), 1, "{switches:?}");
-    let sw = switches[0];
-    assert_eq!(
-        (
-            sw["from"].as_str(),
-            sw["to"].as_str(),
-            sw["method"].as_str()
-        ),
-        (Some("big"), Some("small"), Some("molt")),
-        "carried, not re-read: {sw}"
-    );
+    let sw = switches[0].clone();
+    assert_eq!((sw["from"].as_str(), sw["to"].as_str()), (Some("big"), Some(to)));
     let toks = tokens(&ebg);
     assert_eq!(finish_reason(&ebg), "length");
     assert_eq!(toks.len(), 160, "it ran to its end");
@@ -686,8 +698,8 @@ async fn a_set_aside_answer_resumes_through_the_switch_on_the_rung_the_budget_ho
     );
     let at = usize::try_from(sw["at_token"].as_u64().unwrap()).unwrap();
     assert!(
-        toks[..at].iter().all(|(_, r)| r == "big") && toks[at..].iter().all(|(_, r)| r == "small"),
-        "big before the switch at token {at}, small after: {toks:?}"
+        toks[..at].iter().all(|(_, r)| r == "big") && toks[at..].iter().all(|(_, r)| r == to),
+        "big before the switch at token {at}, {to} after: {toks:?}"
     );
     let before: String = ebg
         .iter()
@@ -706,6 +718,33 @@ async fn a_set_aside_answer_resumes_through_the_switch_on_the_rung_the_budget_ho
         "its file is removed once read back"
     );
     srv.shutdown().await;
+    sw
+}
+
+/// A set-aside answer resumes on the rung the budget holds, not only the one it left. On a
+/// size route (big → small) its history is re-read there, said in the switch's note: a
+/// projected cache loses the context's facts, and the answer has waited already.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_set_aside_answer_resumed_on_a_smaller_model_re_reads_its_history() {
+    let _serial = serial().await;
+    let sw = set_aside_then_resumed_on("small", false).await;
+    assert_eq!(sw["method"], "reprefill", "{sw}");
+    assert!(
+        sw["note"].as_str().unwrap_or("").contains("re-read"),
+        "{sw}"
+    );
+    // `serve --carry-on-resume` (the behaviour before, kept for comparison) carries it.
+    let sw = set_aside_then_resumed_on("small", true).await;
+    assert_eq!(sw["method"], "molt", "carried: {sw}");
+}
+
+/// On a precision route (big → big-q8) a set-aside answer's cache is carried through the
+/// switch: the projection keeps the facts there, at a fraction of a re-read's cost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_set_aside_answer_resumed_on_a_lower_precision_is_carried() {
+    let _serial = serial().await;
+    let sw = set_aside_then_resumed_on("big-q8", false).await;
+    assert_eq!(sw["method"], "molt", "carried, not re-read: {sw}");
 }
 
 /// `serve --no-set-aside` keeps the behaviour before set-aside, for comparison: the same cut

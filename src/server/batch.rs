@@ -496,6 +496,9 @@ struct Ladders {
     opts: SessionOptions,
     /// Whether answers are set aside for more protected ones (`ServerConfig::set_aside`).
     set_aside: bool,
+    /// Whether a parked answer resuming on a smaller model is carried through the switch
+    /// rather than re-read there (`ServerConfig::carry_on_resume`).
+    carry_on_resume: bool,
     /// Until when answers are not set aside for memory (a set-aside cache could not be
     /// written: see `aside::set_aside`).
     no_aside_until: std::cell::Cell<Option<Instant>>,
@@ -557,10 +560,21 @@ impl Ladders {
     }
 }
 
-/// The engine thread's loop with up to `slots` answers decoded together; returns when the
+/// What the batched loop is asked to do beyond the session's options.
+#[derive(Debug, Clone, Copy)]
+pub struct BatchOptions {
+    /// Answers decoded together (`ServerConfig::parallel`).
+    pub slots: usize,
+    /// `ServerConfig::set_aside`.
+    pub set_aside: bool,
+    /// `ServerConfig::carry_on_resume`.
+    pub carry_on_resume: bool,
+}
+
+/// The engine thread's loop with up to `o.slots` answers decoded together; returns when the
 /// queue is closed.
-pub fn run(mut session: Session, shared: &Shared, slots: usize, set_aside: bool) {
-    let slots = u32::try_from(slots.max(1)).unwrap_or(u32::MAX);
+pub fn run(mut session: Session, shared: &Shared, o: BatchOptions) {
+    let slots = u32::try_from(o.slots.max(1)).unwrap_or(u32::MAX);
     let opts = session.options().clone();
     let ladder = session.ladder().clone();
     let routes = std::mem::replace(
@@ -581,7 +595,8 @@ pub fn run(mut session: Session, shared: &Shared, slots: usize, set_aside: bool)
         slots,
         park_deadline: opts.park_deadline,
         opts: opts.clone(),
-        set_aside,
+        set_aside: o.set_aside,
+        carry_on_resume: o.carry_on_resume,
         no_aside_until: std::cell::Cell::new(None),
     };
     let start = session.current_index();
@@ -1459,7 +1474,7 @@ fn park_until(
         for t in tenants.iter_mut() {
             t.parked_since = None;
         }
-        match carry_all(l, shared, rung, best, tenants, exported, b, 0.0) {
+        match carry_all(l, shared, rung, best, tenants, exported, b, 0.0, Moving::Resumed) {
             Ok(e) => {
                 if best == rung {
                     for t in tenants.iter() {
@@ -1745,9 +1760,32 @@ fn move_all(
     drop(src);
     crate::pressure::trim_heap();
     let export_ms = t0.elapsed().as_secs_f64() * 1e3;
-    let dst = carry_all(l, shared, from, to, tenants, exported, budget, export_ms)?;
+    let dst = carry_all(
+        l,
+        shared,
+        from,
+        to,
+        tenants,
+        exported,
+        budget,
+        export_ms,
+        Moving::Live,
+    )?;
     *engine = Some(dst);
     Ok(())
+}
+
+/// Why caches change rung, which decides how a size route moves them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Moving {
+    /// Under pressure, between two tokens: carried through the switch (as `--strategy` says).
+    Live,
+    /// Resuming after a park (set aside, or the whole batch): on a size route the history is
+    /// re-read on the smaller rung — a projected cache keeps an answer fluent but loses the
+    /// context's facts (`bench --serve-aside`: a set-aside summary resumed on tier2 stated 1
+    /// of its 12 facts carried, 12 re-read), and the answer has waited already. A precision
+    /// route carries it (and every route, with `serve --carry-on-resume`).
+    Resumed,
 }
 
 /// Loads rung `to` and moves every tenant's cache there from rung `from`: `exported[i]` is
@@ -1764,6 +1802,7 @@ fn carry_all(
     exported: Vec<Option<Exportedseq>>,
     budget: Budget,
     before_ms: f64,
+    moving: Moving,
 ) -> Result<Engine, SessionError> {
     let t_load = Instant::now();
     let mut dst = l.load(to)?;
@@ -1777,6 +1816,7 @@ fn carry_all(
         exported,
         budget,
         (before_ms, t_load, load_ms),
+        moving,
     )?;
     Ok(dst)
 }
@@ -1795,11 +1835,10 @@ fn carry_into(
     exported: Vec<Option<Exportedseq>>,
     budget: Budget,
     (before_ms, t_load, load_ms): (f64, Instant, f64),
+    moving: Moving,
 ) -> Result<(), SessionError> {
     let to = dst.rung;
     let (from_name, to_name) = (l.name(from).to_string(), l.name(to).to_string());
-    // `serve --strategy reprefill`: a cache that changes rung is re-read there, never carried.
-    let by_strategy = from != to && l.opts.strategy == Strategy::Reprefill;
     let projector = if from == to {
         Err("the cache returns to its own rung".to_string())
     } else {
@@ -1822,6 +1861,16 @@ fn carry_into(
     let kind = {
         let r = l.routes.borrow();
         route_kind(r.binding(from), r.binding(to))
+    };
+    // A cache that changes rung is re-read there, never carried: with `serve --strategy
+    // reprefill`, and on a size route after a park (see [`Moving::Resumed`]).
+    let reread = match (from == to, l.opts.strategy, moving, kind) {
+        (true, ..) => None,
+        (false, Strategy::Reprefill, ..) => Some(None),
+        (false, _, Moving::Resumed, RouteKind::Size) if !l.carry_on_resume => Some(Some(
+            "parked: its history re-read on the smaller rung (a projected cache loses the context's facts)",
+        )),
+        _ => None,
     };
     let mut scratch = Scratch::default();
     let dst_model = Arc::clone(dst.ctx.model());
@@ -1857,12 +1906,11 @@ fn carry_into(
             t.seq = seq;
             continue;
         }
-        // `None`: re-read because the server's strategy is the re-prefill; `Some(why)`: the
-        // carry failed.
+        // `Err(Ok(note))`: re-read by choice (`reread`); `Err(Err(why))`: the carry failed.
         let carried = match (&projector, &exported) {
-            _ if by_strategy => Err(None),
-            (_, None) => Err(Some("its cache could not be exported".to_string())),
-            (Err(e), _) => Err(Some(e.clone())),
+            _ if reread.is_some() => Err(Ok(reread.flatten())),
+            (_, None) => Err(Err("its cache could not be exported".to_string())),
+            (Err(e), _) => Err(Err(e.clone())),
             (Ok(p), Some(x)) => {
                 let c = Carry {
                     l,
@@ -1872,7 +1920,7 @@ fn carry_into(
                     from: &from_name,
                     dst_model: &dst_model,
                 };
-                c.carry(x, &mut dst.ctx, seq, t, &mut scratch).map_err(Some)
+                c.carry(x, &mut dst.ctx, seq, t, &mut scratch).map_err(Err)
             }
         };
         let n_tokens = t.cached.len() as u64;
@@ -1891,8 +1939,12 @@ fn carry_into(
                 (t.feed, t.fed) = (feed, 0);
                 t.projected.clear();
                 match why {
-                    None => (SwitchMethod::Reprefill, SwitchTimings::default(), None),
-                    Some(why) => (
+                    Ok(note) => (
+                        SwitchMethod::Reprefill,
+                        SwitchTimings::default(),
+                        note.map(String::from),
+                    ),
+                    Err(why) => (
                         SwitchMethod::ReprefillNoProjector,
                         SwitchTimings::default(),
                         Some(format!(

@@ -117,6 +117,11 @@ pub struct ServerConfig {
     /// whole batch, as before (`serve --no-set-aside`, kept for the comparison the
     /// `serve-aside` bench makes).
     pub set_aside: bool,
+    /// In the batched loop, a parked answer (set aside, or the whole batch) that resumes on a
+    /// smaller model is carried through the switch, its cache projected, instead of re-reading
+    /// its history there (false, the default: a projected cache loses the context's facts);
+    /// `serve --carry-on-resume`, kept for the comparison the `serve-aside` bench makes.
+    pub carry_on_resume: bool,
 }
 
 impl Default for ServerConfig {
@@ -147,6 +152,7 @@ impl Default for ServerConfig {
             state_max_mib: crate::state::DEFAULT_MAX_MIB,
             parallel: DEFAULT_PARALLEL,
             set_aside: true,
+            carry_on_resume: false,
         }
     }
 }
@@ -266,7 +272,11 @@ impl Server {
             let opts = config.session.clone();
             let measure = config.measure_rungs;
             let parallel = config.parallel;
-            let set_aside = config.set_aside;
+            let batch = batch::BatchOptions {
+                slots: config.parallel,
+                set_aside: config.set_aside,
+                carry_on_resume: config.carry_on_resume,
+            };
             std::thread::Builder::new()
                 .name("molt-engine".into())
                 .spawn(move || {
@@ -291,7 +301,7 @@ impl Server {
                     worker::publish(&shared, &mut session, None, true);
                     let _ = ready_tx.send(Ok(()));
                     if parallel > 1 {
-                        batch::run(session, &shared, parallel, set_aside);
+                        batch::run(session, &shared, batch);
                     } else {
                         worker::run(session, &shared);
                     }

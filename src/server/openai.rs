@@ -507,7 +507,8 @@ pub struct SwitchWire {
     pub from: String,
     /// Destination rung.
     pub to: String,
-    /// `molt` (KV transplant) or `reprefill`.
+    /// `molt` (KV transplant), `reprefill`, or `reprefill-no-projector` (re-read because the
+    /// cache could not be carried; `note` says why).
     pub method: String,
     /// Generated-token index before which it happened.
     pub at_token: usize,
@@ -540,6 +541,10 @@ pub struct SwitchWire {
     /// Handoff divergence (JSD, nats), when measured.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub handoff_jsd: Option<f64>,
+    /// Why the switch went as it did, when it did not go the usual way (a re-read in place of
+    /// a carry, an anchor not used …).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
 }
 
 /// Bytes as MiB for the wire (`None` for the "unlimited" sentinel and for 0).
@@ -570,6 +575,7 @@ impl From<&SwitchInfo> for SwitchWire {
             pressure: s.pressure,
             budget_mib: mib(s.budget_bytes),
             handoff_jsd: s.handoff_jsd,
+            note: s.note.clone(),
         }
     }
 }

@@ -71,6 +71,11 @@ pub struct Args {
     /// go on: the behaviour before set-aside, kept for comparison (`bench --serve-aside`).
     #[arg(long)]
     pub no_set_aside: bool,
+    /// Carry a parked answer that resumes on a smaller model through the switch (its cache
+    /// projected, as a switch under pressure does) instead of re-reading its history there:
+    /// faster, and it loses the context's facts — kept for comparison (`bench --serve-aside`).
+    #[arg(long)]
+    pub carry_on_resume: bool,
     /// Seconds a request may wait for memory before it fails with 503.
     #[arg(long, default_value_t = 120)]
     pub admission_timeout_s: u64,
@@ -227,6 +232,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         state_max_mib: a.state_max_mib,
         parallel,
         set_aside: !a.no_set_aside,
+        carry_on_resume: a.carry_on_resume,
         ..ServerConfig::default()
     };
     let state_dir_shown = config.state_dir.clone().unwrap_or_default();

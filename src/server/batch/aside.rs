@@ -25,7 +25,7 @@ use std::sync::atomic::AtomicU64;
 use std::time::Instant;
 
 use super::{
-    Engine, Event, Exportedseq, Ladders, LeverInfo, Scratch, Shared, StateFile, StateMeta,
+    Engine, Event, Exportedseq, Ladders, LeverInfo, Moving, Scratch, Shared, StateFile, StateMeta,
     StopReason, Tenant, carry_all, carry_into, end_parked, export_for_switch, lever, now_unix_ms,
     publish_batch, publish_engine, report_failed,
 };
@@ -635,6 +635,7 @@ pub(super) fn resume(
                     vec![x],
                     budget,
                     (0.0, t0, 0.0),
+                    Moving::Resumed,
                 )
             }
             _ if tenants.is_empty() => {
@@ -643,7 +644,18 @@ pub(super) fn resume(
                     drop(e);
                     crate::pressure::trim_heap();
                 }
-                carry_all(l, shared, from, to, &mut one, vec![x], budget, 0.0).map(|e| {
+                carry_all(
+                    l,
+                    shared,
+                    from,
+                    to,
+                    &mut one,
+                    vec![x],
+                    budget,
+                    0.0,
+                    Moving::Resumed,
+                )
+                .map(|e| {
                     *engine = Some(e);
                 })
             }
