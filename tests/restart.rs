@@ -590,7 +590,10 @@ fn the_never_strategy_in_the_batched_loop_is_a_startup_error_saying_serial() {
     .unwrap();
     child.kill().unwrap();
     let _ = child.wait();
-    assert!(line.starts_with("molt serve: listening on http://"), "{line}");
+    assert!(
+        line.starts_with("molt serve: listening on http://"),
+        "{line}"
+    );
 }
 
 /// A non-streamed answer, or why there was none (the server died).

@@ -688,7 +688,10 @@ async fn set_aside_then_resumed_on(to: &str, carry_on_resume: bool) -> Value {
     let switches = of_kind(&ebg, "switch");
     assert_eq!(switches.len(), 1, "{switches:?}");
     let sw = switches[0].clone();
-    assert_eq!((sw["from"].as_str(), sw["to"].as_str()), (Some("big"), Some(to)));
+    assert_eq!(
+        (sw["from"].as_str(), sw["to"].as_str()),
+        (Some("big"), Some(to))
+    );
     let toks = tokens(&ebg);
     assert_eq!(finish_reason(&ebg), "length");
     assert_eq!(toks.len(), 160, "it ran to its end");

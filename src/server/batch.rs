@@ -496,8 +496,8 @@ struct Ladders {
     opts: SessionOptions,
     /// Whether answers are set aside for more protected ones (`ServerConfig::set_aside`).
     set_aside: bool,
-    /// Whether a parked answer resuming on a smaller model is carried through the switch
-    /// rather than re-read there (`ServerConfig::carry_on_resume`).
+    /// Whether a parked answer resuming on a model of another size is carried through the
+    /// switch rather than re-read there (`ServerConfig::carry_on_resume`).
     carry_on_resume: bool,
     /// Until when answers are not set aside for memory (a set-aside cache could not be
     /// written: see `aside::set_aside`).
@@ -1474,7 +1474,17 @@ fn park_until(
         for t in tenants.iter_mut() {
             t.parked_since = None;
         }
-        match carry_all(l, shared, rung, best, tenants, exported, b, 0.0, Moving::Resumed) {
+        match carry_all(
+            l,
+            shared,
+            rung,
+            best,
+            tenants,
+            exported,
+            b,
+            0.0,
+            Moving::Resumed,
+        ) {
             Ok(e) => {
                 if best == rung {
                     for t in tenants.iter() {
@@ -1780,8 +1790,8 @@ fn move_all(
 pub(super) enum Moving {
     /// Under pressure, between two tokens: carried through the switch (as `--strategy` says).
     Live,
-    /// Resuming after a park (set aside, or the whole batch): on a size route the history is
-    /// re-read on the smaller rung — a projected cache keeps an answer fluent but loses the
+    /// Resuming after a park (set aside, or the whole batch): on a size route (down or up) the
+    /// history is re-read on the destination — a projected cache keeps an answer fluent but loses the
     /// context's facts (`bench --serve-aside`: a set-aside summary resumed on tier2 stated 1
     /// of its 12 facts carried, 12 re-read), and the answer has waited already. A precision
     /// route carries it (and every route, with `serve --carry-on-resume`).
@@ -1868,7 +1878,7 @@ fn carry_into(
         (true, ..) => None,
         (false, Strategy::Reprefill, ..) => Some(None),
         (false, _, Moving::Resumed, RouteKind::Size) if !l.carry_on_resume => Some(Some(
-            "parked: its history re-read on the smaller rung (a projected cache loses the context's facts)",
+            "parked: its history re-read on this model size (a cache projected from another loses the context's facts)",
         )),
         _ => None,
     };

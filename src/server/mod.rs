@@ -118,8 +118,9 @@ pub struct ServerConfig {
     /// `serve-aside` bench makes).
     pub set_aside: bool,
     /// In the batched loop, a parked answer (set aside, or the whole batch) that resumes on a
-    /// smaller model is carried through the switch, its cache projected, instead of re-reading
-    /// its history there (false, the default: a projected cache loses the context's facts);
+    /// model of another size is carried through the switch, its cache projected, instead of
+    /// re-reading its history there (false, the default: a projected cache loses the
+    /// context's facts);
     /// `serve --carry-on-resume`, kept for the comparison the `serve-aside` bench makes.
     pub carry_on_resume: bool,
 }

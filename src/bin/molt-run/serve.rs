@@ -71,9 +71,10 @@ pub struct Args {
     /// go on: the behaviour before set-aside, kept for comparison (`bench --serve-aside`).
     #[arg(long)]
     pub no_set_aside: bool,
-    /// Carry a parked answer that resumes on a smaller model through the switch (its cache
-    /// projected, as a switch under pressure does) instead of re-reading its history there:
-    /// faster, and it loses the context's facts — kept for comparison (`bench --serve-aside`).
+    /// Carry a parked answer that resumes on a model of another size through the switch (its
+    /// cache projected, as a switch under pressure does) instead of re-reading its history
+    /// there: faster, and it loses the context's facts — kept for comparison (`bench
+    /// --serve-aside`).
     #[arg(long)]
     pub carry_on_resume: bool,
     /// Seconds a request may wait for memory before it fails with 503.
