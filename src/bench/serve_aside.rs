@@ -23,6 +23,13 @@
 //! its sequence (its cache to its file) and resumes when one frees; parked whole (the old
 //! behaviour), the request waits for a background answer to end. Measured: the foreground
 //! request's time to its first token, and whether the background answers end as alone.
+//!
+//! A third scene, on servers of their own: the background answer set aside on the largest
+//! rung as in the first, the foreground one ended, then a budget that holds the smallest rung
+//! with the background answer whole and no larger rung — it resumes there, its history re-read
+//! (the default), or its cache carried through the switch (`serve --carry-on-resume`).
+//! Measured: its wait once memory allowed, and the facts of its notes its answer states,
+//! beside the same request alone on the largest rung and alone on the smallest.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -47,6 +54,9 @@ pub struct ServeAsideOptions {
     pub foreground: String,
     /// The background job's message (long: its cache is what does not fit).
     pub background: String,
+    /// Strings a faithful answer to the background message states (its facts), matched
+    /// case-insensitively.
+    pub facts: Vec<String>,
     /// `max_tokens` of the foreground answer.
     pub fg_max_tokens: usize,
     /// `max_tokens` of the background answer.
@@ -55,6 +65,27 @@ pub struct ServeAsideOptions {
     pub low_ms: u64,
     /// Time after the cut the process is given to act on it before overshoot counts, ms.
     pub settle_ms: u64,
+}
+
+/// The facts of [`standard_messages`]' background notes, as a faithful summary states them.
+#[must_use]
+pub fn standard_facts() -> Vec<String> {
+    [
+        "zstd",
+        "45 days",
+        "14 days",
+        "cold-ledger-eu",
+        "Frankfurt",
+        "Marguerite Abadie",
+        "Tobias Lindqvist",
+        "02:30",
+        "eleven minutes",
+        "five times",
+        "2 seconds",
+        "4.0",
+    ]
+    .map(String::from)
+    .to_vec()
 }
 
 /// The shipped messages: a coding question in the foreground, a long report to summarise in
@@ -135,6 +166,49 @@ pub struct ArmReport {
     pub sequences: Option<SequencesReport>,
 }
 
+/// The background answer set aside on the largest rung (the same cut as the first scene), the
+/// foreground one ended, then a budget that holds the smallest rung with the background
+/// answer whole and no larger rung: it resumes there, its cache carried through the switch.
+/// What its user would check: how long it waited once memory allowed, and whether the answer
+/// written on the smaller rung still states the facts of its notes.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct OtherRungReport {
+    /// `default` (its history re-read on the rung it resumes on) or `carry-on-resume` (`serve
+    /// --carry-on-resume`: its cache carried through the switch, projected).
+    pub arm: String,
+    /// The budget it resumed under, bytes.
+    pub budget_bytes: u64,
+    /// Its switch, `from→to at token N (cost ms)`.
+    pub switch: String,
+    /// The switch's method (`molt`: carried; a re-read names itself).
+    pub method: String,
+    /// Tokens it had when set aside (the switch's token).
+    pub at_token: usize,
+    /// From the budget's rise to its next token, ms.
+    pub wait_ms: f64,
+    /// Its levers, in order.
+    pub levers: Vec<String>,
+    /// Tokens streamed in all.
+    pub tokens: usize,
+    /// The facts of its notes (see [`ServeAsideOptions::facts`]).
+    pub facts: usize,
+    /// Those its answer states.
+    pub facts_stated: Vec<String>,
+    /// Those it does not state.
+    pub facts_missed: Vec<String>,
+    /// Those stated in the part written on the smaller rung, after the switch.
+    pub facts_stated_after_switch: Vec<String>,
+    /// Facts stated by the same request alone on the largest rung, unpressured.
+    pub facts_alone_source: usize,
+    /// Facts stated by the same request alone on the rung it resumed on (the native
+    /// destination).
+    pub facts_alone_destination: usize,
+    /// Its text.
+    pub text: String,
+    /// The native destination's text.
+    pub alone_destination_text: String,
+}
+
 /// Two background answers fill both sequences; a foreground request comes.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SequencesReport {
@@ -167,6 +241,12 @@ pub struct ServeAsideReport {
     pub settle_ms: u64,
     /// The smallest rung (the one the low budget holds with the foreground answer alone).
     pub rung: String,
+    /// The third scene, a set-aside answer resumed on a smaller model than the one it left:
+    /// with the server's default (its history re-read there) and with `serve
+    /// --carry-on-resume` (its cache carried through the switch) — absent in files written
+    /// before it was measured.
+    #[serde(default)]
+    pub other_rung: Vec<OtherRungReport>,
 }
 
 /// Runs both arms: see the module doc.
@@ -193,7 +273,15 @@ pub fn run(
             facts = Some(f);
         }
         let (fg_prompt_tokens, bg_prompt_tokens, rung) = facts.unwrap_or_default();
+        let mut other_rung = Vec::new();
+        for (arm, extra) in [
+            ("default", None),
+            ("carry-on-resume", Some("--carry-on-resume")),
+        ] {
+            other_rung.push(other_rung_arm(opts, arm, extra, say).await?);
+        }
         Ok(ServeAsideReport {
+            other_rung,
             arms,
             fg_prompt_tokens,
             bg_prompt_tokens,
@@ -342,12 +430,18 @@ fn summarise(e: &Events, want: &str, cut: Instant, back: Instant) -> StreamRepor
                 .push(v["molt"]["lever"].as_str().unwrap_or("").to_string()),
             "switch" => {
                 let m = &v["molt"];
+                // A re-read is done over the next steps: the event has no cost of its own
+                // (the stream's wait says it).
+                let how = if m["method"] == "molt" {
+                    format!("{:.0} ms", m["cost_ms"].as_f64().unwrap_or(0.0))
+                } else {
+                    "re-read".to_string()
+                };
                 r.switches.push(format!(
-                    "{}→{} at token {} ({:.0} ms)",
+                    "{}→{} at token {} ({how})",
                     m["from"].as_str().unwrap_or(""),
                     m["to"].as_str().unwrap_or(""),
                     m["at_token"].as_u64().unwrap_or(0),
-                    m["cost_ms"].as_f64().unwrap_or(0.0)
                 ));
             }
             _ => {}
@@ -469,29 +563,15 @@ async fn run_arm(
     let addr = server.addr;
     let floor = floor_rss(&server).await?;
     post_budget(addr, &json!({"unlimited": true})).await?;
-    let fg = body(&opts.foreground, opts.fg_max_tokens, false, false);
-    let bg = body(&opts.background, opts.bg_max_tokens, false, true);
-    let (want_fg, fg_prompt) = alone(addr, &fg).await?;
-    let (want_bg, bg_prompt) = alone(addr, &bg).await?;
-    let status = get_status(addr).await?;
-    let rungs = status["engine"]["rungs"]
-        .as_array()
-        .cloned()
-        .unwrap_or_default();
-    let small = rungs
-        .last()
-        .ok_or_else(|| ServeQosError::Server("the status lists no rung".into()))?;
-    let resident = (small["resident_mib"].as_f64().unwrap_or(0.0) * 1_048_576.0) as u64;
-    let kv = small["kv_bytes_per_token"].as_u64().unwrap_or(0);
-    let fg_whole = fg_prompt + opts.fg_max_tokens as u64 + 32;
-    let low = resident + kv * fg_whole;
-    // The background answer holds at least its prompt and 8 tokens when the cut comes.
-    if resident + kv * (fg_prompt + bg_prompt + 8) <= low {
-        return Err(ServeQosError::Server(format!(
-            "the background prompt ({bg_prompt} tokens) is too short: the smallest rung would hold both answers under the cut"
-        )));
-    }
-    let rung = small["name"].as_str().unwrap_or("").to_string();
+    let Setup {
+        want_fg,
+        want_bg,
+        fg_prompt,
+        bg_prompt,
+        low,
+        rung,
+        ..
+    } = setup(addr, opts).await?;
     say(&format!(
         "serve-aside [{arm}]: floor {} MiB; prompts {fg_prompt} (foreground) and {bg_prompt} (background) tokens; the cut: {:.1} MiB ({rung} with the foreground answer alone)",
         floor >> 20,
@@ -589,4 +669,254 @@ async fn run_arm(
         },
         (fg_prompt, bg_prompt, rung),
     ))
+}
+
+/// What every arm measures first: each answer alone, unpressured, and the scenes' budgets.
+struct Setup {
+    want_fg: String,
+    want_bg: String,
+    fg_prompt: u64,
+    bg_prompt: u64,
+    /// The smallest rung with the foreground answer whole, not the background one beside it.
+    low: u64,
+    /// The smallest rung with the background answer whole, and no larger rung.
+    mid: u64,
+    /// The smallest rung.
+    rung: String,
+}
+
+async fn setup(
+    addr: std::net::SocketAddr,
+    opts: &ServeAsideOptions,
+) -> Result<Setup, ServeQosError> {
+    let fg = body(&opts.foreground, opts.fg_max_tokens, false, false);
+    let bg = body(&opts.background, opts.bg_max_tokens, false, true);
+    let (want_fg, fg_prompt) = alone(addr, &fg).await?;
+    let (want_bg, bg_prompt) = alone(addr, &bg).await?;
+    let status = get_status(addr).await?;
+    let rungs = status["engine"]["rungs"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let small = rungs
+        .last()
+        .ok_or_else(|| ServeQosError::Server("the status lists no rung".into()))?;
+    let resident = (small["resident_mib"].as_f64().unwrap_or(0.0) * 1_048_576.0) as u64;
+    let kv = small["kv_bytes_per_token"].as_u64().unwrap_or(0);
+    let fg_whole = fg_prompt + opts.fg_max_tokens as u64 + 32;
+    let low = resident + kv * fg_whole;
+    // The background answer holds at least its prompt and 8 tokens when the cut comes.
+    if resident + kv * (fg_prompt + bg_prompt + 8) <= low {
+        return Err(ServeQosError::Server(format!(
+            "the background prompt ({bg_prompt} tokens) is too short: the smallest rung would hold both answers under the cut"
+        )));
+    }
+    let rung = small["name"].as_str().unwrap_or("").to_string();
+    let mid = mid_budget(&rungs, &rung, bg_prompt + opts.bg_max_tokens as u64 + 32)?;
+    Ok(Setup {
+        want_fg,
+        want_bg,
+        fg_prompt,
+        bg_prompt,
+        low,
+        mid,
+        rung,
+    })
+}
+
+/// The third scene on a server of its own, `extra` added to its arguments.
+async fn other_rung_arm(
+    opts: &ServeAsideOptions,
+    arm: &str,
+    extra: Option<&str>,
+    say: &mut dyn FnMut(&str),
+) -> Result<OtherRungReport, ServeQosError> {
+    let work = opts.work_dir.join(format!("other-rung-{arm}"));
+    let _ = std::fs::remove_dir_all(&work);
+    let serve_args: Vec<String> = [
+        "--port",
+        "0",
+        "--parallel",
+        "2",
+        "--admission-timeout-s",
+        "36000",
+        "--park-deadline-s",
+        "36000",
+    ]
+    .into_iter()
+    .chain(extra)
+    .map(ToString::to_string)
+    .collect();
+    let server = spawn_server(&opts.program, &opts.global_args, &serve_args, &work)?;
+    let addr = server.addr;
+    post_budget(addr, &json!({"unlimited": true})).await?;
+    let s = setup(addr, opts).await?;
+    let r = other_rung_scene(addr, opts, arm, &s).await?;
+    say(&format!(
+        "serve-aside [other rung, {arm}]: set aside on the largest rung, resumed under {:.1} MiB: {} ({}), {:.0} ms after memory allowed; facts stated {}/{} ({} after the switch); alone on the largest rung {}, alone on the destination {}",
+        r.budget_bytes as f64 / 1_048_576.0,
+        r.switch,
+        r.method,
+        r.wait_ms,
+        r.facts_stated.len(),
+        r.facts,
+        r.facts_stated_after_switch.len(),
+        r.facts_alone_source,
+        r.facts_alone_destination
+    ));
+    drop(server);
+    let _ = std::fs::remove_dir_all(&work);
+    Ok(r)
+}
+
+/// The facts of `facts` that `text` states (case-insensitive).
+fn stated(facts: &[String], text: &str) -> Vec<String> {
+    let text = text.to_lowercase();
+    facts
+        .iter()
+        .filter(|f| text.contains(&f.to_lowercase()))
+        .cloned()
+        .collect()
+}
+
+/// A budget that holds the smallest rung `small` with `cells` of its cache and no larger rung.
+fn mid_budget(rungs: &[Value], small: &str, cells: u64) -> Result<u64, ServeQosError> {
+    let mib = |r: &Value, k: &str| (r[k].as_f64().unwrap_or(0.0) * 1_048_576.0) as u64;
+    let s = rungs
+        .iter()
+        .find(|r| r["name"] == small)
+        .ok_or_else(|| ServeQosError::Server(format!("the status lists no rung {small}")))?;
+    let mid = mib(s, "resident_mib") + s["kv_bytes_per_token"].as_u64().unwrap_or(0) * cells;
+    let next = rungs
+        .iter()
+        .filter(|r| r["name"] != small)
+        .map(|r| mib(r, "resident_mib"))
+        .min()
+        .unwrap_or(u64::MAX);
+    if mid >= next {
+        return Err(ServeQosError::Server(format!(
+            "a budget holding {small} with the background answer whole ({:.1} MiB) also holds a larger rung: lower bg_max_tokens",
+            mid as f64 / 1_048_576.0
+        )));
+    }
+    Ok(mid)
+}
+
+/// The third scene (see [`OtherRungReport`]).
+async fn other_rung_scene(
+    addr: std::net::SocketAddr,
+    opts: &ServeAsideOptions,
+    arm: &str,
+    scene: &Setup,
+) -> Result<OtherRungReport, ServeQosError> {
+    post_budget(addr, &json!({"bytes": scene.mid})).await?;
+    let (alone_destination_text, _) = alone(
+        addr,
+        &body(&opts.background, opts.bg_max_tokens, false, true),
+    )
+    .await?;
+    post_budget(addr, &json!({"unlimited": true})).await?;
+    let bg = stream_until(
+        addr,
+        body(&opts.background, opts.bg_max_tokens, true, true),
+        8,
+        "the background answer's 8th token",
+    )
+    .await?;
+    let fg = stream_until(
+        addr,
+        body(&opts.foreground, opts.fg_max_tokens, true, false),
+        4,
+        "the foreground answer's 4th token",
+    )
+    .await?;
+    post_budget(addr, &json!({"bytes": scene.low})).await?;
+    let has_lever = |e: &Events, name: &str| {
+        e.lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .0
+            .iter()
+            .any(|(_, v)| kind(v) == "lever" && v["molt"]["lever"] == name)
+    };
+    until(
+        "the background answer to be set aside",
+        Duration::from_secs(120),
+        || has_lever(&bg, "park") || ended(&bg),
+    )
+    .await?;
+    until(
+        "the foreground answer to end",
+        Duration::from_secs(600),
+        || ended(&fg),
+    )
+    .await?;
+    if ended(&bg) || has_lever(&bg, "resume") {
+        return Err(ServeQosError::Server(
+            "the background answer was not set aside under the cut, or resumed before the budget rose".into(),
+        ));
+    }
+    let raised = Instant::now();
+    post_budget(addr, &json!({"bytes": scene.mid})).await?;
+    until(
+        "the background answer to end",
+        Duration::from_secs(600),
+        || ended(&bg),
+    )
+    .await?;
+    post_budget(addr, &json!({"unlimited": true})).await?;
+    let g = bg.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let events = &g.0;
+    let wait_ms = events
+        .iter()
+        .find(|(at, v)| *at > raised && kind(v) == "token")
+        .map_or(f64::NAN, |(at, _)| {
+            at.duration_since(raised).as_secs_f64() * 1e3
+        });
+    let content = |v: &Value| {
+        v["choices"][0]["delta"]["content"]
+            .as_str()
+            .unwrap_or("")
+            .to_string()
+    };
+    let switch_at = events.iter().position(|(_, v)| kind(v) == "switch");
+    let after: String = switch_at.map_or_else(String::new, |i| {
+        events[i..]
+            .iter()
+            .filter(|(_, v)| kind(v) == "token")
+            .map(|(_, v)| content(v))
+            .collect()
+    });
+    drop(g);
+    let far = raised + Duration::from_secs(3600);
+    let r = summarise(&bg, &scene.want_bg, raised, far);
+    let g = bg.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let sw = switch_at.map(|i| &g.0[i].1["molt"]);
+    let facts_stated = stated(&opts.facts, &r.text);
+    Ok(OtherRungReport {
+        arm: arm.to_string(),
+        budget_bytes: scene.mid,
+        switch: r.switches.join(", "),
+        method: sw.map_or_else(String::new, |m| {
+            m["method"].as_str().unwrap_or("").to_string()
+        }),
+        at_token: sw.map_or(0, |m| {
+            usize::try_from(m["at_token"].as_u64().unwrap_or(0)).unwrap_or(0)
+        }),
+        wait_ms,
+        levers: r.levers.clone(),
+        tokens: r.tokens,
+        facts: opts.facts.len(),
+        facts_missed: opts
+            .facts
+            .iter()
+            .filter(|f| !facts_stated.contains(f))
+            .cloned()
+            .collect(),
+        facts_stated,
+        facts_stated_after_switch: stated(&opts.facts, &after),
+        facts_alone_source: stated(&opts.facts, &scene.want_bg).len(),
+        facts_alone_destination: stated(&opts.facts, &alone_destination_text).len(),
+        text: r.text,
+        alone_destination_text,
+    })
 }

@@ -109,6 +109,43 @@ pub fn section(doc: &ServeAsideReport) -> String {
             );
         }
     }
+    if let Some(first) = doc.other_rung.first() {
+        let _ = writeln!(
+            s,
+            "\nA set-aside answer resumed on another rung, each on a server of its own: the background answer set aside on the largest rung by the same cut, the foreground answer ended, then a budget of {:.1} MiB, which holds {} with the background answer whole and no larger rung. It resumes there: its history re-read (the default), or its cache carried through the switch (`serve --carry-on-resume`, the behaviour before). What its user would check: the wait once memory allowed, and the facts of its notes ({} strings: names, numbers, the bucket) its answer states — one answer each, greedy.\n",
+            first.budget_bytes as f64 / 1_048_576.0,
+            doc.rung,
+            first.facts
+        );
+        let _ = writeln!(
+            s,
+            "| arm | resumed | levers | wait once memory allowed | facts stated | of them written after the switch | the same request alone on the largest rung | alone on {} | not stated |",
+            doc.rung
+        );
+        let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|");
+        for o in &doc.other_rung {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {:.2} s | {}/{} | {} | {}/{} | {}/{} | {} |",
+                o.arm,
+                o.switch,
+                o.levers.join(" → "),
+                o.wait_ms / 1e3,
+                o.facts_stated.len(),
+                o.facts,
+                o.facts_stated_after_switch.len(),
+                o.facts_alone_source,
+                o.facts,
+                o.facts_alone_destination,
+                o.facts,
+                if o.facts_missed.is_empty() {
+                    "—".to_string()
+                } else {
+                    o.facts_missed.join(", ")
+                }
+            );
+        }
+    }
     let _ = writeln!(
         s,
         "\n*As alone*: the background answer's text against the one the same request gives alone, unpressured (greedy). A set-aside answer resumes from its file on the rung it left; two answers resumed together are decoded in one batch, whose arithmetic can part from a lone sequence's at a near tie."

@@ -1129,7 +1129,7 @@ fn child_global_args(g: &GlobalArgs) -> Vec<String> {
 }
 
 fn run_serve_aside(g: &GlobalArgs, a: &Args) -> Result<()> {
-    use molt::bench::serve_aside::{ServeAsideOptions, run, standard_messages};
+    use molt::bench::serve_aside::{ServeAsideOptions, run, standard_facts, standard_messages};
     let (foreground, background) = standard_messages();
     let opts = ServeAsideOptions {
         program: std::env::current_exe()?,
@@ -1137,6 +1137,7 @@ fn run_serve_aside(g: &GlobalArgs, a: &Args) -> Result<()> {
         work_dir: std::env::temp_dir().join(format!("molt-serve-aside-{}", std::process::id())),
         foreground,
         background,
+        facts: standard_facts(),
         fg_max_tokens: 80,
         bg_max_tokens: 240,
         low_ms: a.serve_aside_low_ms,
