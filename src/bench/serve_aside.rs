@@ -401,6 +401,34 @@ async fn stream_until(
     Ok(events)
 }
 
+/// The background answer streaming (8 tokens in), then the foreground one beside it (4 in):
+/// the scene a cut falls on. Both streams.
+async fn both_streaming(
+    addr: std::net::SocketAddr,
+    opts: &ServeAsideOptions,
+) -> Result<(Events, Events), ServeQosError> {
+    let bg = stream_until(
+        addr,
+        body(&opts.background, opts.bg_max_tokens, true, true),
+        8,
+        "the background answer's 8th token",
+    )
+    .await?;
+    let fg = stream_until(
+        addr,
+        body(&opts.foreground, opts.fg_max_tokens, true, false),
+        4,
+        "the foreground answer's 4th token",
+    )
+    .await?;
+    if ended(&bg) || ended(&fg) {
+        return Err(ServeQosError::Server(
+            "an answer ended before the cut: raise its max_tokens".into(),
+        ));
+    }
+    Ok((bg, fg))
+}
+
 /// What a stream's events say, against the cut and the return of memory.
 fn summarise(e: &Events, want: &str, cut: Instant, back: Instant) -> StreamReport {
     let g = e.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -578,25 +606,7 @@ async fn run_arm(
         low as f64 / 1_048_576.0
     ));
 
-    let bg_events = stream_until(
-        addr,
-        body(&opts.background, opts.bg_max_tokens, true, true),
-        8,
-        "the background answer's 8th token",
-    )
-    .await?;
-    let fg_events = stream_until(
-        addr,
-        body(&opts.foreground, opts.fg_max_tokens, true, false),
-        4,
-        "the foreground answer's 4th token",
-    )
-    .await?;
-    if ended(&bg_events) || ended(&fg_events) {
-        return Err(ServeQosError::Server(
-            "an answer ended before the cut: raise its max_tokens".into(),
-        ));
-    }
+    let (bg_events, fg_events) = both_streaming(addr, opts).await?;
     let cut = Instant::now();
     post_budget(addr, &json!({"bytes": low})).await?;
     let aside_dir = work.join("state").join("aside");
@@ -816,20 +826,7 @@ async fn other_rung_scene(
     )
     .await?;
     post_budget(addr, &json!({"unlimited": true})).await?;
-    let bg = stream_until(
-        addr,
-        body(&opts.background, opts.bg_max_tokens, true, true),
-        8,
-        "the background answer's 8th token",
-    )
-    .await?;
-    let fg = stream_until(
-        addr,
-        body(&opts.foreground, opts.fg_max_tokens, true, false),
-        4,
-        "the foreground answer's 4th token",
-    )
-    .await?;
+    let (bg, fg) = both_streaming(addr, opts).await?;
     post_budget(addr, &json!({"bytes": scene.low})).await?;
     let has_lever = |e: &Events, name: &str| {
         e.lock()
