@@ -1757,8 +1757,10 @@ fn move_all(
     let t0 = Instant::now();
     let mut scratch = Scratch::default();
     let mut exported = Vec::with_capacity(tenants.len());
+    // With `--strategy reprefill` every cache is re-read on the destination: none exported.
+    let carried = from == to || l.opts.strategy != Strategy::Reprefill;
     for t in tenants.iter_mut() {
-        exported.push(if t.started {
+        exported.push(if t.started && carried {
             export_for_switch(l, &src.ctx, t, &mut scratch).ok()
         } else {
             None
@@ -1849,25 +1851,6 @@ fn carry_into(
 ) -> Result<(), SessionError> {
     let to = dst.rung;
     let (from_name, to_name) = (l.name(from).to_string(), l.name(to).to_string());
-    let projector = if from == to {
-        Err("the cache returns to its own rung".to_string())
-    } else {
-        l.routes
-            .borrow_mut()
-            .get(from, to)
-            .map_err(|e| e.to_string())
-    };
-    // The session's switch: the destination's anchor for the head re-read (a damaged one is
-    // not used, and the head is decoded), and token recompute on a size route.
-    let mut anchor_note = None;
-    let anchor = if l.opts.head_reread == 0 {
-        None
-    } else {
-        l.routes.borrow_mut().anchor(to).unwrap_or_else(|e| {
-            anchor_note = Some(format!("anchor not used, head decoded: {e}"));
-            None
-        })
-    };
     let kind = {
         let r = l.routes.borrow();
         route_kind(r.binding(from), r.binding(to))
@@ -1881,6 +1864,28 @@ fn carry_into(
             "parked: its history re-read on this model size (a cache projected from another loses the context's facts)",
         )),
         _ => None,
+    };
+    // Neither the projector nor the anchor is looked up for caches that are re-read.
+    let projector = if from == to {
+        Err("the cache returns to its own rung".to_string())
+    } else if reread.is_some() {
+        Err("re-read".to_string())
+    } else {
+        l.routes
+            .borrow_mut()
+            .get(from, to)
+            .map_err(|e| e.to_string())
+    };
+    // The session's switch: the destination's anchor for the head re-read (a damaged one is
+    // not used, and the head is decoded), and token recompute on a size route.
+    let mut anchor_note = None;
+    let anchor = if l.opts.head_reread == 0 || reread.is_some() {
+        None
+    } else {
+        l.routes.borrow_mut().anchor(to).unwrap_or_else(|e| {
+            anchor_note = Some(format!("anchor not used, head decoded: {e}"));
+            None
+        })
     };
     let mut scratch = Scratch::default();
     let dst_model = Arc::clone(dst.ctx.model());
