@@ -334,12 +334,32 @@ fn listed<'a>(status: &'a Value, id: &str) -> &'a Value {
 
 /// The batched loop with two sequences, its state files under `dir`/state.
 async fn batched_with_state(dir: &std::path::Path) -> harness::Running {
+    batched_with_state_and(dir, |_| {}).await
+}
+
+/// [`batched_with_state`], the configuration then changed by `edit`.
+async fn batched_with_state_and(
+    dir: &std::path::Path,
+    edit: impl FnOnce(&mut molt::server::ServerConfig) + Send + 'static,
+) -> harness::Running {
     let state = dir.join("state");
     start(move |c| {
         c.parallel = 2;
         c.state_dir = Some(state);
+        edit(c);
     })
     .await
+}
+
+/// Reads the foreground stream of a cut until it stalls, and checks the stall is the whole
+/// batch parking (no rung holds it), not a set-aside.
+async fn until_the_batch_parks(fg: &mut EventStream, efg: &mut Vec<(Instant, Value)>) {
+    until_stall(fg, efg, "foreground").await;
+    let reason = of_kind(efg, "stall")[0]["reason"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(reason.contains("below every rung"), "{reason}");
 }
 
 /// Conversations in the batched loop, as in the one-at-a-time loop: a continued conversation
@@ -651,13 +671,8 @@ async fn only_budget(addr: SocketAddr, name: &str) -> f64 {
 /// before the cut as alone, its file removed) and returns the switch event.
 async fn set_aside_then_resumed_on(to: &str, carry_on_resume: bool) -> Value {
     let dir = tempfile::tempdir().unwrap();
-    let state = dir.path().join("state");
-    let srv = start(move |c| {
-        c.parallel = 2;
-        c.state_dir = Some(state);
-        c.carry_on_resume = carry_on_resume;
-    })
-    .await;
+    let srv =
+        batched_with_state_and(dir.path(), move |c| c.carry_on_resume = carry_on_resume).await;
     let addr = srv.addr;
     let background = background_request();
     let want_bg = alone(addr, &background).await;
@@ -756,13 +771,7 @@ async fn a_set_aside_answer_resumed_on_a_lower_precision_is_carried() {
 async fn without_set_aside_the_same_cut_parks_the_whole_batch() {
     let _serial = serial().await;
     let dir = tempfile::tempdir().unwrap();
-    let state = dir.path().join("state");
-    let srv = start(move |c| {
-        c.parallel = 2;
-        c.state_dir = Some(state);
-        c.set_aside = false;
-    })
-    .await;
+    let srv = batched_with_state_and(dir.path(), |c| c.set_aside = false).await;
     let addr = srv.addr;
     let Cut {
         mut bg,
@@ -771,12 +780,7 @@ async fn without_set_aside_the_same_cut_parks_the_whole_batch() {
         mut efg,
         ..
     } = both_running_then_cut(addr, &background_request(), 16).await;
-    until_stall(&mut fg, &mut efg, "foreground").await;
-    let reason = of_kind(&efg, "stall")[0]["reason"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    assert!(reason.contains("below every rung"), "{reason}");
+    until_the_batch_parks(&mut fg, &mut efg).await;
     set_budget(addr, json!({"unlimited": true})).await;
     let (ebg, efg) = tokio::join!(drain(&mut bg, head_bg), drain(&mut fg, efg));
     assert_eq!(
@@ -875,13 +879,7 @@ async fn a_foreground_request_takes_a_background_answers_sequence() {
 async fn a_set_aside_past_the_state_bound_parks_the_batch_instead() {
     let _serial = serial().await;
     let dir = tempfile::tempdir().unwrap();
-    let state = dir.path().join("state");
-    let srv = start(move |c| {
-        c.parallel = 2;
-        c.state_dir = Some(state);
-        c.state_max_mib = 0;
-    })
-    .await;
+    let srv = batched_with_state_and(dir.path(), |c| c.state_max_mib = 0).await;
     let addr = srv.addr;
     let Cut {
         mut bg,
@@ -890,12 +888,7 @@ async fn a_set_aside_past_the_state_bound_parks_the_batch_instead() {
         mut efg,
         ..
     } = both_running_then_cut(addr, &background_request(), 16).await;
-    until_stall(&mut fg, &mut efg, "foreground").await;
-    let reason = of_kind(&efg, "stall")[0]["reason"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    assert!(reason.contains("below every rung"), "{reason}");
+    until_the_batch_parks(&mut fg, &mut efg).await;
     let aside = dir.path().join("state").join("aside");
     assert_eq!(
         std::fs::read_dir(&aside).map_or(0, |d| d.flatten().count()),
