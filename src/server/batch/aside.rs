@@ -404,6 +404,11 @@ pub(super) fn set_aside(
                 "a sequence",
             ),
         };
+        // Listed as parked before its client hears so (a status read on the stall event
+        // showed it running).
+        if let Some(c) = &t.job.conversation {
+            shared.conversations.set_parked(&c.id, true);
+        }
         t.emit(
             shared,
             Event::Stall {
@@ -426,9 +431,6 @@ pub(super) fn set_aside(
                 ..info
             }),
         );
-        if let Some(c) = &t.job.conversation {
-            shared.conversations.set_parked(&c.id, true);
-        }
         shared.recorder.service(
             &t.job.id,
             "set_aside",
