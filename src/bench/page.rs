@@ -543,6 +543,7 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
     let curve: Option<CurveDoc> = optional(&dir.join("projector_curve.json"))?;
     let qos: Option<QosDoc> = optional(&dir.join("qos.json"))?;
     let recall: Option<RecallDoc> = optional(&dir.join("recall.json"))?;
+    let summaries: Option<RecallDoc> = optional(&dir.join("recall_summaries.json"))?;
     let precision_doc: Option<super::precision::PrecisionDoc> =
         optional(&dir.join("precision_rungs.json"))?;
     let stall_doc: Option<super::stall::StallDoc> = optional(&dir.join("switch_stall.json"))?;
@@ -564,6 +565,7 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
         (curve.is_some(), "projector_curve.json"),
         (qos.is_some(), "qos.json"),
         (recall.is_some(), "recall.json"),
+        (summaries.is_some(), "recall_summaries.json"),
         (precision_doc.is_some(), "precision_rungs.json"),
         (stall_doc.is_some(), "switch_stall.json"),
         (reliability.is_some(), "reliability.json"),
@@ -745,6 +747,9 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
     }
     if let Some(doc) = &recall {
         s.push_str(&recall::section(doc, figures, &opts.figures_rel_results));
+    }
+    if let Some(doc) = &summaries {
+        s.push_str(&recall::summaries_section(doc));
     }
     if let Some(doc) = &precision_doc {
         s.push_str(&precision::section(doc));

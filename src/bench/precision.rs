@@ -440,6 +440,8 @@ mod tests {
             items,
             recall,
             destination_recall: 1.0,
+            facts: recall,
+            destination_facts: 1.0,
             cost_ms: Spread {
                 median: cost,
                 min: cost,

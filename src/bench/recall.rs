@@ -24,7 +24,7 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 use super::BenchError;
-use crate::engine::{ChatMessage, Context, ContextConfig, ReRead, Span, Token, argmax};
+use crate::engine::{ChatMessage, Context, ContextConfig, Span, Token, argmax};
 use crate::ladder::Ladder;
 use crate::routes::{RouteKind, Routes, Variant, route_kind};
 use crate::session::migrate::{self, Exported, Reread};
@@ -62,6 +62,14 @@ pub struct RecallItem {
     pub question: String,
     /// Strings that must all appear in a correct answer.
     pub expected: Vec<String>,
+    /// Tokens of the answer, when the item needs another length than its switch point's
+    /// (a summary of every fact needs ~200).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<usize>,
+    /// The answer token a mid item switches before, when not the run's
+    /// ([`RecallOptions::mid_switch_at`]): a summary is caught after its first bullets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub switch_token: Option<usize>,
 }
 
 impl RecallItem {
@@ -75,20 +83,40 @@ impl RecallItem {
     /// digits is ignored, so "44,172" is 44172, as a reader would take it).
     #[must_use]
     pub fn scores(&self, answer: &str) -> bool {
-        let chars: Vec<char> = answer.to_lowercase().chars().collect();
-        let a: String = chars
-            .iter()
-            .enumerate()
-            .filter(|&(i, &c)| {
-                !(c == ','
-                    && i > 0
-                    && chars[i - 1].is_ascii_digit()
-                    && chars.get(i + 1).is_some_and(char::is_ascii_digit))
-            })
-            .map(|(_, &c)| c)
-            .collect();
+        let a = normalised(answer);
         self.expected.iter().all(|e| a.contains(&e.to_lowercase()))
     }
+
+    /// The share of the expected strings `answer` holds, matched as [`RecallItem::scores`]
+    /// does: for a summary, how many of the notes' facts it states.
+    #[must_use]
+    pub fn facts(&self, answer: &str) -> f64 {
+        let a = normalised(answer);
+        let n = self
+            .expected
+            .iter()
+            .filter(|e| a.contains(&e.to_lowercase()))
+            .count();
+        #[allow(clippy::cast_precision_loss)]
+        let share = n as f64 / self.expected.len().max(1) as f64;
+        share
+    }
+}
+
+/// `answer` lower-cased, a comma between two digits dropped.
+fn normalised(answer: &str) -> String {
+    let chars: Vec<char> = answer.to_lowercase().chars().collect();
+    chars
+        .iter()
+        .enumerate()
+        .filter(|&(i, &c)| {
+            !(c == ','
+                && i > 0
+                && chars[i - 1].is_ascii_digit()
+                && chars.get(i + 1).is_some_and(char::is_ascii_digit))
+        })
+        .map(|(_, &c)| c)
+        .collect()
 }
 
 /// A line of the item file that could not be used, and why.
@@ -168,9 +196,10 @@ pub enum ArmMethod {
         tail: usize,
         /// Selective token recompute.
         recompute: Option<TokenRecompute>,
-        /// Background refill: history tokens the destination re-reads natively in a context
-        /// of its own between every two answer tokens, taking over the live cache once caught
-        /// up (0: off), as [`SessionOptions::refill_chunk`].
+        /// Refill: history positions the destination re-reads natively in place, in the batch
+        /// of every answer token, until the newest (0: off), as
+        /// [`SessionOptions::refill_chunk`]. (Runs before 2026-12-06 re-read in a context of
+        /// its own that took over the live cache once caught up: the same cache at the end.)
         #[serde(default)]
         refill: usize,
     },
@@ -214,6 +243,8 @@ impl Arm {
     pub fn is_default(&self, kind: RouteKind) -> bool {
         let d = SessionOptions::default();
         let recompute = d.token_recompute.filter(|_| kind == RouteKind::Size);
+        let refills = kind == RouteKind::Size || d.refill_precision;
+        let refill_chunk = if refills { d.refill_chunk } else { 0 };
         match self.method {
             ArmMethod::Transplant {
                 head,
@@ -224,7 +255,7 @@ impl Arm {
                 head == d.head_reread
                     && tail == d.tail_recompute
                     && r == recompute
-                    && refill == d.refill_chunk
+                    && refill == refill_chunk
             }
             _ => false,
         }
@@ -391,6 +422,9 @@ pub struct RecallAnswer {
     pub answer: String,
     /// Every expected string present.
     pub ok: bool,
+    /// The share of the expected strings present (a summary's facts stated).
+    #[serde(default)]
+    pub facts: f64,
     /// Switch cost, ms (0 for the natives).
     pub cost_ms: f64,
     /// Positions re-read by selective token recompute.
@@ -468,6 +502,13 @@ pub struct RecallRow {
     pub recall: f64,
     /// The native destination's recall on the same items.
     pub destination_recall: f64,
+    /// The share of the expected strings the answers hold, mean over the row's items (a
+    /// summary's facts stated; for one-fact items, the recall).
+    #[serde(default)]
+    pub facts: f64,
+    /// The same for the native destination on the same items.
+    #[serde(default)]
+    pub destination_facts: f64,
     /// Switch cost, ms.
     pub cost_ms: Spread,
     /// The re-prefill's cost at the same points, ms.
@@ -547,17 +588,17 @@ fn continue_greedy(
     Ok(())
 }
 
-/// Greedy continuation with a background refill behind it, as a session's
-/// [`SessionOptions::refill_chunk`] runs one: `history` is what the destination's cache holds
-/// before the answer token `out.last()` (just decoded on `ctx`, its logits ready). Between every
-/// two answer tokens a context of the destination's own re-reads the next `chunk` history
-/// tokens; once it has caught up, its cache replaces the live one and the newest token is
-/// decoded on it. Returns the refill's time, ms, and the answer token before which it took over
-/// (`None`: the answer ended first).
+/// Greedy continuation with a refill, as a session's [`SessionOptions::refill_chunk`] runs
+/// one: `history` is what the destination's cache holds before the answer token `out.last()`
+/// (just decoded on `ctx`, its logits ready), and `from` the first position to re-read (the end
+/// of the head re-read). Every answer token is decoded in one batch with the next `chunk`
+/// positions of the history re-read in place, until the newest token. Returns the refill's
+/// time, ms (its batches, their tokens' decodes included), and the answer token before which it
+/// reached the newest token (`None`: the answer ended first).
 pub fn continue_refilling(
     ctx: &mut Context,
-    config: ContextConfig,
     history: &[Token],
+    from: usize,
     out: &mut Vec<Token>,
     max: usize,
     chunk: usize,
@@ -565,38 +606,48 @@ pub fn continue_refilling(
     let name = ctx.model().name().to_string();
     let mut full: Vec<Token> = history.to_vec();
     full.extend(out.last().copied());
-    let mut refill = Some(ReRead::new(ctx.model().clone(), config, chunk));
+    let chunk = chunk.max(1);
+    let mut next = Some(from);
     let mut ms = 0.0;
-    let mut took_over = None;
+    let mut done_at = None;
     while out.len() < max {
         let t = argmax(ctx.logits());
         if ctx.model().is_eog(t) {
             break;
         }
         out.push(t);
-        full.push(t);
         if out.len() >= max {
             break;
         }
-        if let Some(r) = refill.as_mut() {
-            let t0 = Instant::now();
-            // Everything but the newest token, which the live context decodes next.
-            if r.step(&full, full.len() - 1).map_err(engine(&name))? {
-                let blob = refill
-                    .take()
-                    .map(ReRead::into_state)
-                    .transpose()
-                    .map_err(engine(&name))?
-                    .unwrap_or_default();
-                ctx.clear();
-                ctx.import_state(&blob).map_err(engine(&name))?;
-                took_over = Some(out.len());
+        let n_past = ctx.n_past().min(full.len());
+        match next {
+            Some(a) if a < n_past => {
+                let end = (a + chunk).min(n_past);
+                let t0 = Instant::now();
+                let span = Span {
+                    start: a,
+                    tokens: &full[a..end],
+                };
+                // The last span before its token (as the session reads it).
+                if end >= n_past {
+                    ctx.recompute_spans(&[span]).map_err(engine(&name))?;
+                    ctx.decode(&[t]).map_err(engine(&name))?;
+                } else {
+                    ctx.recompute_spans_then_decode(&[span], &[t])
+                        .map_err(engine(&name))?;
+                }
+                ms += t0.elapsed().as_secs_f64() * 1e3;
+                next = Some(end);
+                if end >= n_past {
+                    next = None;
+                    done_at = Some(out.len());
+                }
             }
-            ms += t0.elapsed().as_secs_f64() * 1e3;
+            _ => ctx.decode(&[t]).map_err(engine(&name))?,
         }
-        ctx.decode(&[t]).map_err(engine(&name))?;
+        full.push(t);
     }
-    Ok((ms, took_over))
+    Ok((ms, done_at))
 }
 
 /// [`SelectRule::Residual`]'s scores for a source state: the route's maps there and back.
@@ -714,8 +765,12 @@ pub fn run(
         for (n_item, item) in items.iter().enumerate() {
             let (switch_at, max) = match item.switch {
                 SwitchPoint::First => (1, opts.max_tokens_first),
-                SwitchPoint::Mid => (opts.mid_switch_at, opts.max_tokens_mid),
+                SwitchPoint::Mid => (
+                    item.switch_token.unwrap_or(opts.mid_switch_at),
+                    opts.max_tokens_mid,
+                ),
             };
+            let max = item.max_tokens.unwrap_or(max);
             let t_item = Instant::now();
             let read = read_on_source(&mut src.ctx, item, switch_at, max, window)?;
             let n_ctx_tokens = read.tokens.len();
@@ -735,6 +790,7 @@ pub fn run(
                     context_tokens: n_ctx_tokens,
                     switch_at: sw,
                     ok: item.scores(&text),
+                    facts: item.facts(&text),
                     answer: text,
                     cost_ms: cost,
                     recomputed: rc,
@@ -861,8 +917,8 @@ pub fn run(
                             if refill > 0 {
                                 refilled = Some(continue_refilling(
                                     &mut dst.ctx,
-                                    config,
                                     &history,
+                                    h,
                                     &mut out,
                                     max,
                                     refill,
@@ -934,6 +990,49 @@ pub fn resummarise(doc: &mut RecallDoc, items: &[RecallItem]) {
     doc.rows = summarise(&ran, &doc.answers, &kinds, &doc.options);
 }
 
+/// Merges an earlier run into `doc`: the earlier answers of every arm × route this run did not
+/// measure are kept beside this run's (an arm measured again replaces its earlier answers on
+/// that route), the arm lists and routes are united, and the rows recomputed from the answers.
+/// `items` is the item file both ran. Each answer keeps its own run's cost: rows that mix runs
+/// compare costs measured at different times.
+pub fn merge(doc: &mut RecallDoc, old: RecallDoc, items: &[RecallItem]) {
+    let measured: std::collections::BTreeSet<(String, String)> = doc
+        .answers
+        .iter()
+        .map(|a| (a.route.clone(), a.arm.clone()))
+        .collect();
+    let kept: Vec<RecallAnswer> = old
+        .answers
+        .into_iter()
+        .filter(|a| !measured.contains(&(a.route.clone(), a.arm.clone())))
+        .collect();
+    doc.answers.extend(kept);
+    let unite = |mine: &mut Vec<Arm>, theirs: Vec<Arm>| {
+        for a in theirs {
+            if !mine.iter().any(|m| m.name == a.name) {
+                mine.push(a);
+            }
+        }
+    };
+    unite(&mut doc.options.size_arms, old.options.size_arms);
+    unite(&mut doc.options.precision_arms, old.options.precision_arms);
+    for r in old.options.routes {
+        if !doc.options.routes.contains(&r) {
+            doc.options.routes.push(r);
+        }
+    }
+    let routes: std::collections::BTreeSet<String> =
+        doc.rows.iter().map(|r| r.route.clone()).collect();
+    doc.rows
+        .extend(old.rows.into_iter().filter(|r| !routes.contains(&r.route)));
+    doc.problems.extend(old.problems);
+    doc.problems.sort_by_key(|p| p.line);
+    doc.problems.dedup();
+    resummarise(doc, items);
+    let ran: std::collections::BTreeSet<&str> = doc.answers.iter().map(|a| a.id.as_str()).collect();
+    doc.n_items = ran.len();
+}
+
 /// A document from the answers an interrupted run left in its partial file (written after
 /// every item), summarised as a finished run's would be; `kinds` names each route's kind.
 #[must_use]
@@ -1000,6 +1099,15 @@ fn summarise(
                     let r = v.iter().filter(|a| a.ok).count() as f64 / v.len().max(1) as f64;
                     r
                 };
+                let facts = |v: &[&RecallAnswer]| {
+                    let sum: f64 = v
+                        .iter()
+                        .map(|a| by_id.get(a.id.as_str()).map_or(0.0, |i| i.facts(&a.answer)))
+                        .sum();
+                    #[allow(clippy::cast_precision_loss)]
+                    let mean = sum / v.len().max(1) as f64;
+                    mean
+                };
                 let dest = of("native-destination");
                 let re: Vec<f64> = of("reprefill").iter().map(|a| a.cost_ms).collect();
                 for arm in arms {
@@ -1026,6 +1134,8 @@ fn summarise(
                         items: v.len(),
                         recall: share(&v),
                         destination_recall: share(&dest),
+                        facts: facts(&v),
+                        destination_facts: facts(&dest),
                         cost_ms: Spread::of(&costs),
                         reprefill_ms: Spread::of(&re),
                         recomputed: Spread::of(&rc).median,
@@ -1075,6 +1185,8 @@ mod tests {
             context: String::new(),
             question: String::new(),
             expected: vec!["Ash-Vault-17".into(), "6621".into()],
+            max_tokens: None,
+            switch_token: None,
         };
         assert!(item.scores("The host ash-vault-17 listens on 6621."));
         assert!(!item.scores("The host ash-vault-17 listens on 6622."));
@@ -1083,6 +1195,9 @@ mod tests {
             item.scores("ASH-VAULT-17, port 6,621"),
             "digit grouping is read through"
         );
+        assert!((item.facts("The host ash-vault-17 listens on 6622.") - 0.5).abs() < 1e-12);
+        assert!((item.facts("ash-vault-17 on 6,621") - 1.0).abs() < 1e-12);
+        assert!(item.facts("").abs() < 1e-12);
     }
 
     #[test]
@@ -1101,10 +1216,132 @@ mod tests {
         assert_eq!(prec.len(), 1, "one default on precision routes");
         assert!(matches!(
             size[0].method,
-            ArmMethod::Transplant { head, recompute, .. }
-                if head == d.head_reread && recompute == d.token_recompute
+            ArmMethod::Transplant { head, recompute, refill, .. }
+                if head == d.head_reread
+                    && recompute == d.token_recompute
+                    && refill == d.refill_chunk
+        ));
+        assert!(matches!(
+            prec[0].method,
+            ArmMethod::Transplant {
+                refill: 0,
+                recompute: None,
+                ..
+            }
         ));
         assert_eq!(default_arms(&["reprefill".into()]).len(), 1);
+    }
+
+    #[test]
+    fn a_merge_keeps_what_the_new_run_did_not_measure_and_replaces_what_it_did() {
+        let item = |id: &str| RecallItem {
+            id: id.into(),
+            kind: "number".into(),
+            length: 256,
+            position: "middle".into(),
+            switch: SwitchPoint::First,
+            context: String::new(),
+            question: String::new(),
+            expected: vec!["42".into()],
+            max_tokens: None,
+            switch_token: None,
+        };
+        let items = vec![item("a"), item("b")];
+        let answer = |id: &str, arm: &str, route: &str, text: &str| RecallAnswer {
+            id: id.into(),
+            arm: arm.into(),
+            route: route.into(),
+            context_tokens: 250,
+            switch_at: 1,
+            answer: text.into(),
+            ok: text.contains("42"),
+            facts: 0.0,
+            cost_ms: 10.0,
+            recomputed: 0,
+            reread: Vec::new(),
+            refill_ms: 0.0,
+            refill_at: None,
+        };
+        let row = |route: &str| RecallRow {
+            arm: "reprefill".into(),
+            default: false,
+            route: route.into(),
+            route_kind: "size".into(),
+            context_tokens: 256,
+            measured_tokens: 250,
+            switch_at: SwitchPoint::First,
+            items: 2,
+            recall: 0.0,
+            destination_recall: 0.0,
+            facts: 0.0,
+            destination_facts: 0.0,
+            cost_ms: Spread::default(),
+            reprefill_ms: Spread::default(),
+            recomputed: 0.0,
+            refill_ms: None,
+        };
+        let arms = default_arms(&["reprefill".into(), "sent-r10-m64".into()]);
+        let doc = |answers: Vec<RecallAnswer>, arms: Vec<Arm>, route: &str| RecallDoc {
+            items_file: "x".into(),
+            n_items: 2,
+            problems: vec![],
+            options: RecallOptions {
+                routes: vec![(0, 2)],
+                size_arms: arms,
+                precision_arms: vec![],
+                max_tokens_first: 40,
+                max_tokens_mid: 80,
+                mid_switch_at: 12,
+                precision_every: 1,
+                precision_variant: Variant::Auto,
+                partial: None,
+            },
+            rows: vec![row(route)],
+            answers,
+            seconds: 1.0,
+            run: serde_json::Value::Null,
+        };
+        let r = "tier0→tier2";
+        let old = doc(
+            vec![
+                answer("a", "reprefill", r, "no"),
+                answer("b", "reprefill", r, "no"),
+                answer("a", "sent-r10-m64", r, "42"),
+                answer("b", "sent-r10-m64", r, "no"),
+            ],
+            arms.clone(),
+            r,
+        );
+        let mut new = doc(
+            vec![
+                answer("a", "reprefill", r, "42"),
+                answer("b", "reprefill", r, "42"),
+            ],
+            arms[..1].to_vec(),
+            r,
+        );
+        merge(&mut new, old, &items);
+        let recall = |arm: &str| {
+            new.rows
+                .iter()
+                .find(|x| x.arm == arm)
+                .map(|x| x.recall)
+                .unwrap()
+        };
+        assert_eq!(
+            new.answers.len(),
+            4,
+            "the re-measured arm replaced, the other kept"
+        );
+        assert!(
+            (recall("reprefill") - 1.0).abs() < 1e-12,
+            "the new run's answers"
+        );
+        assert!(
+            (recall("sent-r10-m64") - 0.5).abs() < 1e-12,
+            "the old run's answers"
+        );
+        assert_eq!(new.options.size_arms.len(), 2);
     }
 
     #[test]

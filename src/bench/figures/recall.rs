@@ -553,6 +553,8 @@ pub(crate) fn sample_doc() -> RecallDoc {
                     items,
                     recall: recall[i],
                     destination_recall: dst,
+                    facts: recall[i],
+                    destination_facts: dst,
                     cost_ms: spread(cost[i]),
                     reprefill_ms: spread(re),
                     recomputed: rc[i],

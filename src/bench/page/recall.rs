@@ -112,6 +112,111 @@ pub(super) fn section(doc: &RecallDoc, figures: &FigureSet, figures_rel: &str) -
     s
 }
 
+/// The section on summaries (`recall_summaries.json`): notes with eight or nine facts spread
+/// through them, summarised as a list across a switch, scored by the share of the facts the
+/// summary states — what a user who asked for the summary would check. Per route, one row per
+/// arm pooling every item (mean share), the native destination's on the same items, the
+/// switch's median gap, and for a refill its time and the answer token it had every position
+/// re-read by.
+pub(super) fn summaries_section(doc: &RecallDoc) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "
+## Summaries across a switch: the facts a summary states
+"
+    );
+    let lengths = {
+        let mut v: Vec<usize> = doc.rows.iter().map(|r| r.context_tokens).collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    };
+    let _ = writeln!(
+        s,
+        "From `recall_summaries.json`: {} items of `{}` — notes of {} tokens with eight or nine facts (names, numbers, identifiers, places) spread through them, summarised as a bulleted list of up to 200 tokens — switched before answer token 1 or in the list's middle. A summary is scored by the share of its notes' facts it states (every expected string, case-insensitive), the mean over the items; `recall` counts the summaries that state them all. Every answer is in the JSON.\n",
+        doc.n_items,
+        doc.items_file,
+        join_lengths(&lengths),
+    );
+    let mut routes: Vec<&str> = doc.rows.iter().map(|r| r.route.as_str()).collect();
+    routes.dedup();
+    for route in routes {
+        let _ = writeln!(s, "### {route}\n");
+        let _ = writeln!(
+            s,
+            "| arm | facts stated | native destination | all facts | median switch gap ms | refill ms (median) | every position re-read by token |"
+        );
+        let _ = writeln!(s, "|---|---|---|---|---|---|---|");
+        let mut arms: Vec<&str> = doc
+            .rows
+            .iter()
+            .filter(|r| r.route == route)
+            .map(|r| r.arm.as_str())
+            .collect();
+        arms.sort_unstable();
+        arms.dedup();
+        for arm in arms {
+            let rows: Vec<_> = doc
+                .rows
+                .iter()
+                .filter(|r| r.route == route && r.arm == arm)
+                .collect();
+            let items: usize = rows.iter().map(|r| r.items).sum();
+            #[allow(clippy::cast_precision_loss)]
+            let pooled = |g: &dyn Fn(&crate::bench::recall::RecallRow) -> f64| {
+                rows.iter().map(|r| g(r) * r.items as f64).sum::<f64>() / items.max(1) as f64
+            };
+            let answers: Vec<_> = doc
+                .answers
+                .iter()
+                .filter(|a| a.route == route && a.arm == arm)
+                .collect();
+            let median = |mut v: Vec<f64>| {
+                v.sort_by(f64::total_cmp);
+                v.get(v.len() / 2).copied()
+            };
+            let native = matches!(arm, "native-source" | "native-destination");
+            let refill = median(
+                answers
+                    .iter()
+                    .filter(|a| a.refill_ms > 0.0)
+                    .map(|a| a.refill_ms)
+                    .collect(),
+            );
+            #[allow(clippy::cast_precision_loss)]
+            let by = median(
+                answers
+                    .iter()
+                    .filter_map(|a| a.refill_at.map(|k| k as f64))
+                    .collect(),
+            );
+            let default = rows.iter().any(|r| r.default);
+            let _ = writeln!(
+                s,
+                "| {} | {:.2} | {:.2} | {:.2} | {} | {} | {} |",
+                if default {
+                    format!("**{arm}** (default)")
+                } else {
+                    arm.to_string()
+                },
+                pooled(&|r| r.facts),
+                pooled(&|r| r.destination_facts),
+                pooled(&|r| r.recall),
+                if native {
+                    "–".to_string()
+                } else {
+                    f(median(answers.iter().map(|a| a.cost_ms).collect()), 0)
+                },
+                refill.map_or("–".to_string(), |v| f(Some(v), 0)),
+                by.map_or("–".to_string(), |v| f(Some(v), 0)),
+            );
+        }
+        s.push('\n');
+    }
+    s
+}
+
 /// The bullet for "What this does not show": how coarse a string-matched recall on few items
 /// is.
 pub(super) fn caveat(doc: &RecallDoc) -> String {

@@ -145,7 +145,7 @@ pub struct Args {
     pub out_dir: PathBuf,
     /// The conditions benchmark: `all`, or arm ids separated by commas (A, B, C, D,
     /// D-no-sandwich, D-no-remap, D-truncate, D-no-diagonal, D-dense, D-per-head; and by id
-    /// only, top-k recompute: D-topk2, D-topk4, D-topk6; tail recompute: D-tail8, D-tail32; head re-read other than the default 4: D-no-head, D-head3, D-head32; background refill: D-refill8, D-refill32).
+    /// only, top-k recompute: D-topk2, D-topk4, D-topk6; tail recompute: D-tail8, D-tail32; head re-read other than the default 4: D-no-head, D-head3, D-head32; refill other than the default 64: D-refill8, D-refill32; D-no-refill runs with all).
     #[arg(long, value_name = "ARMS")]
     pub conditions: Option<String>,
     /// Prompts of the conditions benchmark (JSONL: id, kind, prompt).
@@ -201,6 +201,11 @@ pub struct Args {
     /// are this command line's) into `<out-dir>/recall.json`; nothing is re-measured.
     #[arg(long, value_name = "FILE")]
     pub recall_from_partial: Option<PathBuf>,
+    /// Keep the answers of an earlier recall.json for every arm × route this run does not
+    /// measure, and summarise both together (the rows then mix runs; each answer keeps its
+    /// own run's cost).
+    #[arg(long, value_name = "FILE")]
+    pub recall_merge: Option<PathBuf>,
     /// The precision-rung benchmark: per rung, file size, the policy's footprint, prefill and
     /// decode speed, its own answers to the conditions prompts judged by the largest rung, and
     /// recall after a switch to it read from --precision-recall files
@@ -478,6 +483,9 @@ fn run_stall(g: &GlobalArgs, a: &Args) -> Result<()> {
         + 3 * legs * (opts.lead_tokens + 1 + opts.itl_tokens)
         + legs * stall::WAIT_ROOM_PER_LEG
         + 16;
+    // And the tokens a refill after a size switch takes, 63 cells a token net (64 re-read,
+    // one written), over a history as long as all that.
+    let need = need + legs * need.div_ceil(molt::session::DEFAULT_REFILL_CHUNK.max(2) - 1);
     config.n_ctx = config.n_ctx.max(u32::try_from(need).unwrap_or(u32::MAX));
     let corpus = molt::train::read_corpus(&a.corpus)?;
     let info = RunInfo::now();
@@ -752,7 +760,7 @@ fn run_recall(g: &GlobalArgs, a: &Args) -> Result<()> {
             &kinds,
             opts,
         );
-        return write_result(&a.out_dir, "recall.json", &doc);
+        return write_result(&a.out_dir, &recall_file_name(&a.recall_items, false), &doc);
     }
     let info = RunInfo::now();
     let t0 = std::time::Instant::now();
@@ -765,12 +773,22 @@ fn run_recall(g: &GlobalArgs, a: &Args) -> Result<()> {
         &mut |s| eprintln!("{s}"),
     )?;
     println!(
-        "{:<18} {:<12} {:>6} {:>5} {:>6} {:>7} {:>9} {:>10} {:>8}",
-        "arm", "route", "ctx", "at", "items", "recall", "dst rec.", "cost ms", "reprefill"
+        "{:<18} {:<12} {:>6} {:>5} {:>6} {:>7} {:>9} {:>6} {:>9} {:>10} {:>8}",
+        "arm",
+        "route",
+        "ctx",
+        "at",
+        "items",
+        "recall",
+        "dst rec.",
+        "facts",
+        "dst facts",
+        "cost ms",
+        "reprefill"
     );
     for r in &rows {
         println!(
-            "{:<18} {:<12} {:>6} {:>5} {:>6} {:>7.2} {:>9.2} {:>10.1} {:>8.1}{}",
+            "{:<18} {:<12} {:>6} {:>5} {:>6} {:>7.2} {:>9.2} {:>6.2} {:>9.2} {:>10.1} {:>8.1}{}",
             r.arm,
             r.route,
             r.context_tokens,
@@ -778,6 +796,8 @@ fn run_recall(g: &GlobalArgs, a: &Args) -> Result<()> {
             r.items,
             r.recall,
             r.destination_recall,
+            r.facts,
+            r.destination_facts,
             r.cost_ms.median,
             r.reprefill_ms.median,
             if r.default { "  (default)" } else { "" }
@@ -793,14 +813,40 @@ fn run_recall(g: &GlobalArgs, a: &Args) -> Result<()> {
         seconds: t0.elapsed().as_secs_f64(),
         run: serde_json::to_value(info)?,
     };
-    let name = if a.quick {
-        "recall-quick.json"
-    } else {
-        "recall.json"
-    };
-    write_result(&a.out_dir, name, &doc)?;
+    let mut doc = doc;
+    if let Some(path) = &a.recall_merge {
+        let old: recall::RecallDoc = serde_json::from_slice(&std::fs::read(path)?)
+            .map_err(|e| anyhow::anyhow!("--recall-merge {}: {e}", path.display()))?;
+        recall::merge(&mut doc, old, &items);
+        eprintln!(
+            "merged the arms and routes this run did not measure from {}",
+            path.display()
+        );
+    }
+    let name = recall_file_name(&a.recall_items, a.quick);
+    write_result(&a.out_dir, &name, &doc)?;
     let _ = std::fs::remove_file(a.out_dir.join("recall.partial.json"));
     Ok(())
+}
+
+/// Where a recall run's document goes: `recall.json` for the shipped items
+/// (`benches/recall/items.jsonl`), `recall_<stem>.json` for another item file (the summaries'
+/// `recall_summaries.json`), `-quick` before the extension for a quick run.
+fn recall_file_name(items: &std::path::Path, quick: bool) -> String {
+    let stem = items
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .unwrap_or("items");
+    let base = if stem == "items" {
+        "recall".to_string()
+    } else {
+        format!("recall_{stem}")
+    };
+    if quick {
+        format!("{base}-quick.json")
+    } else {
+        format!("{base}.json")
+    }
 }
 
 fn run_precision(g: &GlobalArgs, a: &Args) -> Result<()> {
