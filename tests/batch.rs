@@ -343,3 +343,97 @@ fn a_shared_prefix_answers_as_one_read_in_full() {
     }
     assert_eq!(out, want, "sharing the head changes nothing");
 }
+
+/// The batched loop's refill: a sequence whose cells hold other text at its history's
+/// positions (a stand-in for projected cells) re-reads them in place, a span per step in the
+/// `llama_decode` of its own next token and another sequence's; once every position before
+/// the newest is re-read, it answers exactly as a native cache of its text does — and the
+/// other sequence, decoded beside it all along, answers as alone.
+#[test]
+fn a_sequence_rereads_its_cells_in_place_in_the_steps_of_the_batch() {
+    let m = model();
+    let ps = prompts(&m);
+    let (history, other) = (&ps[2], &ps[1]);
+    let mut ctx = BatchContext::new(Arc::clone(&m), config(), 3).expect("batch context");
+    let (a, b) = (ctx.add_seq().unwrap(), ctx.add_seq().unwrap());
+    let wrong: Vec<Token> = history.iter().rev().copied().collect();
+    ctx.step(&[
+        SeqChunk {
+            seq: a,
+            tokens: &wrong,
+            logits: false,
+        },
+        SeqChunk {
+            seq: b,
+            tokens: other,
+            logits: true,
+        },
+    ])
+    .expect("prefill");
+    // The cache of `a` holds `wrong` at the history's positions; its answer starts from the
+    // history's last token, decoded with the first span.
+    let (mut fed_a, mut out_a, mut out_b) = (history.clone(), Vec::new(), Vec::new());
+    let mut pending_a = *history.last().unwrap();
+    ctx.truncate(a, history.len() - 1).unwrap();
+    fed_a.pop();
+    let mut next = 0;
+    let mut done_at = None;
+    let mut pending_b = argmax(ctx.logits(b).unwrap());
+    for step in 0..ANSWER {
+        out_b.push(pending_b);
+        let held = ctx.n_past(a).unwrap();
+        let span = (next < held).then(|| molt::engine::SeqSpan {
+            seq: a,
+            start: next,
+            tokens: &fed_a[next..(next + 6).min(held)],
+        });
+        let end = span.map(|s| s.start + s.tokens.len());
+        let chunks = [
+            SeqChunk {
+                seq: a,
+                tokens: &[pending_a],
+                logits: true,
+            },
+            SeqChunk {
+                seq: b,
+                tokens: &[pending_b],
+                logits: true,
+            },
+        ];
+        // The last span in a step of its own before the tokens (as the server reads it).
+        if end.is_some_and(|e| e >= held) {
+            ctx.step_rereading(&[], span).expect("the last span");
+            ctx.step(&chunks).expect("the step after it");
+        } else {
+            ctx.step_rereading(&chunks, span).expect("step with a span");
+        }
+        assert_eq!(ctx.n_past(a), Some(held + 1), "the span adds no position");
+        assert_eq!(ctx.active(), 2, "the scratch sequence is freed");
+        if let Some(e) = end {
+            next = e;
+            if e >= held && done_at.is_none() {
+                done_at = Some(step);
+            }
+        }
+        fed_a.push(pending_a);
+        pending_a = argmax(ctx.logits(a).unwrap());
+        out_a.push(pending_a);
+        pending_b = argmax(ctx.logits(b).unwrap());
+    }
+    let k = done_at.expect("re-read every position within the answer");
+    assert!(k + 2 < ANSWER, "done at step {k}");
+    // From the step of the last span on, `a` is a native cache of its text: the token
+    // sampled after it is the native cache's.
+    let mut native = Context::new(Arc::clone(&m), config()).unwrap();
+    native.decode(&fed_a[..history.len() + k]).unwrap();
+    let mut again: Vec<Token> = out_a[..k].to_vec();
+    while again.len() < out_a.len() {
+        let t = argmax(native.logits());
+        again.push(t);
+        if again.len() < out_a.len() {
+            native.decode(&[t]).unwrap();
+        }
+    }
+    assert_eq!(again, out_a, "after the re-read, the native cache's answer");
+    assert_eq!(out_b, alone(&m, other), "the other sequence as alone");
+}

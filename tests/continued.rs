@@ -36,9 +36,13 @@ fn levers(s: &mut Session, prompt: &str, force: Option<(usize, usize)>) -> Vec<L
 fn the_next_prompt_rereads_the_projected_cells_it_looks_at() {
     let l = common::tiny_ladder().clone();
     let run = |recompute: bool| {
+        // Without the refill, which would re-read every projected cell behind the answer
+        // (this ~100-token history within a couple of tokens): the refresh is what re-reads
+        // the cells a refill left, or all of them when it is off.
         let mut opts = SessionOptions {
             projector_dirs: vec![common::tiny_projectors().clone()],
             observe_footprint: false,
+            refill_chunk: 0,
             ..SessionOptions::default()
         };
         // The position unit at a twentieth: on this ~100-token conversation the default's

@@ -251,8 +251,9 @@ fn a_size_switch_with_token_recompute_reports_what_it_reread() {
     assert_eq!(run(None, 2).timings.recomputed, 0);
 }
 
-/// The recall benchmark's background-refill arm: whatever the live cache held, once the refill
-/// has caught up the answer goes on exactly as it would on a native cache of the same text.
+/// The recall benchmark's refill arm: whatever the live cache held, once the refill has re-read
+/// every position in place the answer goes on exactly as it would on a native cache of the
+/// same text.
 #[test]
 fn a_refill_that_caught_up_continues_as_the_native_cache_does() {
     let l = common::tiny_ladder();
@@ -267,23 +268,21 @@ fn a_refill_that_caught_up_continues_as_the_native_cache_does() {
     live.decode(&other).unwrap();
     live.decode(&[last]).unwrap();
     let mut out = vec![last];
-    let (ms, took_over) = molt::bench::recall::continue_refilling(
-        &mut live,
-        common::cfg_long(),
-        history,
-        &mut out,
-        40,
-        8,
-    )
-    .unwrap();
-    let k = took_over.expect("caught up inside 40 tokens");
+    let (ms, done_at) =
+        molt::bench::recall::continue_refilling(&mut live, history, 0, &mut out, 40, 8).unwrap();
+    let k = done_at.expect("caught up inside 40 tokens");
     assert!(ms > 0.0);
     // Seven new history tokens a step (eight read, one more written): a few steps.
     assert!(
         k > 2 && k <= 2 + history.len() / 7,
-        "took over before answer token {k}"
+        "caught up before answer token {k}"
     );
-    assert!(k < out.len(), "the answer went on after the take-over");
+    assert!(k < out.len(), "the answer went on after the refill");
+    assert_eq!(
+        live.n_past(),
+        history.len() + out.len() - 1,
+        "nothing added"
+    );
     // A native cache of the history and the answer up to the take-over continues the same.
     let mut native = Context::new(model, common::cfg_long()).unwrap();
     native.decode(history).unwrap();
@@ -298,7 +297,95 @@ fn a_refill_that_caught_up_continues_as_the_native_cache_does() {
     }
     assert_eq!(
         again, out,
-        "after the take-over the answer is the native cache's"
+        "after the refill the answer is the native cache's"
+    );
+}
+
+/// A session's switch down a size route re-reads the history in place behind the answer, by
+/// default: a `refill` lever once every position is the destination's own, the positions it
+/// re-read counted, and from that token on the answer is what a native cache of the same text
+/// gives. A precision route's switch starts none, and `refill_chunk: 0` turns it off.
+#[test]
+fn a_size_switch_refills_the_history_in_place_and_then_answers_as_the_native_cache_does() {
+    let l = common::tiny_ladder().clone();
+    let run = |to: usize, chunk: usize| {
+        let opts = SessionOptions {
+            projector_dirs: vec![common::tiny_projectors().clone()],
+            refill_chunk: chunk,
+            observe_footprint: false,
+            ..SessionOptions::default()
+        };
+        let mut s = Session::with_options(l.clone(), common::cfg_long(), "big", opts).unwrap();
+        let mut levers = Vec::new();
+        let g = s
+            .generate(
+                &Prompt::Text(TEXT.into()),
+                &GenerateOptions {
+                    max_tokens: 40,
+                    force_switch: Some((2, to)),
+                    ..GenerateOptions::default()
+                },
+                &mut |e| {
+                    if let Event::Lever(x) = e {
+                        levers.push(x.clone());
+                    }
+                },
+            )
+            .unwrap();
+        assert_eq!(g.switches.len(), 1, "{:?}", g.switches);
+        assert_eq!(g.switches[0].method, "molt");
+        (g, levers, s.history().to_vec())
+    };
+    assert_eq!(
+        SessionOptions::default().refill_chunk,
+        molt::session::DEFAULT_REFILL_CHUNK
+    );
+    let (g, levers, history) = run(2, 8);
+    assert_eq!(g.tokens.len(), 40, "the tiny model ended early");
+    let refills: Vec<_> = levers
+        .iter()
+        .filter(|x| x.lever.starts_with("refill"))
+        .collect();
+    assert_eq!(refills.len(), 1, "{levers:?}");
+    let r = refills[0];
+    assert_eq!(r.lever, "refill", "{r:?}");
+    assert_eq!(r.rung, "small");
+    assert!(r.cost_ms > 0.0);
+    // The history as the session holds it: the prompt, then every answer token but the last.
+    let prompt = history.len() - (g.tokens.len() - 1);
+    assert_eq!(&history[prompt..], &g.tokens[..g.tokens.len() - 1]);
+    // From the head's end to the token before `at_token`, eight a step.
+    let k = r.at_token;
+    let head = molt::session::DEFAULT_HEAD_REREAD;
+    assert_eq!(r.tokens, prompt + k - 1 - head, "{r:?}");
+    assert!(k > 2 && k < g.tokens.len(), "refilled before token {k}");
+    // A native cache of the same text continues as the answer did from token `k`.
+    let info = &l.rungs[2];
+    let model = Model::load(&info.path, info.name(), ModelOptions::default()).unwrap();
+    let mut native = Context::new(model, common::cfg_long()).unwrap();
+    native.decode(&history[..prompt + k]).unwrap();
+    let mut again = g.tokens[..k].to_vec();
+    while again.len() < g.tokens.len() {
+        let t = molt::engine::argmax(native.logits());
+        again.push(t);
+        if again.len() < g.tokens.len() {
+            native.decode(&[t]).unwrap();
+        }
+    }
+    assert_eq!(
+        again, g.tokens,
+        "after the refill the answer is the native cache's"
+    );
+    // A precision route keeps its facts without one; off, none either.
+    let (_, precision, _) = run(1, 8);
+    assert!(
+        precision.iter().all(|x| !x.lever.starts_with("refill")),
+        "{precision:?}"
+    );
+    let (_, off, _) = run(2, 0);
+    assert!(
+        off.iter().all(|x| !x.lever.starts_with("refill")),
+        "{off:?}"
     );
 }
 

@@ -150,8 +150,9 @@ async fn small_only_budget(addr: SocketAddr) -> f64 {
 
 /// Two answers running on a batched server with `strategy`, then a budget cut that holds only
 /// the small rung: each stream has one switch big → small, its tokens on big before it and on
-/// small after, and the switches' methods come back in stream order.
-async fn cut_two_running_answers(strategy: Strategy) -> Vec<String> {
+/// small after, and the switches' methods come back in stream order, each with the refill
+/// levers of its stream (a carried cache re-reads its history in place behind the answer).
+async fn cut_two_running_answers(strategy: Strategy) -> Vec<(String, Vec<Value>)> {
     let srv = start(|c| {
         c.parallel = 2;
         c.session.strategy = strategy;
@@ -179,8 +180,19 @@ async fn cut_two_running_answers(strategy: Strategy) -> Vec<String> {
             (Some("big"), Some("small"))
         );
         assert!(sw.get("note").is_none(), "{name}: {sw}");
-        methods.push(sw["method"].as_str().unwrap().to_string());
         let at = sw["at_token"].as_u64().unwrap();
+        let refills: Vec<Value> = of_kind(events, "lever")
+            .into_iter()
+            .filter(|l| l["lever"].as_str().is_some_and(|x| x.starts_with("refill")))
+            .cloned()
+            .collect();
+        for r in &refills {
+            assert!(
+                r["at_token"].as_u64().unwrap() >= at,
+                "{name}: {r} after {sw}"
+            );
+        }
+        methods.push((sw["method"].as_str().unwrap().to_string(), refills));
         let toks = tokens(events);
         assert!(
             toks.len() as u64 > at,
@@ -210,11 +222,17 @@ async fn cut_two_running_answers(strategy: Strategy) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_budget_cut_mid_answer_carries_every_running_answer() {
     let _serial = serial().await;
-    assert_eq!(
-        cut_two_running_answers(Strategy::Molt).await,
-        ["molt", "molt"],
-        "the caches were carried"
-    );
+    let cut = cut_two_running_answers(Strategy::Molt).await;
+    let methods: Vec<&str> = cut.iter().map(|(m, _)| m.as_str()).collect();
+    assert_eq!(methods, ["molt", "molt"], "the caches were carried");
+    // Down a size route each carried cache is re-read in place behind its answer, once, every
+    // position from the head's end to the newest token.
+    for (_, refills) in &cut {
+        assert_eq!(refills.len(), 1, "{refills:?}");
+        assert_eq!(refills[0]["lever"], "refill", "{refills:?}");
+        assert_eq!(refills[0]["rung"], "small");
+        assert!(refills[0]["tokens"].as_u64().unwrap() > 0, "{refills:?}");
+    }
 }
 
 /// `serve --strategy reprefill` in the batched loop: the same cut re-reads each answer's
@@ -222,9 +240,12 @@ async fn a_budget_cut_mid_answer_carries_every_running_answer() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_the_reprefill_strategy_a_cut_re_reads_every_running_answer() {
     let _serial = serial().await;
-    assert_eq!(
-        cut_two_running_answers(Strategy::Reprefill).await,
-        ["reprefill", "reprefill"]
+    let cut = cut_two_running_answers(Strategy::Reprefill).await;
+    let methods: Vec<&str> = cut.iter().map(|(m, _)| m.as_str()).collect();
+    assert_eq!(methods, ["reprefill", "reprefill"]);
+    assert!(
+        cut.iter().all(|(_, r)| r.is_empty()),
+        "a re-read cache is native: no refill"
     );
 }
 
@@ -699,10 +720,20 @@ async fn set_aside_then_resumed_on(to: &str, carry_on_resume: bool) -> Value {
     );
     set_budget(addr, json!({"mib": holds_to})).await;
     let ebg = drain(&mut bg, ebg).await;
-    assert_eq!(levers(&ebg), ["park", "resume"], "{:?}", levers(&ebg));
     let switches = of_kind(&ebg, "switch");
     assert_eq!(switches.len(), 1, "{switches:?}");
     let sw = switches[0].clone();
+    // A cache carried down a size route is then re-read in place behind the answer.
+    let refilled = sw["method"] == "molt" && to == "small";
+    assert_eq!(
+        levers(&ebg),
+        if refilled {
+            vec!["park", "resume", "refill"]
+        } else {
+            vec!["park", "resume"]
+        },
+        "{sw}"
+    );
     assert_eq!(
         (sw["from"].as_str(), sw["to"].as_str()),
         (Some("big"), Some(to))

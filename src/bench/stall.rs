@@ -34,7 +34,7 @@ use super::speed::Rate;
 use crate::engine::{ContextConfig, Token};
 use crate::ladder::Ladder;
 use crate::session::{
-    Event, GenerateOptions, Prompt, Session, SessionOptions, SwitchInfo, TokenControl,
+    Event, GenerateOptions, Prompt, Session, SessionOptions, SwitchInfo, SwitchMethod, TokenControl,
 };
 
 /// Tokens a leg of the `after` setup may decode on the source while a switch up's destination
@@ -176,6 +176,13 @@ pub struct StallRow {
     /// prepared switch, what preparing it cost the answer meanwhile.
     #[serde(default)]
     pub source_itl_ms_median: f64,
+    /// After a switch followed by a refill: the destination's median gap while the refill
+    /// re-read the history in the batches of its tokens (none: no refill ran).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refill_gap_ms_median: Option<f64>,
+    /// The tokens after the switch the refill took (median; none: no refill ran).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refill_tokens_median: Option<f64>,
 }
 
 impl StallRow {
@@ -233,6 +240,10 @@ struct Sample {
     context_tokens: usize,
     stall_ms: f64,
     itl_ms: Vec<f64>,
+    /// The destination's gaps while a refill after the switch re-read the history in the
+    /// batches of its tokens (none: no refill), and the answer token it was done by.
+    refill_gaps_ms: Vec<f64>,
+    refill_at: Option<usize>,
     /// The source's gaps before the switch (while a shadow or a load ran, for the prepared
     /// switches).
     source_itl_ms: Vec<f64>,
@@ -380,6 +391,14 @@ impl TokenControl for NoEndOfText {
     }
 }
 
+/// The kind of the route `from → to` as the session's bindings give it.
+fn session_kind(ladder: &Ladder, from: usize, to: usize) -> crate::routes::RouteKind {
+    crate::routes::route_kind(
+        &crate::routes::binding(&ladder.rungs[from]),
+        &crate::routes::binding(&ladder.rungs[to]),
+    )
+}
+
 /// One repetition: a session reads the context on the smallest rung, then walks the route
 /// circuit.
 fn chain(
@@ -405,6 +424,7 @@ fn chain(
         ..SessionOptions::default()
     };
     let n = ladder.rungs.len();
+    let (refill_chunk, refill_precision) = (sopts.refill_chunk, sopts.refill_precision);
     let mut session = Session::with_options(ladder.clone(), config, ladder.rungs[0].name(), sopts)?;
     session.move_idle(n - 1)?;
     // A chat turn, as `chat` and `generate` send a prompt: the corpus text as the user's
@@ -446,26 +466,48 @@ fn chain(
         let stop = session.cancel_handle();
         for _attempt in 0..3 {
             let leg = GenerateOptions {
-                max_tokens: opts.lead_tokens + 1 + opts.itl_tokens + wait,
+                // Room for a refill of the whole window after a size switch.
+                max_tokens: opts.lead_tokens
+                    + 1
+                    + opts.itl_tokens
+                    + wait
+                    + (config.n_ctx as usize).div_ceil(refill_chunk.max(1)),
                 force_switch: Some((opts.lead_tokens, to)),
                 ..GenerateOptions::default()
             };
             let mut latencies: Vec<(usize, f64)> = Vec::new();
             let mut switch: Option<SwitchInfo> = None;
+            let mut refill_at: Option<usize> = None;
+            // A Molt switch down a size route is followed by a refill (when the session's
+            // options say so): its tokens are not the destination's gap, and the leg goes on
+            // until `itl_tokens` of the destination's own follow it.
+            let refills = |w: &SwitchInfo| {
+                w.method == SwitchMethod::Molt
+                    && refill_chunk > 0
+                    && (refill_precision
+                        || session_kind(ladder, from, to) == crate::routes::RouteKind::Size)
+            };
             session.generate_with(&prompt, &leg, &mut no_end, &mut |e| match e {
                 Event::Token {
                     index, latency_ms, ..
                 } => {
                     latencies.push((*index, *latency_ms));
                     // The destination's tokens are in: the leg has what it measures.
-                    if switch
-                        .as_ref()
-                        .is_some_and(|w| *index >= w.at_token + opts.itl_tokens)
-                    {
+                    let from = switch.as_ref().map(|w| {
+                        if refills(w) {
+                            refill_at.unwrap_or(usize::MAX)
+                        } else {
+                            w.at_token
+                        }
+                    });
+                    if from.is_some_and(|a| *index >= a.saturating_add(opts.itl_tokens)) {
                         stop.store(true, std::sync::atomic::Ordering::SeqCst);
                     }
                 }
                 Event::Switch(info) => switch = Some(info.clone()),
+                Event::Lever(l) if l.lever.starts_with("refill") => {
+                    refill_at = Some(l.at_token);
+                }
                 _ => {}
             })?;
             prompt = Prompt::Text(String::new());
@@ -482,11 +524,18 @@ fn chain(
                 cache,
                 context_tokens: session.history().len(),
                 stall_ms,
+                // The destination's own gaps: after the refill, when one ran.
                 itl_ms: latencies
                     .iter()
-                    .filter(|(i, _)| *i > at)
+                    .filter(|(i, _)| *i > refill_at.unwrap_or(at))
                     .map(|&(_, l)| l)
                     .collect(),
+                refill_gaps_ms: latencies
+                    .iter()
+                    .filter(|(i, _)| *i > at && refill_at.is_some_and(|k| *i <= k))
+                    .map(|&(_, l)| l)
+                    .collect(),
+                refill_at: refill_at.map(|k| k - at),
                 // The leg's first token follows the previous leg's end, not a gap.
                 source_itl_ms: latencies
                     .iter()
@@ -621,6 +670,21 @@ fn rows(ladder: &Ladder, samples: &[Sample]) -> Vec<StallRow> {
                         .flat_map(|s| s.source_itl_ms.iter().copied())
                         .collect::<Vec<_>>(),
                 ),
+                refill_gap_ms_median: {
+                    let v: Vec<f64> = g
+                        .iter()
+                        .flat_map(|s| s.refill_gaps_ms.iter().copied())
+                        .collect();
+                    (!v.is_empty()).then(|| median(&v))
+                },
+                refill_tokens_median: {
+                    #[allow(clippy::cast_precision_loss)]
+                    let v: Vec<f64> = g
+                        .iter()
+                        .filter_map(|s| s.refill_at.map(|k| k as f64))
+                        .collect();
+                    (!v.is_empty()).then(|| median(&v))
+                },
             }
         })
         .collect()

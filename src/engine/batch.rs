@@ -36,6 +36,17 @@ pub struct SeqChunk<'a> {
     pub logits: bool,
 }
 
+/// Positions of a sequence re-read in place in a step ([`BatchContext::step_rereading`]).
+#[derive(Debug, Clone, Copy)]
+pub struct SeqSpan<'a> {
+    /// The sequence.
+    pub seq: SeqId,
+    /// The first position re-read.
+    pub start: usize,
+    /// The tokens at `start..`, the sequence's own.
+    pub tokens: &'a [Token],
+}
+
 /// A context decoding several sequences per `llama_decode`.
 pub struct BatchContext {
     ptr: std::ptr::NonNull<llama_cpp_sys_2::llama_context>,
@@ -98,9 +109,11 @@ impl BatchContext {
         }
         // The same parameters as every other context of the ladder, so that a sequence's
         // exported state is interchangeable with a single-sequence context's.
-        let p = super::context::ladder_params(&config, max_seqs)?;
+        // One sequence more than the callers get: the one a span is re-read in
+        // ([`BatchContext::step_rereading`]), so that a full batch can still re-read.
+        let p = super::context::ladder_params(&config, max_seqs + 1)?;
         let (ptr, reserved_bytes) = super::context::init_context(&model, p, config.n_ctx)?;
-        let n = max_seqs as usize;
+        let n = max_seqs as usize + 1;
         Ok(Self {
             ptr,
             n_vocab: model.n_vocab(),
@@ -124,12 +137,20 @@ impl BatchContext {
 
     /// How many sequences it can hold.
     pub fn max_seqs(&self) -> usize {
-        self.seqs.len()
+        self.seqs.len() - 1
+    }
+
+    /// The sequence a span is re-read in, never handed out by [`BatchContext::add_seq`].
+    fn scratch(&self) -> SeqId {
+        SeqId::try_from(self.seqs.len() - 1).unwrap_or(SeqId::MAX)
     }
 
     /// Sequences in use.
     pub fn active(&self) -> usize {
-        self.seqs.iter().filter(|s| s.is_some()).count()
+        self.seqs[..self.max_seqs()]
+            .iter()
+            .filter(|s| s.is_some())
+            .count()
     }
 
     /// Positions held by all sequences together: the cells in use, counting a cell shared by
@@ -146,7 +167,9 @@ impl BatchContext {
 
     /// Takes a free sequence (empty, next position 0); `None` when all are in use.
     pub fn add_seq(&mut self) -> Option<SeqId> {
-        let i = self.seqs.iter().position(Option::is_none)?;
+        let i = self.seqs[..self.max_seqs()]
+            .iter()
+            .position(Option::is_none)?;
         self.seqs[i] = Some(0);
         self.outputs[i] = None;
         SeqId::try_from(i).ok()
@@ -244,6 +267,79 @@ impl BatchContext {
     /// than `n_batch`; [`EngineError::ContextOverflow`] when the cells would not hold them;
     /// [`EngineError::DecodeFailed`] when llama.cpp refuses (nothing is advanced then).
     pub fn step(&mut self, chunks: &[SeqChunk<'_>]) -> Result<(), EngineError> {
+        self.step_counted(chunks, 0)
+    }
+
+    /// [`BatchContext::step`], with `span`'s positions of its sequence re-read in place in the
+    /// same `llama_decode`: its tokens decoded at their own positions, attending to the
+    /// sequence's cells before them (and to each other), their new cells replacing the old.
+    /// A sequence's chunk in `chunks` attends to the cells the span replaces as they were
+    /// (this call computes both); every later step sees the new ones. The span is decoded in
+    /// a sequence of its own (one more than [`BatchContext::max_seqs`], never handed out) that
+    /// shares the sequence's cells before it (llama.cpp wants a sequence's batch to continue
+    /// right after its last cached position), whose new cells are then handed to the
+    /// sequence; it is emptied before this returns. `None` is `step`.
+    ///
+    /// # Errors
+    /// As [`BatchContext::step`]; [`EngineError::OutOfRange`] also when the span reaches past
+    /// what its sequence holds. On any error the sequence's cells are as they were.
+    pub fn step_rereading(
+        &mut self,
+        chunks: &[SeqChunk<'_>],
+        span: Option<SeqSpan<'_>>,
+    ) -> Result<(), EngineError> {
+        let Some(span) = span.filter(|s| !s.tokens.is_empty()) else {
+            return self.step(chunks);
+        };
+        let held = self.check(span.seq)?;
+        let end = span.start + span.tokens.len();
+        if end > held {
+            return Err(EngineError::OutOfRange {
+                what: "re-read span (past what its sequence holds)",
+                value: end as u64,
+            });
+        }
+        let (sid, p0, p1) = (
+            to_i32("sequence", span.seq as usize)?,
+            to_i32("position", span.start)?,
+            to_i32("position", end)?,
+        );
+        let scratch = self.scratch();
+        if span.seq == scratch || self.seqs[scratch as usize].is_some() {
+            return Err(EngineError::OutOfRange {
+                what: "sequence to re-read a span of",
+                value: u64::from(span.seq),
+            });
+        }
+        self.outputs[scratch as usize] = None;
+        let xid = to_i32("sequence", scratch as usize)?;
+        // SAFETY: live context; both ids are below n_seq_max and in use, and [0, start) is
+        // held by `span.seq` (checked above); copying tags cells, it allocates nothing.
+        unsafe { llama_cpp_sys_2::llama_memory_seq_cp(self.mem(), sid, xid, 0, p0) };
+        self.seqs[scratch as usize] = Some(span.start);
+        let mut all = chunks.to_vec();
+        all.push(SeqChunk {
+            seq: scratch,
+            tokens: span.tokens,
+            logits: false,
+        });
+        // The scratch's shared cells are not new ones.
+        let result = self.step_counted(&all, span.start);
+        if result.is_ok() {
+            // SAFETY: live context; ids below n_seq_max; the span's positions are held by
+            // both sequences (the sequence's old cells, the scratch's new ones).
+            unsafe {
+                llama_cpp_sys_2::llama_memory_seq_rm(self.mem(), sid, p0, p1);
+                llama_cpp_sys_2::llama_memory_seq_cp(self.mem(), xid, sid, p0, p1);
+            }
+        }
+        self.remove_seq(scratch);
+        result
+    }
+
+    /// [`BatchContext::step`], `shared` of the positions the sequences hold being cells held
+    /// by another one too (not counted twice against the window).
+    fn step_counted(&mut self, chunks: &[SeqChunk<'_>], shared: usize) -> Result<(), EngineError> {
         self.outputs.iter_mut().for_each(|o| *o = None);
         let mut seen = vec![false; self.seqs.len()];
         for c in chunks {
@@ -265,7 +361,7 @@ impl BatchContext {
                 value: n as u64,
             });
         }
-        let needed = self.cells_used() + n;
+        let needed = self.cells_used().saturating_sub(shared) + n;
         if needed > self.config.n_ctx as usize {
             return Err(EngineError::ContextOverflow {
                 needed,

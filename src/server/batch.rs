@@ -68,7 +68,7 @@ use super::error::ApiError;
 use super::worker::{Deferral, IDLE_POLL, Job, Next, Shared, Update};
 use crate::engine::{
     BatchContext, ChatMessage, Context, ContextConfig, EngineError, Model, ModelOptions, Sampler,
-    SeqChunk, SeqId, Token, Utf8Stream,
+    SeqChunk, SeqId, SeqSpan, Token, Utf8Stream,
 };
 use crate::ladder::Ladder;
 use crate::pressure::{Budget, BudgetSource, Tick};
@@ -427,6 +427,15 @@ fn state_file(
 }
 
 /// One running request.
+/// A tenant's refill in progress: the next position to re-read, the positions re-read so far
+/// and the time of the steps that carried them (every tenant's tokens of those steps included).
+#[derive(Debug, Clone, Copy)]
+struct Refill {
+    next: usize,
+    done: usize,
+    ms: f64,
+}
+
 struct Tenant {
     job: Job,
     control: RequestControl,
@@ -446,6 +455,10 @@ struct Tenant {
     parked_since: Option<Instant>,
     /// Positions of its cache whose cells a switch projected and nothing has re-read since.
     projected: Vec<Range<usize>>,
+    /// After a Molt switch down a size route: the refill re-reading its history in place, a
+    /// chunk in the batch of each step ([`SessionOptions::refill_chunk`]); `None` when none
+    /// runs.
+    refill: Option<Refill>,
     /// The attention mass the prompt's last tokens gave each position when it was read (the
     /// session's `observed`): what a size switch's token recompute selects by. Read at the
     /// first switch that needs it when the prompt was read in a batch (no attention tap).
@@ -1004,6 +1017,7 @@ fn admit(shared: &Shared, engine: &mut Engine, l: &Ladders, job: Job) -> Option<
         started: false,
         parked_since: None,
         projected,
+        refill: None,
         observed: None,
         stream: Utf8Stream::new(),
         out: Vec::new(),
@@ -1889,7 +1903,12 @@ fn carry_into(
     };
     let mut scratch = Scratch::default();
     let dst_model = Arc::clone(dst.ctx.model());
+    // A size route's carried caches are re-read in place behind their answers (a precision
+    // route's only when asked): the session's refill.
+    let refills = l.opts.refill_chunk > 0 && (kind == RouteKind::Size || l.opts.refill_precision);
     for (t, exported) in tenants.iter_mut().zip(exported) {
+        // A refill goes on only on the rung it began on, its cells as they were.
+        let refill = t.refill.take();
         let seq = dst.ctx.add_seq().ok_or_else(|| SessionError::Engine {
             rung: to_name.clone(),
             source: crate::engine::EngineError::OutOfRange {
@@ -1911,7 +1930,9 @@ fn carry_into(
                 dst.ctx.import_seq(seq, &x.blob).is_ok()
                     && dst.ctx.n_past(seq) == Some(t.cached.len())
             });
-            if !back {
+            if back {
+                t.refill = refill;
+            } else {
                 let mut feed = std::mem::take(&mut t.cached);
                 feed.extend_from_slice(&t.feed[t.fed..]);
                 let _ = dst.ctx.truncate(seq, 0);
@@ -1942,6 +1963,12 @@ fn carry_into(
         let (method, timings, note) = match carried {
             Ok((timings, projected)) => {
                 t.projected = projected;
+                // The head re-read is the destination's own already.
+                t.refill = refills.then(|| Refill {
+                    next: l.opts.head_reread.min(t.cached.len()),
+                    done: 0,
+                    ms: 0.0,
+                });
                 (SwitchMethod::Molt, timings, anchor_note.clone())
             }
             Err(why) => {
@@ -2063,7 +2090,26 @@ fn step(shared: &Shared, l: &Ladders, engine: &mut Engine, tenants: &mut Vec<Ten
             }
         })
         .collect();
-    if let Err(source) = engine.ctx.step(&chunks) {
+    let reread = refill_span(l, engine, tenants, &plan);
+    let span = reread.map(|(k, a, e)| SeqSpan {
+        seq: tenants[k].seq,
+        start: a,
+        tokens: &tenants[k].cached[a..e],
+    });
+    let t_step = Instant::now();
+    // A token decoded in the step of a span attends to the cells the span replaces as they
+    // were: the last span of a refill is read in a step of its own first, so that the token's
+    // cell is the destination's own too.
+    let last_span = reread.is_some_and(|(k, _, e)| e >= tenants[k].cached.len());
+    let stepped = if last_span {
+        engine
+            .ctx
+            .step_rereading(&[], span)
+            .and_then(|()| engine.ctx.step(&chunks))
+    } else {
+        engine.ctx.step_rereading(&chunks, span)
+    };
+    if let Err(source) = stepped {
         drop(chunks);
         let e = SessionError::Engine {
             rung: l.name(engine.rung).to_string(),
@@ -2080,6 +2126,9 @@ fn step(shared: &Shared, l: &Ladders, engine: &mut Engine, tenants: &mut Vec<Ten
         return;
     }
     drop(chunks);
+    if let Some((k, a, e)) = reread {
+        refilled(shared, l, engine, &mut tenants[k], a..e, t_step.elapsed());
+    }
     let rung = l.name(engine.rung).to_string();
     let mut done: Vec<(usize, StopReason, bool)> = Vec::new();
     for &(k, n) in &plan {
@@ -2101,6 +2150,72 @@ fn step(shared: &Shared, l: &Ladders, engine: &mut Engine, tenants: &mut Vec<Ten
         }
         publish_batch(shared, l, engine, tenants);
     }
+}
+
+/// The span the refill of one answering tenant re-reads in this step, as `(tenant, start,
+/// end)`: the first tenant in order whose refill runs and whose next input is its pending
+/// token (not a prompt), when the step and the window have room for it. `None`: no refill this step.
+fn refill_span(
+    l: &Ladders,
+    engine: &Engine,
+    tenants: &[Tenant],
+    plan: &[(usize, usize)],
+) -> Option<(usize, usize, usize)> {
+    let planned: usize = plan.iter().map(|p| p.1).sum();
+    let room = (l.config.n_batch as usize).saturating_sub(planned);
+    let cells = (l.config.n_ctx as usize).saturating_sub(engine.ctx.cells_used() + planned);
+    let chunk = l.opts.refill_chunk.min(room).min(cells);
+    if chunk == 0 {
+        return None;
+    }
+    plan.iter().find_map(|&(k, n)| {
+        let t = &tenants[k];
+        let r = t.refill?;
+        let held = t.cached.len();
+        (n == 1 && t.started && r.next < held).then(|| (k, r.next, (r.next + chunk).min(held)))
+    })
+}
+
+/// After a step that re-read `span` of `t`'s cache: the refill moves on, the span is no longer
+/// projected, and once every position before the newest is re-read the refill ends with a
+/// `refill` lever on the answer's stream (its cache is the destination's own).
+fn refilled(
+    shared: &Shared,
+    l: &Ladders,
+    engine: &Engine,
+    t: &mut Tenant,
+    span: Range<usize>,
+    took: Duration,
+) {
+    let Some(mut r) = t.refill.take() else {
+        return;
+    };
+    r.done += span.len();
+    r.next = span.end;
+    r.ms += took.as_secs_f64() * 1e3;
+    t.projected.retain(|p| p.end > span.end);
+    if let Some(p) = t.projected.first_mut() {
+        p.start = p.start.max(span.end);
+    }
+    // Called before the step's tokens join `cached`: it holds what the sequence held before.
+    if span.end < t.cached.len() {
+        t.refill = Some(r);
+        return;
+    }
+    t.projected.clear();
+    let info = LeverInfo {
+        at_token: t.out.len(),
+        lever: "refill".into(),
+        rung: l.name(engine.rung).to_string(),
+        tokens: r.done,
+        cost_ms: r.ms,
+        parked_ms: 0.0,
+        rss_before: 0,
+        rss_after: 0,
+        parked_kv_bytes: 0,
+        budget_bytes: 0,
+    };
+    t.emit(shared, Event::Lever(info));
 }
 
 /// A newcomer whose prompt begins as a running tenant's cache does (the chat template and its

@@ -33,7 +33,9 @@ pub use events::{
     SwitchInfo,
 };
 pub use levers::chat_pinned_prefix;
-pub use options::{DEFAULT_HEAD_REREAD, GenerateOptions, Prompt, SessionOptions, Strategy};
+pub use options::{
+    DEFAULT_HEAD_REREAD, DEFAULT_REFILL_CHUNK, GenerateOptions, Prompt, SessionOptions, Strategy,
+};
 pub use prepare::{CATCH_UP_STEP, SHADOW_STEP};
 pub use rung::{LiveRung, LoadParts, ParkedRung, StandbyRung};
 pub use shadow::TREND_WINDOW;
@@ -777,7 +779,11 @@ impl Session {
                     Between::Switched(info) => {
                         sink(&Event::Switch((*info).clone()));
                         if info.method == "molt" {
-                            self.start_refill();
+                            let kind = crate::routes::route_kind(
+                                self.routes.binding(before),
+                                self.routes.binding(self.current),
+                            );
+                            self.start_refill(kind);
                         } else {
                             self.drop_refill();
                         }
@@ -798,13 +804,7 @@ impl Session {
                         stop = StopReason::ParkDeadline;
                         break;
                     }
-                    Between::Stay => {
-                        let name = self.current_rung().to_string();
-                        self.live()
-                            .ctx
-                            .decode(&[tok])
-                            .map_err(|source| SessionError::Engine { rung: name, source })?;
-                    }
+                    Between::Stay => self.decode_next(tok, i, sink)?,
                     Between::Killed => {
                         killed = true;
                         stop = StopReason::Killed;
@@ -812,7 +812,6 @@ impl Session {
                     }
                 }
                 self.history.push(tok);
-                self.refill_step(i, sink);
             }
             let want_logprobs = control.logprobs();
             let (tok, logprobs) = {
@@ -861,8 +860,8 @@ impl Session {
             }
         }
         self.flush_footprint(sink);
-        // A refill still behind when the answer ends is dropped with its context: the next
-        // answer starts from the cache as it stands.
+        // A refill still behind when the answer ends is dropped: what it re-read stays native,
+        // and the next prompt re-reads the projected cells it looks at.
         self.drop_refill();
         let tail = stream.finish();
         if !stopped_by_control {

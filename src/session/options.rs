@@ -111,12 +111,18 @@ pub struct SessionOptions {
     /// template's opening plus the first token of the user's message); 0 turns it off (the
     /// conditions benchmark's `D-no-head` arm).
     pub head_reread: usize,
-    /// Background refill: after a Molt switch, re-read the history natively on the destination
-    /// in a context of its own, this many tokens between every two generated tokens, and let
-    /// it take over the live cache once caught up (the projection's error then lasts only until
-    /// then; the compute is a re-prefill's, spread out instead of stalling). 0 (off) by
-    /// default; the extra context costs the destination's KV once more while it runs.
+    /// Refill: after a Molt switch on a size route, the destination re-reads the history
+    /// natively in place, this many positions in the batch of every token it decodes, until
+    /// every cell is its own ([`super::refill`]). The switch's selective recompute re-reads
+    /// what the question looked at; a summary looks at everything, and without the refill one
+    /// caught by a size switch states a third of its notes' facts where a re-prefill states
+    /// three quarters (`bench --recall --recall-items benches/recall/summaries.jsonl`). The
+    /// compute is a re-prefill's, spread over the next tokens instead of stalling the first.
+    /// [`DEFAULT_REFILL_CHUNK`] by default; 0 turns it off.
     pub refill_chunk: usize,
+    /// Refill after a precision route's switch too (off: the projection keeps the facts there,
+    /// at a fortieth of a re-prefill's cost).
+    pub refill_precision: bool,
     /// Selective token recompute at a size-route switch: after the import, the destination
     /// re-reads a share of the cached positions natively, chosen by the source's attention
     /// from the prompt's last tokens (see [`crate::transplant::select`]). On by default
@@ -185,6 +191,13 @@ pub struct SessionOptions {
 /// projection alone's 3.00 and a re-prefill's 2.13; three tokens gave 2.46.
 pub const DEFAULT_HEAD_REREAD: usize = 4;
 
+/// Positions a refill re-reads in the batch of every token after a size switch
+/// ([`SessionOptions::refill_chunk`]). A summary switched tier0 → tier2 stated as many of its
+/// notes' facts with 64 as with 256 per step (`results/recall_summaries.json`); 64 finishes
+/// ~850 cells in 13 tokens, each ~0.3 s slower on tier2 on 2 cores, where 256 makes every one
+/// of 4 tokens wait ~1 s.
+pub const DEFAULT_REFILL_CHUNK: usize = 64;
+
 impl Default for SessionOptions {
     fn default() -> Self {
         Self {
@@ -199,7 +212,8 @@ impl Default for SessionOptions {
             topk_recompute: None,
             tail_recompute: 0,
             head_reread: DEFAULT_HEAD_REREAD,
-            refill_chunk: 0,
+            refill_chunk: DEFAULT_REFILL_CHUNK,
+            refill_precision: false,
             token_recompute: Some(TokenRecompute::default_size()),
             park_deadline: None,
             standby: true,

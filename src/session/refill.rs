@@ -1,150 +1,153 @@
-//! Background refill: after a Molt switch, the destination re-reads the history natively, a
-//! chunk between every two tokens, in a context of its own; when it has caught up it takes
-//! over the live cache. The switch itself stays a transplant (no stall); the projection's
-//! error then lasts only until the refill catches up, after which the cache is exactly what a
-//! re-prefill would have built. The compute is a re-prefill's, spread over the next tokens.
+//! Refill: after a Molt switch on a size route, the destination re-reads the history natively,
+//! in place, a chunk in the batch of every token it decodes, from the end of the head re-read
+//! to the newest token. A summary caught by such a switch states a third of its notes' facts
+//! where a re-prefill states three quarters (`results/recall_summaries.json`): the selective
+//! recompute re-reads what the question looked at, and a summary looks at everything. The
+//! switch itself stays a transplant (its gap is unchanged); the projection's error then lasts
+//! only until the refill reaches the newest token, after which every cell is what a re-prefill
+//! would have built. The compute is a re-prefill's, spread over the next tokens.
 //!
-//! The take-over is one state export/import and one decode of the newest token, so the logits
-//! the next token is sampled from are the destination's own. Failures are never fatal: the
-//! refill is dropped and the answer goes on from the projected cache.
+//! In place: the chunk at positions `next..next + chunk` is re-read in the live context
+//! ([`crate::engine::Context::recompute_spans_then_decode`]), attending to the cells before it
+//! — native, re-read by the steps before — and to itself, its new cells replacing the old; the
+//! token is decoded in the same `llama_decode` (one pass over the weights for both), seeing
+//! the chunk's cells as they were. The last chunk is read before its token, in a pass of its
+//! own, so that the token's cell is native too. No second context, no extra memory, no
+//! take-over. Failures are never fatal: the refill is dropped,
+//! said as a lever, and the answer goes on from the cache as it stands.
 
 use std::time::Instant;
 
-use crate::engine::ReRead;
+use crate::engine::{Span, Token};
+use crate::routes::RouteKind;
 
-use super::{Event, LeverInfo, Session};
+use super::{Event, LeverInfo, Session, SessionError};
 
 /// A native re-read of the history in progress on the current rung.
 pub(super) struct Refill {
     /// The rung it belongs to (dropped if the session moves).
     rung: usize,
-    /// The re-read (created at the first step: its model is the rung's, loaded by then).
-    reread: Option<ReRead>,
-    /// Time spent so far, ms.
+    /// The first position not re-read yet.
+    next: usize,
+    /// Positions re-read so far.
+    done: usize,
+    /// Time of the batches that carried a chunk, ms (their tokens' decodes included).
     ms: f64,
 }
 
 impl Session {
-    /// Starts a refill on the current rung (after a Molt switch), replacing any other.
-    pub(super) fn start_refill(&mut self) {
-        self.refill = (self.opts.refill_chunk > 0).then_some(Refill {
+    /// Starts a refill on the current rung after a Molt switch over a route of `kind`
+    /// (replacing any other): on a size route when [`SessionOptions::refill_chunk`] is on, on
+    /// a precision route only with [`SessionOptions::refill_precision`].
+    ///
+    /// [`SessionOptions::refill_chunk`]: super::SessionOptions::refill_chunk
+    /// [`SessionOptions::refill_precision`]: super::SessionOptions::refill_precision
+    pub(super) fn start_refill(&mut self, kind: RouteKind) {
+        let on =
+            self.opts.refill_chunk > 0 && (kind == RouteKind::Size || self.opts.refill_precision);
+        self.refill = on.then_some(Refill {
             rung: self.current,
-            reread: None,
+            // The head re-read is the destination's own (its anchor and the first token):
+            // native already.
+            next: self.opts.head_reread.min(self.history.len()),
+            done: 0,
             ms: 0.0,
         });
     }
 
-    /// Drops a refill in progress (the rung moved, parked, or the answer ended), releasing its
-    /// context.
+    /// Drops a refill in progress (the rung moved, parked, or the answer ended). What it
+    /// re-read stays native.
     pub(super) fn drop_refill(&mut self) {
         self.refill = None;
     }
 
-    /// One refill step between two tokens: decode the next chunk of the history (all but the
-    /// newest token, which the live context has just decoded) and, once caught up, take over
-    /// the live cache. Called with the newest token already in `history`.
-    pub(super) fn refill_step(&mut self, at_token: usize, sink: &mut dyn FnMut(&Event)) {
-        let Some(mut r) = self.refill.take() else {
-            return;
+    /// Decodes `tok` on the live rung — with the refill's next chunk in the same batch when one
+    /// runs on it. Before generated token `at_token`; `tok` is not in the history yet.
+    ///
+    /// # Errors
+    /// The decode of `tok` failing (a failed chunk only ends the refill).
+    pub(super) fn decode_next(
+        &mut self,
+        tok: Token,
+        at_token: usize,
+        sink: &mut dyn FnMut(&Event),
+    ) -> Result<(), SessionError> {
+        let name = self.current_rung().to_string();
+        let engine = |source| SessionError::Engine {
+            rung: name.clone(),
+            source,
         };
-        if r.rung != self.current || self.parked.is_some() || self.rungs[r.rung].is_none() {
-            return;
+        let refill = self.refill.take();
+        let Some(mut r) = refill.filter(|r| r.rung == self.current && self.parked.is_none()) else {
+            return self.live().ctx.decode(&[tok]).map_err(engine);
+        };
+        let chunk = self.opts.refill_chunk.max(1);
+        let n_past = self.live().ctx.n_past().min(self.history.len());
+        let end = (r.next + chunk).min(n_past);
+        if r.next >= end {
+            self.live().ctx.decode(&[tok]).map_err(engine)?;
+            self.refill_done(&r, at_token, "refill", sink);
+            return Ok(());
         }
         let t0 = Instant::now();
-        let target = self.history.len().saturating_sub(1);
-        let step = (|| -> Result<bool, String> {
-            let reread = match r.reread.as_mut() {
-                Some(x) => x,
-                None => {
-                    let live = self.rungs[r.rung].as_ref().ok_or("rung not loaded")?;
-                    r.reread.insert(ReRead::new(
-                        live.ctx.model().clone(),
-                        self.config,
-                        self.opts.refill_chunk,
-                    ))
-                }
-            };
-            reread
-                .step(&self.history, target)
-                .map_err(|e| format!("refill: {e}"))
-        })();
-        r.ms += t0.elapsed().as_secs_f64() * 1e3;
-        match step {
-            Ok(false) => self.refill = Some(r),
-            Ok(true) => self.take_over(r, at_token, sink),
-            Err(e) => {
-                let done = r.reread.as_ref().map_or(0, ReRead::done);
-                self.refill_note(&r, done, at_token, &format!("refill abandoned: {e}"), sink);
-            }
-        }
-    }
-
-    /// Moves the refill's native cache into the live context and decodes the newest token on
-    /// it. If anything fails, the live context is restored from a copy taken first.
-    fn take_over(&mut self, mut r: Refill, at_token: usize, sink: &mut dyn FnMut(&Event)) {
-        let t0 = Instant::now();
-        let newest = *self.history.last().unwrap_or(&0);
-        let Some(reread) = r.reread.take() else {
-            return;
+        let span = Span {
+            start: r.next,
+            tokens: &self.history[r.next..end],
         };
-        let done = reread.done();
-        let result = (|| -> Result<(), String> {
-            let blob = reread
-                .into_state()
-                .map_err(|e| format!("refill export: {e}"))?;
-            let live = self.rungs[r.rung].as_mut().ok_or("rung not loaded")?;
-            let backup = live
-                .ctx
-                .export_state()
-                .map_err(|e| format!("live export: {e}"))?;
-            let swap = live
-                .ctx
-                .import_state(&blob)
-                .map_err(|e| format!("import: {e}"))
-                .and_then(|()| {
-                    live.ctx
-                        .decode(&[newest])
-                        .map_err(|e| format!("decode after take-over: {e}"))
-                });
-            if let Err(e) = swap {
-                live.ctx.clear();
-                live.ctx
-                    .import_state(&backup)
-                    .and_then(|()| {
-                        live.ctx.truncate(self.history.len() - 1);
-                        live.ctx.decode(&[newest])
-                    })
-                    .map_err(|e2| format!("{e}; restoring the projected cache: {e2}"))?;
-                return Err(e);
-            }
-            Ok(())
-        })();
+        let live = self.rungs[r.rung]
+            .as_mut()
+            .expect("the live rung is loaded");
+        // A token decoded in the batch of a span attends to the cells the span replaces as
+        // they were: the last span is read before its token, so that every cell, the token's
+        // too, is the destination's own.
+        let result = if end >= n_past {
+            live.ctx
+                .recompute_spans(&[span])
+                .and_then(|n| live.ctx.decode(&[tok]).map(|()| n))
+        } else {
+            live.ctx.recompute_spans_then_decode(&[span], &[tok])
+        };
         r.ms += t0.elapsed().as_secs_f64() * 1e3;
         match result {
-            Ok(()) => {
-                self.projected.clear();
-                self.refill_note(&r, done, at_token, "refill", sink);
+            Ok(_) => {
+                r.done += end - r.next;
+                r.next = end;
+                // What is re-read is no longer projected.
+                self.projected.retain(|p| p.end > end);
+                if let Some(p) = self.projected.first_mut() {
+                    p.start = p.start.max(end);
+                }
+                if end >= n_past {
+                    self.refill_done(&r, at_token, "refill", sink);
+                } else {
+                    self.refill = Some(r);
+                }
+                Ok(())
             }
             Err(e) => {
+                // Sequence 0 is as it was before the failed batch: the token alone.
                 let what = format!("refill abandoned: {e}");
-                self.refill_note(&r, done, at_token, &what, sink);
+                self.refill_done(&r, at_token, &what, sink);
+                self.live().ctx.decode(&[tok]).map_err(engine)
             }
         }
     }
 
-    fn refill_note(
+    fn refill_done(
         &mut self,
         r: &Refill,
-        done: usize,
         at_token: usize,
         what: &str,
         sink: &mut dyn FnMut(&Event),
     ) {
+        if what == "refill" {
+            self.projected.clear();
+        }
         let info = LeverInfo {
             at_token,
             lever: what.to_string(),
             rung: self.ladder.rungs[r.rung].name().to_string(),
-            tokens: done + 1,
+            tokens: r.done,
             cost_ms: r.ms,
             parked_ms: 0.0,
             rss_before: 0,

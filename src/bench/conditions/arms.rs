@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use crate::bench::BenchError;
 use crate::routes::RouteKind;
 use crate::routes::Variant;
-use crate::session::{DEFAULT_HEAD_REREAD, Strategy};
+use crate::session::{DEFAULT_HEAD_REREAD, DEFAULT_REFILL_CHUNK, Strategy};
 
 /// One prompt of the benchmark.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -134,19 +134,28 @@ impl ArmSpec {
             topk: None,
             tail: 0,
             head: DEFAULT_HEAD_REREAD,
-            refill: 0,
+            refill: DEFAULT_REFILL_CHUNK,
         }
     }
 
+    /// Molt with a refill of `n` positions per step instead of the default's
+    /// ([`DEFAULT_REFILL_CHUNK`]); `n = 0` is `D-no-refill`, the size switch's cells left as
+    /// projected and recomputed.
     fn refill(n: usize) -> Self {
+        let (id, removes) = if n == 0 {
+            (
+                "D-no-refill".to_string(),
+                "without the refill after a size switch".to_string(),
+            )
+        } else {
+            (
+                format!("D-refill{n}"),
+                format!("with a refill of {n} positions per step (not {DEFAULT_REFILL_CHUNK})"),
+            )
+        };
         Self {
             refill: n,
-            ..Self::ablation(
-                &format!("D-refill{n}"),
-                &format!("with a background native refill of {n} tokens per step"),
-                Variant::Auto,
-                Variant::Auto,
-            )
+            ..Self::ablation(&id, &removes, Variant::Auto, Variant::Auto)
         }
     }
 
@@ -190,7 +199,7 @@ impl ArmSpec {
     pub fn is_option(&self) -> bool {
         self.topk.is_some()
             || self.tail > 0
-            || self.refill > 0
+            || (self.refill > 0 && self.refill != DEFAULT_REFILL_CHUNK)
             || (self.head != 0 && self.head != DEFAULT_HEAD_REREAD)
     }
 
@@ -311,13 +320,14 @@ pub fn all_arms() -> Vec<ArmSpec> {
         ArmSpec::head(0),
         ArmSpec::head(3),
         ArmSpec::head(32),
+        ArmSpec::refill(0),
         ArmSpec::refill(8),
         ArmSpec::refill(32),
     ]
 }
 
 /// `all` (every arm but the option arms, which are selected by id: `D-topk2,D-topk4,D-topk6`,
-/// `D-tail8,D-tail32`, `D-no-head,D-head3,D-head32`, `D-refill8,D-refill32`),
+/// `D-tail8,D-tail32`, `D-no-head,D-head3,D-head32`, `D-refill8,D-refill32`; `D-no-refill` is an ablation),
 /// or a comma-separated list of arm ids (case-insensitive). Unbuilt slots are listed but never
 /// run.
 ///
@@ -387,7 +397,11 @@ mod tests {
                 .iter()
                 .filter(|&&k| a.variant(k).tag(k) != d.variant(k).tag(k))
                 .count();
-            assert!(changed >= 1 || a.head != d.head, "{} changes nothing", a.id);
+            assert!(
+                changed >= 1 || a.head != d.head || a.refill != d.refill,
+                "{} changes nothing",
+                a.id
+            );
             assert_eq!(a.strategy, Strategy::Molt);
         }
         let topk: Vec<_> = all.iter().filter_map(|a| a.topk).collect();

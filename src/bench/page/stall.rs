@@ -61,9 +61,9 @@ pub(super) fn section(doc: &StallDoc, figures: &FigureSet, figures_rel: &str) ->
     );
     let _ = writeln!(
         s,
-        "| route | dir | context | cache | cached | stall before, ms | stall after, ms [min–max] | dst ITL, ms | after / ITL | standby held, MiB | largest parts after, ms |"
+        "| route | dir | context | cache | cached | stall before, ms | stall after, ms [min–max] | dst ITL, ms | after / ITL | refill after: tokens × gap ms | standby held, MiB | largest parts after, ms |"
     );
-    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut rows: Vec<&StallRow> = doc.rows.iter().collect();
     rows.sort_by(|a, b| {
         (
@@ -83,7 +83,7 @@ pub(super) fn section(doc: &StallDoc, figures: &FigureSet, figures_rel: &str) ->
         let before = doc.before_rows.iter().find(|b| b.same_cell(r));
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {:.0}% | {} | {:.0} [{:.0}–{:.0}] | {:.0} | {:.1} | {:.0} | {} |",
+            "| {} | {} | {} | {} | {:.0}% | {} | {:.0} [{:.0}–{:.0}] | {:.0} | {:.1} | {} | {:.0} | {} |",
             r.route.replace("->", " → "),
             r.direction,
             r.context_tokens,
@@ -95,6 +95,10 @@ pub(super) fn section(doc: &StallDoc, figures: &FigureSet, figures_rel: &str) ->
             r.stall_ms.max,
             r.itl_ms_median,
             r.stall_ms.median / r.itl_ms_median,
+            match (r.refill_tokens_median, r.refill_gap_ms_median) {
+                (Some(n), Some(g)) => format!("{n:.0} × {g:.0}"),
+                _ => "–".to_string(),
+            },
             r.standby_rss_mib,
             top_parts(r, 3),
         );

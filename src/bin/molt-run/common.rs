@@ -218,8 +218,20 @@ pub fn prepare_line(p: &molt::session::PrepareInfo) -> String {
 }
 
 /// A park, resume, shed or relayout as one line: `⏸ park on tier1 (812 tokens, 40 ms, RSS
-/// 1900 → 1100 MiB)`.
+/// 1900 → 1100 MiB)`; a refill's end as `↻ tier2 re-read 812 positions …`.
 pub fn lever_line(l: &LeverInfo) -> String {
+    if l.lever == "refill" {
+        return format!(
+            "↻ {} re-read {} positions of the history natively behind the answer ({:.0} ms, in the batches of its tokens): its cache is its own again",
+            l.rung, l.tokens, l.cost_ms
+        );
+    }
+    if let Some(why) = l.lever.strip_prefix("refill abandoned: ") {
+        return format!(
+            "↻ refill on {} abandoned after {} positions: {why}",
+            l.rung, l.tokens
+        );
+    }
     format!(
         "⏸ {} on {} ({} tokens, {:.0} ms, RSS {} → {} MiB)",
         l.lever,

@@ -95,10 +95,11 @@ pub struct Args {
     /// (a short context's fact sentence is as long as a long context's).
     #[arg(long, value_name = "N", default_value_t = molt::transplant::select::TokenRecompute::default_size().min_positions)]
     pub recompute_floor: usize,
-    /// Background refill (0, off, by default): after a molt switch, re-read the history
-    /// natively on the destination, N tokens between every two generated tokens, in a context
-    /// of its own, and take over the live cache once caught up.
-    #[arg(long, value_name = "N", default_value_t = 0)]
+    /// Refill: after a molt switch on a size route, the destination re-reads the history
+    /// natively in place, N positions in the batch of every token it decodes, until every cell
+    /// is its own (a summary keeps its facts; the compute is a re-prefill's, spread over the
+    /// next tokens). 0 turns it off.
+    #[arg(long, value_name = "N", default_value_t = molt::session::DEFAULT_REFILL_CHUNK)]
     pub refill: usize,
     /// Write JSONL results here instead of stdout (text is then streamed to stdout).
     #[arg(long)]
