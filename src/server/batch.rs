@@ -2203,18 +2203,7 @@ fn refilled(
         return;
     }
     t.projected.clear();
-    let info = LeverInfo {
-        at_token: t.out.len(),
-        lever: "refill".into(),
-        rung: l.name(engine.rung).to_string(),
-        tokens: r.done,
-        cost_ms: r.ms,
-        parked_ms: 0.0,
-        rss_before: 0,
-        rss_after: 0,
-        parked_kv_bytes: 0,
-        budget_bytes: 0,
-    };
+    let info = LeverInfo::refill(t.out.len(), "refill", l.name(engine.rung), r.done, r.ms, 0);
     t.emit(shared, Event::Lever(info));
 }
 

@@ -101,6 +101,34 @@ pub struct LeverInfo {
     pub budget_bytes: u64,
 }
 
+impl LeverInfo {
+    /// A refill's end ([`SessionOptions::refill_chunk`](super::SessionOptions::refill_chunk)):
+    /// `what` is `refill` once every cell is the destination's own, or why it was abandoned;
+    /// `tokens` the positions it re-read, `cost_ms` the time of the batches that carried them.
+    #[must_use]
+    pub fn refill(
+        at_token: usize,
+        what: &str,
+        rung: &str,
+        tokens: usize,
+        cost_ms: f64,
+        budget_bytes: u64,
+    ) -> Self {
+        Self {
+            at_token,
+            lever: what.to_string(),
+            rung: rung.to_string(),
+            tokens,
+            cost_ms,
+            parked_ms: 0.0,
+            rss_before: 0,
+            rss_after: 0,
+            parked_kv_bytes: 0,
+            budget_bytes,
+        }
+    }
+}
+
 /// What became of a switch up prepared in the background
 /// ([`SessionOptions::prepare_up`](super::SessionOptions::prepare_up)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -143,18 +143,14 @@ impl Session {
         if what == "refill" {
             self.projected.clear();
         }
-        let info = LeverInfo {
+        let info = LeverInfo::refill(
             at_token,
-            lever: what.to_string(),
-            rung: self.ladder.rungs[r.rung].name().to_string(),
-            tokens: r.done,
-            cost_ms: r.ms,
-            parked_ms: 0.0,
-            rss_before: 0,
-            rss_after: 0,
-            parked_kv_bytes: 0,
-            budget_bytes: self.last_budget.unwrap_or(0),
-        };
+            what,
+            self.ladder.rungs[r.rung].name(),
+            r.done,
+            r.ms,
+            self.last_budget.unwrap_or(0),
+        );
         sink(&Event::Lever(info.clone()));
         self.answer_levers.push(info);
     }

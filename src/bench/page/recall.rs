@@ -21,12 +21,7 @@ use crate::transplant::select::SelectRule;
 pub(super) fn section(doc: &RecallDoc, figures: &FigureSet, figures_rel: &str) -> String {
     let mut s = String::new();
     let _ = writeln!(s, "\n## Recall of the context's facts\n");
-    let lengths = {
-        let mut v: Vec<usize> = doc.rows.iter().map(|r| r.context_tokens).collect();
-        v.sort_unstable();
-        v.dedup();
-        v
-    };
+    let lengths = lengths(doc);
     let _ = writeln!(
         s,
         "From `recall.json`: {} context-QA items of `{}` — a fact inside notes of {} tokens, then a question — answered across a switch before answer token 1 or after {} tokens of a preamble the item asks for{}. An answer recalls the fact when it holds every expected string (case-insensitive). Per arm, recall is pooled over its rows (every context length and switch point: Σ recall × items / Σ items) beside the native destination's recall on the same items; the cost is the switch alone on a loaded destination, the median of the rows' medians weighted by their items, and the re-prefill's the same way at the same points. Precision routes ran on every {} item{}.\n",
@@ -126,12 +121,7 @@ pub(super) fn summaries_section(doc: &RecallDoc) -> String {
 ## Summaries across a switch: the facts a summary states
 "
     );
-    let lengths = {
-        let mut v: Vec<usize> = doc.rows.iter().map(|r| r.context_tokens).collect();
-        v.sort_unstable();
-        v.dedup();
-        v
-    };
+    let lengths = lengths(doc);
     let _ = writeln!(
         s,
         "From `recall_summaries.json`: {} items of `{}` — notes of {} tokens with eight or nine facts (names, numbers, identifiers, places) spread through them, summarised as a bulleted list of up to 200 tokens — switched before answer token 1 or in the list's middle. A summary is scored by the share of its notes' facts it states (every expected string, case-insensitive), the mean over the items; `recall` counts the summaries that state them all. Every answer is in the JSON.\n",
@@ -399,6 +389,14 @@ fn reread(doc: &RecallDoc, x: &RecallSummary) -> String {
 }
 
 /// `256, 512 and 1024`.
+/// The context lengths of a document's rows, ascending.
+fn lengths(doc: &RecallDoc) -> Vec<usize> {
+    let mut v: Vec<usize> = doc.rows.iter().map(|r| r.context_tokens).collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
 fn join_lengths(v: &[usize]) -> String {
     let words: Vec<String> = v.iter().map(ToString::to_string).collect();
     match words.as_slice() {
