@@ -2101,7 +2101,7 @@ fn step(shared: &Shared, l: &Ladders, engine: &mut Engine, tenants: &mut Vec<Ten
     // were: the last span of a refill is read in a step of its own first, so that the token's
     // cell is the destination's own too.
     let last_span = reread.is_some_and(|(k, _, e)| e >= tenants[k].cached.len());
-    let stepped = if last_span {
+    let mut stepped = if last_span {
         engine
             .ctx
             .step_rereading(&[], span)
@@ -2109,6 +2109,13 @@ fn step(shared: &Shared, l: &Ladders, engine: &mut Engine, tenants: &mut Vec<Ten
     } else {
         engine.ctx.step_rereading(&chunks, span)
     };
+    // A step that fails with a span is tried again without it (llama.cpp rolled the failed
+    // batch back): a refill that cannot go on ends, the answers do not.
+    let mut abandoned = None;
+    if let (Err(e), Some(_)) = (&stepped, reread) {
+        abandoned = Some(e.to_string());
+        stepped = engine.ctx.step(&chunks);
+    }
     if let Err(source) = stepped {
         drop(chunks);
         let e = SessionError::Engine {
@@ -2126,8 +2133,20 @@ fn step(shared: &Shared, l: &Ladders, engine: &mut Engine, tenants: &mut Vec<Ten
         return;
     }
     drop(chunks);
-    if let Some((k, a, e)) = reread {
-        refilled(shared, l, engine, &mut tenants[k], a..e, t_step.elapsed());
+    match (reread, abandoned) {
+        (Some((k, _, _)), Some(why)) => {
+            let t = &mut tenants[k];
+            if let Some(r) = t.refill.take() {
+                let what = format!("refill abandoned: {why}");
+                let info =
+                    LeverInfo::refill(t.out.len(), &what, l.name(engine.rung), r.done, r.ms, 0);
+                t.emit(shared, Event::Lever(info));
+            }
+        }
+        (Some((k, a, e)), None) => {
+            refilled(shared, l, engine, &mut tenants[k], a..e, t_step.elapsed());
+        }
+        _ => {}
     }
     let rung = l.name(engine.rung).to_string();
     let mut done: Vec<(usize, StopReason, bool)> = Vec::new();
