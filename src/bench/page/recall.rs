@@ -129,9 +129,7 @@ pub(super) fn summaries_section(doc: &RecallDoc) -> String {
         doc.items_file,
         join_lengths(&lengths),
     );
-    let mut routes: Vec<&str> = doc.rows.iter().map(|r| r.route.as_str()).collect();
-    routes.dedup();
-    for route in routes {
+    for route in routes(doc) {
         let _ = writeln!(s, "### {route}\n");
         let _ = writeln!(
             s,
