@@ -304,14 +304,16 @@ fn a_refill_that_caught_up_continues_as_the_native_cache_does() {
 /// A session's switch down a size route re-reads the history in place behind the answer, by
 /// default: a `refill` lever once every position is the destination's own, the positions it
 /// re-read counted, and from that token on the answer is what a native cache of the same text
-/// gives. A precision route's switch starts none, and `refill_chunk: 0` turns it off.
+/// gives. With a deadline it re-reads more per token and ends within it. A precision route's
+/// switch starts none, and `refill_chunk: 0` turns it off.
 #[test]
 fn a_size_switch_refills_the_history_in_place_and_then_answers_as_the_native_cache_does() {
     let l = common::tiny_ladder().clone();
-    let run = |to: usize, chunk: usize| {
+    let run = |to: usize, chunk: usize, within: usize| {
         let opts = SessionOptions {
             projector_dirs: vec![common::tiny_projectors().clone()],
             refill_chunk: chunk,
+            refill_within: within,
             observe_footprint: false,
             ..SessionOptions::default()
         };
@@ -340,7 +342,7 @@ fn a_size_switch_refills_the_history_in_place_and_then_answers_as_the_native_cac
         SessionOptions::default().refill_chunk,
         molt::session::DEFAULT_REFILL_CHUNK
     );
-    let (g, levers, history) = run(2, 8);
+    let (g, levers, history) = run(2, 8, 0);
     assert_eq!(g.tokens.len(), 40, "the tiny model ended early");
     let refills: Vec<_> = levers
         .iter()
@@ -359,6 +361,10 @@ fn a_size_switch_refills_the_history_in_place_and_then_answers_as_the_native_cac
     let head = molt::session::DEFAULT_HEAD_REREAD;
     assert_eq!(r.tokens, prompt + k - 1 - head, "{r:?}");
     assert!(k > 2 && k < g.tokens.len(), "refilled before token {k}");
+    assert!(
+        k - 2 > 3,
+        "eight a step takes more than three tokens here (refilled before token {k})"
+    );
     // A native cache of the same text continues as the answer did from token `k`.
     let info = &l.rungs[2];
     let model = Model::load(&info.path, info.name(), ModelOptions::default()).unwrap();
@@ -376,13 +382,25 @@ fn a_size_switch_refills_the_history_in_place_and_then_answers_as_the_native_cac
         again, g.tokens,
         "after the refill the answer is the native cache's"
     );
+    // With a deadline of three tokens: more a step, the same positions, done by then.
+    let (g3, levers3, _) = run(2, 8, 3);
+    assert_eq!(g3.tokens[..2], g.tokens[..2]);
+    let r3: Vec<_> = levers3.iter().filter(|x| x.lever == "refill").collect();
+    assert_eq!(r3.len(), 1, "{levers3:?}");
+    assert!(r3[0].at_token <= 2 + 3 + 1, "{:?}", r3[0]);
+    assert_eq!(
+        r3[0].tokens,
+        prompt + r3[0].at_token - 1 - head,
+        "{:?}",
+        r3[0]
+    );
     // A precision route keeps its facts without one; off, none either.
-    let (_, precision, _) = run(1, 8);
+    let (_, precision, _) = run(1, 8, 0);
     assert!(
         precision.iter().all(|x| !x.lever.starts_with("refill")),
         "{precision:?}"
     );
-    let (_, off, _) = run(2, 0);
+    let (_, off, _) = run(2, 0, 8);
     assert!(
         off.iter().all(|x| !x.lever.starts_with("refill")),
         "{off:?}"

@@ -202,6 +202,10 @@ pub enum ArmMethod {
         /// its own that took over the live cache once caught up: the same cache at the end.)
         #[serde(default)]
         refill: usize,
+        /// The refill's deadline in tokens, as [`SessionOptions::refill_within`] (0: none, a
+        /// fixed chunk; runs before 2026-12-06's second session had none).
+        #[serde(default)]
+        refill_within: usize,
     },
 }
 
@@ -217,15 +221,17 @@ pub struct Arm {
 
 impl Arm {
     fn transplant(name: &str, head: usize, tail: usize, recompute: Option<TokenRecompute>) -> Self {
-        Self::refilled(name, head, tail, recompute, 0)
+        Self::refilled(name, head, tail, recompute, (0, 0))
     }
 
+    /// A transplant with a refill of `(chunk, within)` ([`SessionOptions::refill_chunk`],
+    /// [`SessionOptions::refill_within`]).
     fn refilled(
         name: &str,
         head: usize,
         tail: usize,
         recompute: Option<TokenRecompute>,
-        refill: usize,
+        (refill, refill_within): (usize, usize),
     ) -> Self {
         Self {
             name: name.into(),
@@ -234,6 +240,7 @@ impl Arm {
                 tail,
                 recompute,
                 refill,
+                refill_within,
             },
         }
     }
@@ -244,18 +251,24 @@ impl Arm {
         let d = SessionOptions::default();
         let recompute = d.token_recompute.filter(|_| kind == RouteKind::Size);
         let refills = kind == RouteKind::Size || d.refill_precision;
-        let refill_chunk = if refills { d.refill_chunk } else { 0 };
+        let (refill_chunk, within) = if refills {
+            (d.refill_chunk, d.refill_within)
+        } else {
+            (0, 0)
+        };
         match self.method {
             ArmMethod::Transplant {
                 head,
                 tail,
                 recompute: r,
                 refill,
+                refill_within,
             } => {
                 head == d.head_reread
                     && tail == d.tail_recompute
                     && r == recompute
                     && refill == refill_chunk
+                    && (refill == 0 || refill_within == within)
             }
             _ => false,
         }
@@ -355,15 +368,26 @@ pub fn default_arms(names: &[String]) -> Vec<Arm> {
             h,
             0,
             Some(sent_floor(0.10, 64)),
-            64,
+            (64, 0),
         ),
         Arm::refilled(
             "sent-r10-m64+refill256",
             h,
             0,
             Some(sent_floor(0.10, 64)),
-            256,
+            (256, 0),
         ),
+        // The refill with a deadline: 64 per token, or what reaches the newest token within 8.
+        Arm::refilled(
+            "sent-r10-m64+refill64-w8",
+            h,
+            0,
+            Some(sent_floor(0.10, 64)),
+            (64, 8),
+        ),
+        // The same refill without the switch's selective recompute: the stall of a size
+        // switch is mostly that recompute; the refill re-reads every position anyway.
+        Arm::refilled("head4+refill64-w8", h, 0, None, (64, 8)),
     ];
     if names.is_empty() {
         return all;
@@ -850,6 +874,7 @@ pub fn run(
                             tail,
                             recompute,
                             refill,
+                            refill_within,
                         } => {
                             let last = *read.before.last().expect("switch after a token");
                             let h = head.min(n_past);
@@ -921,7 +946,11 @@ pub fn run(
                                     h,
                                     &mut out,
                                     max,
-                                    refill,
+                                    crate::session::refill_step(
+                                        refill,
+                                        refill_within,
+                                        history.len() - h,
+                                    ),
                                 )?);
                             } else {
                                 continue_greedy(&mut dst.ctx, &mut out, max, &dst_name)?;
@@ -1216,10 +1245,11 @@ mod tests {
         assert_eq!(prec.len(), 1, "one default on precision routes");
         assert!(matches!(
             size[0].method,
-            ArmMethod::Transplant { head, recompute, refill, .. }
+            ArmMethod::Transplant { head, recompute, refill, refill_within, .. }
                 if head == d.head_reread
                     && recompute == d.token_recompute
                     && refill == d.refill_chunk
+                    && refill_within == d.refill_within
         ));
         assert!(matches!(
             prec[0].method,

@@ -426,16 +426,18 @@ fn state_file(
     }
 }
 
-/// One running request.
-/// A tenant's refill in progress: the next position to re-read, the positions re-read so far
-/// and the time of the steps that carried them (every tenant's tokens of those steps included).
+/// A tenant's refill in progress: the next position to re-read, the positions re-read so far,
+/// the positions a step re-reads ([`SessionOptions::refill_step`]) and the time of the steps
+/// that carried them (every tenant's tokens of those steps included).
 #[derive(Debug, Clone, Copy)]
 struct Refill {
     next: usize,
     done: usize,
+    step: usize,
     ms: f64,
 }
 
+/// One running request.
 struct Tenant {
     job: Job,
     control: RequestControl,
@@ -1964,9 +1966,11 @@ fn carry_into(
             Ok((timings, projected)) => {
                 t.projected = projected;
                 // The head re-read is the destination's own already.
+                let next = l.opts.head_reread.min(t.cached.len());
                 t.refill = refills.then(|| Refill {
-                    next: l.opts.head_reread.min(t.cached.len()),
+                    next,
                     done: 0,
+                    step: l.opts.refill_step(t.cached.len() - next),
                     ms: 0.0,
                 });
                 (SwitchMethod::Molt, timings, anchor_note.clone())
@@ -2183,7 +2187,7 @@ fn refill_span(
     let planned: usize = plan.iter().map(|p| p.1).sum();
     let room = (l.config.n_batch as usize).saturating_sub(planned);
     let cells = (l.config.n_ctx as usize).saturating_sub(engine.ctx.cells_used() + planned);
-    let chunk = l.opts.refill_chunk.min(room).min(cells);
+    let chunk = room.min(cells);
     if chunk == 0 {
         return None;
     }
@@ -2191,7 +2195,8 @@ fn refill_span(
         let t = &tenants[k];
         let r = t.refill?;
         let held = t.cached.len();
-        (n == 1 && t.started && r.next < held).then(|| (k, r.next, (r.next + chunk).min(held)))
+        let end = (r.next + r.step.min(chunk)).min(held);
+        (n == 1 && t.started && r.next < held && r.step > 0).then_some((k, r.next, end))
     })
 }
 

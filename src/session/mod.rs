@@ -34,7 +34,8 @@ pub use events::{
 };
 pub use levers::chat_pinned_prefix;
 pub use options::{
-    DEFAULT_HEAD_REREAD, DEFAULT_REFILL_CHUNK, GenerateOptions, Prompt, SessionOptions, Strategy,
+    DEFAULT_HEAD_REREAD, DEFAULT_REFILL_CHUNK, DEFAULT_REFILL_WITHIN, GenerateOptions, Prompt,
+    SessionOptions, Strategy, refill_step,
 };
 pub use prepare::{CATCH_UP_STEP, SHADOW_STEP};
 pub use rung::{LiveRung, LoadParts, ParkedRung, StandbyRung};

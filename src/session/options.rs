@@ -120,6 +120,12 @@ pub struct SessionOptions {
     /// compute is a re-prefill's, spread over the next tokens instead of stalling the first.
     /// [`DEFAULT_REFILL_CHUNK`] by default; 0 turns it off.
     pub refill_chunk: usize,
+    /// The refill's deadline, in tokens: it re-reads more than [`Self::refill_chunk`] per
+    /// token when that is what it takes to reach the newest token within this many
+    /// ([`Self::refill_step`]). A one-sentence answer after a switch at ~1,800 tokens ends
+    /// before 64 per token reach the end (25 tokens), and what it states is then read over
+    /// projected cells. [`DEFAULT_REFILL_WITHIN`] by default; 0: no deadline.
+    pub refill_within: usize,
     /// Refill after a precision route's switch too (off: the projection keeps the facts there,
     /// at a fortieth of a re-prefill's cost).
     pub refill_precision: bool,
@@ -198,6 +204,33 @@ pub const DEFAULT_HEAD_REREAD: usize = 4;
 /// of 4 tokens wait ~1 s.
 pub const DEFAULT_REFILL_CHUNK: usize = 64;
 
+/// Tokens within which a refill reaches the newest token ([`SessionOptions::refill_within`]):
+/// 64 per token up to ~520 cells, more beyond (~200 per token at ~1,800).
+pub const DEFAULT_REFILL_WITHIN: usize = 8;
+
+impl SessionOptions {
+    /// Positions a refill that starts with `cells` positions to re-read takes per token: at
+    /// least [`Self::refill_chunk`], and enough to finish within [`Self::refill_within`]
+    /// tokens. 0 when the refill is off.
+    #[must_use]
+    pub fn refill_step(&self, cells: usize) -> usize {
+        refill_step(self.refill_chunk, self.refill_within, cells)
+    }
+}
+
+/// [`SessionOptions::refill_step`] for a chunk of `chunk` positions (0: off) and a deadline of
+/// `within` tokens (0: none).
+#[must_use]
+pub fn refill_step(chunk: usize, within: usize, cells: usize) -> usize {
+    if chunk == 0 {
+        return 0;
+    }
+    if within == 0 {
+        return chunk;
+    }
+    chunk.max(cells.div_ceil(within))
+}
+
 impl Default for SessionOptions {
     fn default() -> Self {
         Self {
@@ -213,6 +246,7 @@ impl Default for SessionOptions {
             tail_recompute: 0,
             head_reread: DEFAULT_HEAD_REREAD,
             refill_chunk: DEFAULT_REFILL_CHUNK,
+            refill_within: DEFAULT_REFILL_WITHIN,
             refill_precision: false,
             token_recompute: Some(TokenRecompute::default_size()),
             park_deadline: None,
@@ -226,5 +260,24 @@ impl Default for SessionOptions {
             forced_down_waits: false,
             speed: crate::speed::SpeedPolicy::from_env(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::refill_step;
+
+    #[test]
+    fn a_refill_takes_its_chunk_or_what_reaches_the_end_within_its_deadline() {
+        // Short histories: the chunk.
+        assert_eq!(refill_step(64, 8, 400), 64);
+        assert_eq!(refill_step(64, 8, 512), 64);
+        // Long ones: enough to finish within 8 tokens.
+        assert_eq!(refill_step(64, 8, 1_600), 200);
+        assert_eq!(refill_step(64, 8, 1_601), 201);
+        assert!(1_601_usize.div_ceil(201) <= 8);
+        // No deadline: the chunk; off: nothing.
+        assert_eq!(refill_step(64, 0, 1_600), 64);
+        assert_eq!(refill_step(0, 8, 1_600), 0);
     }
 }

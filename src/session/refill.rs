@@ -7,6 +7,11 @@
 //! only until the refill reaches the newest token, after which every cell is what a re-prefill
 //! would have built. The compute is a re-prefill's, spread over the next tokens.
 //!
+//! The chunk is [`refill_chunk`](super::SessionOptions::refill_chunk) positions, or more when
+//! that is what it takes to reach the newest token within
+//! [`refill_within`](super::SessionOptions::refill_within) tokens: a one-sentence
+//! answer after a switch at ~1,800 tokens would otherwise end before the refill does.
+//!
 //! In place: the chunk at positions `next..next + chunk` is re-read in the live context
 //! ([`crate::engine::Context::recompute_spans_then_decode`]), attending to the cells before it
 //! — native, re-read by the steps before — and to itself, its new cells replacing the old; the
@@ -31,6 +36,8 @@ pub(super) struct Refill {
     next: usize,
     /// Positions re-read so far.
     done: usize,
+    /// Positions it re-reads per token ([`super::SessionOptions::refill_step`]).
+    step: usize,
     /// Time of the batches that carried a chunk, ms (their tokens' decodes included).
     ms: f64,
 }
@@ -45,12 +52,14 @@ impl Session {
     pub(super) fn start_refill(&mut self, kind: RouteKind) {
         let on =
             self.opts.refill_chunk > 0 && (kind == RouteKind::Size || self.opts.refill_precision);
+        // The head re-read is the destination's own (its anchor and the first token): native
+        // already.
+        let next = self.opts.head_reread.min(self.history.len());
         self.refill = on.then_some(Refill {
             rung: self.current,
-            // The head re-read is the destination's own (its anchor and the first token):
-            // native already.
-            next: self.opts.head_reread.min(self.history.len()),
+            next,
             done: 0,
+            step: self.opts.refill_step(self.history.len() - next),
             ms: 0.0,
         });
     }
@@ -81,7 +90,7 @@ impl Session {
         let Some(mut r) = refill.filter(|r| r.rung == self.current && self.parked.is_none()) else {
             return self.live().ctx.decode(&[tok]).map_err(engine);
         };
-        let chunk = self.opts.refill_chunk.max(1);
+        let chunk = r.step.max(1);
         let n_past = self.live().ctx.n_past().min(self.history.len());
         let end = (r.next + chunk).min(n_past);
         if r.next >= end {

@@ -341,6 +341,7 @@ fn reread(doc: &RecallDoc, x: &RecallSummary) -> String {
             tail,
             recompute,
             refill,
+            refill_within,
         } => {
             let mut parts = Vec::new();
             if head > 0 {
@@ -368,8 +369,13 @@ fn reread(doc: &RecallDoc, x: &RecallSummary) -> String {
                     .filter_map(|r| r.refill_ms.map(|m| m.median))
                     .collect();
                 spread.sort_by(f64::total_cmp);
+                let deadline = if refill_within > 0 {
+                    format!(" (more when needed to finish within {refill_within} tokens)")
+                } else {
+                    String::new()
+                };
                 parts.push(format!(
-                    "then all behind the answer, {refill} tokens a step{}",
+                    "then all behind the answer, {refill} positions a step{deadline}{}",
                     spread
                         .get(spread.len() / 2)
                         .map_or_else(String::new, |m| format!(
@@ -386,7 +392,6 @@ fn reread(doc: &RecallDoc, x: &RecallSummary) -> String {
     }
 }
 
-/// `256, 512 and 1024`.
 /// The context lengths of a document's rows, ascending.
 fn lengths(doc: &RecallDoc) -> Vec<usize> {
     let mut v: Vec<usize> = doc.rows.iter().map(|r| r.context_tokens).collect();

@@ -81,12 +81,8 @@ pub struct Args {
     /// How to change rung under pressure: molt (KV transplant), reprefill, never.
     #[arg(long, value_enum, default_value_t = StrategyArg::Molt)]
     pub strategy: StrategyArg,
-    /// Refill: after a molt switch on a size route, the destination re-reads the history
-    /// natively in place, N positions in the batch of every token it decodes, until every cell
-    /// is its own (a summary keeps its facts; the compute is a re-prefill's, spread over the
-    /// next tokens). 0 turns it off.
-    #[arg(long, value_name = "N", default_value_t = molt::session::DEFAULT_REFILL_CHUNK)]
-    pub refill: usize,
+    #[command(flatten)]
+    pub refill: crate::common::RefillArgs,
     /// Directory of projector files, searched first (then $MOLT_HOME/projectors, ./projectors,
     /// the per-user data directory, and the projectors built into molt-run).
     #[arg(long, value_name = "DIR")]
@@ -297,7 +293,8 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         projector_dirs: routes::search_dirs(a.projectors.as_deref()),
         speed: g.speed_policy(&ladder, &routes::search_dirs(a.projectors.as_deref())),
         pace_file: molt::session::pace::default_pace_file(),
-        refill_chunk: a.refill,
+        refill_chunk: a.refill.chunk,
+        refill_within: a.refill.within,
         ..SessionOptions::default()
     };
     let mut session = Session::with_options(ladder, config, &start, opts)?;

@@ -37,6 +37,22 @@ pub struct GlobalArgs {
     pub cache_type: CacheArg,
 }
 
+/// The refill's options (`chat`, `generate`, `serve`).
+#[derive(clap::Args, Debug, Clone, Copy)]
+pub struct RefillArgs {
+    /// Refill: after a molt switch on a size route, the destination re-reads the history
+    /// natively in place, N positions in the batch of every token it decodes, until every cell
+    /// is its own (a summary keeps its facts; the compute is a re-prefill's, spread over the
+    /// next tokens). 0 turns it off.
+    #[arg(long = "refill", value_name = "N", default_value_t = molt::session::DEFAULT_REFILL_CHUNK)]
+    pub chunk: usize,
+    /// The refill's deadline: it re-reads more than --refill positions per token when that is
+    /// what it takes to reach the newest token within T tokens (an answer that ends sooner is
+    /// otherwise written over projected cells). 0: no deadline.
+    #[arg(long = "refill-within", value_name = "T", default_value_t = molt::session::DEFAULT_REFILL_WITHIN)]
+    pub within: usize,
+}
+
 /// `--cache-type` values.
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CacheArg {

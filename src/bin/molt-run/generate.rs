@@ -95,12 +95,8 @@ pub struct Args {
     /// (a short context's fact sentence is as long as a long context's).
     #[arg(long, value_name = "N", default_value_t = molt::transplant::select::TokenRecompute::default_size().min_positions)]
     pub recompute_floor: usize,
-    /// Refill: after a molt switch on a size route, the destination re-reads the history
-    /// natively in place, N positions in the batch of every token it decodes, until every cell
-    /// is its own (a summary keeps its facts; the compute is a re-prefill's, spread over the
-    /// next tokens). 0 turns it off.
-    #[arg(long, value_name = "N", default_value_t = molt::session::DEFAULT_REFILL_CHUNK)]
-    pub refill: usize,
+    #[command(flatten)]
+    pub refill: crate::common::RefillArgs,
     /// Write JSONL results here instead of stdout (text is then streamed to stdout).
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -206,7 +202,8 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         topk_recompute: a.topk_recompute,
         tail_recompute: a.tail_recompute,
         head_reread: a.head_reread,
-        refill_chunk: a.refill,
+        refill_chunk: a.refill.chunk,
+        refill_within: a.refill.within,
         token_recompute: token_recompute(a)?,
         ..SessionOptions::default()
     };

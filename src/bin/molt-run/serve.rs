@@ -43,12 +43,8 @@ pub struct Args {
     /// at a time: with --serial).
     #[arg(long, value_enum, default_value_t = StrategyArg::Molt)]
     pub strategy: StrategyArg,
-    /// Refill: after a molt switch on a size route, the destination re-reads the history
-    /// natively in place, N positions in the batch of every token it decodes, until every cell
-    /// is its own (a summary keeps its facts; the compute is a re-prefill's, spread over the
-    /// next tokens). 0 turns it off.
-    #[arg(long, value_name = "N", default_value_t = molt::session::DEFAULT_REFILL_CHUNK)]
-    pub refill: usize,
+    #[command(flatten)]
+    pub refill: crate::common::RefillArgs,
     /// Budget at start: `unlimited`, `system` (cgroup limits, MemAvailable, PSI), a number of
     /// MiB, or `trace:NAME` / `trace:PATH.json`. Change it later with POST /v1/molt/budget.
     #[arg(long, default_value = "unlimited")]
@@ -222,7 +218,8 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
             speed: g.speed_policy(&ladder, &routes::search_dirs(a.projectors.as_deref())),
             pace_file: molt::session::pace::default_pace_file(),
             measure_seam: a.measure_seam,
-            refill_chunk: a.refill,
+            refill_chunk: a.refill.chunk,
+            refill_within: a.refill.within,
             park_deadline: (a.park_deadline_s > 0).then(|| Duration::from_secs(a.park_deadline_s)),
             ..SessionOptions::default()
         },
