@@ -311,31 +311,11 @@ fn a_size_switch_refills_the_history_in_place_and_then_answers_as_the_native_cac
     let l = common::tiny_ladder().clone();
     let run = |to: usize, chunk: usize, within: usize| {
         let opts = SessionOptions {
-            projector_dirs: vec![common::tiny_projectors().clone()],
             refill_chunk: chunk,
             refill_within: within,
-            observe_footprint: false,
             ..SessionOptions::default()
         };
-        let mut s = Session::with_options(l.clone(), common::cfg_long(), "big", opts).unwrap();
-        let mut levers = Vec::new();
-        let g = s
-            .generate(
-                &Prompt::Text(TEXT.into()),
-                &GenerateOptions {
-                    max_tokens: 40,
-                    force_switch: Some((2, to)),
-                    ..GenerateOptions::default()
-                },
-                &mut |e| {
-                    if let Event::Lever(x) = e {
-                        levers.push(x.clone());
-                    }
-                },
-            )
-            .unwrap();
-        assert_eq!(g.switches.len(), 1, "{:?}", g.switches);
-        assert_eq!(g.switches[0].method, "molt");
+        let (g, levers, s) = common::events::forced_switch(opts, TEXT, 2, to);
         (g, levers, s.history().to_vec())
     };
     assert_eq!(

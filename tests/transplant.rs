@@ -765,35 +765,17 @@ fn background_refill_takes_over_with_the_native_cache() {
     // place, 32 positions in the batch of every generated token, until every cell is its own:
     // from then on the session's logits are those of a fresh native read of the history (up
     // to batch-order rounding), while without the refill they stay the projection's.
-    let dir = common::tiny_projectors();
-    let l = common::tiny_ladder().clone();
     let run = |refill: usize| {
         let opts = SessionOptions {
-            projector_dirs: vec![dir.clone()],
             refill_chunk: refill,
-            observe_footprint: false,
+            // A fixed chunk: 32 a token, whatever the history's length.
+            refill_within: 0,
             // The projection alone: the default token recompute re-reads whole sentences, at
             // least 64 positions, which on this short text is nearly all of it.
             token_recompute: None,
             ..SessionOptions::default()
         };
-        let mut s = Session::with_options(l.clone(), common::cfg_long(), "big", opts).unwrap();
-        let mut levers = Vec::new();
-        let g = s
-            .generate(
-                &Prompt::Text(TEXT.into()),
-                &GenerateOptions {
-                    max_tokens: 40,
-                    force_switch: Some((10, 2)),
-                    ..GenerateOptions::default()
-                },
-                &mut |e| {
-                    if let Event::Lever(x) = e {
-                        levers.push(x.clone());
-                    }
-                },
-            )
-            .unwrap();
+        let (g, levers, mut s) = common::events::forced_switch(opts, TEXT, 10, 2);
         let hist = s.history().to_vec();
         let live = s.rung_mut(2).unwrap();
         assert_eq!(live.ctx.n_past(), hist.len());

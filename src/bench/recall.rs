@@ -249,8 +249,8 @@ impl Arm {
     #[must_use]
     pub fn is_default(&self, kind: RouteKind) -> bool {
         let d = SessionOptions::default();
+        let refills = d.refills(kind);
         let recompute = d.token_recompute.filter(|_| kind == RouteKind::Size);
-        let refills = kind == RouteKind::Size || d.refill_precision;
         let (refill_chunk, within) = if refills {
             (d.refill_chunk, d.refill_within)
         } else {

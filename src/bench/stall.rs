@@ -424,7 +424,9 @@ fn chain(
         ..SessionOptions::default()
     };
     let n = ladder.rungs.len();
-    let (refill_chunk, refill_precision) = (sopts.refill_chunk, sopts.refill_precision);
+    let refill_chunk = sopts.refill_chunk;
+    let refill_opts = sopts.clone();
+    let refills_on = |kind| refill_opts.refills(kind);
     let mut session = Session::with_options(ladder.clone(), config, ladder.rungs[0].name(), sopts)?;
     session.move_idle(n - 1)?;
     // A chat turn, as `chat` and `generate` send a prompt: the corpus text as the user's
@@ -482,10 +484,7 @@ fn chain(
             // options say so): its tokens are not the destination's gap, and the leg goes on
             // until `itl_tokens` of the destination's own follow it.
             let refills = |w: &SwitchInfo| {
-                w.method == SwitchMethod::Molt
-                    && refill_chunk > 0
-                    && (refill_precision
-                        || session_kind(ladder, from, to) == crate::routes::RouteKind::Size)
+                w.method == SwitchMethod::Molt && refills_on(session_kind(ladder, from, to))
             };
             session.generate_with(&prompt, &leg, &mut no_end, &mut |e| match e {
                 Event::Token {

@@ -1907,7 +1907,7 @@ fn carry_into(
     let dst_model = Arc::clone(dst.ctx.model());
     // A size route's carried caches are re-read in place behind their answers (a precision
     // route's only when asked): the session's refill.
-    let refills = l.opts.refill_chunk > 0 && (kind == RouteKind::Size || l.opts.refill_precision);
+    let refills = l.opts.refills(kind);
     for (t, exported) in tenants.iter_mut().zip(exported) {
         // A refill goes on only on the rung it began on, its cells as they were.
         let refill = t.refill.take();

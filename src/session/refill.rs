@@ -50,8 +50,7 @@ impl Session {
     /// [`SessionOptions::refill_chunk`]: super::SessionOptions::refill_chunk
     /// [`SessionOptions::refill_precision`]: super::SessionOptions::refill_precision
     pub(super) fn start_refill(&mut self, kind: RouteKind) {
-        let on =
-            self.opts.refill_chunk > 0 && (kind == RouteKind::Size || self.opts.refill_precision);
+        let on = self.opts.refills(kind);
         // The head re-read is the destination's own (its anchor and the first token): native
         // already.
         let next = self.opts.head_reread.min(self.history.len());

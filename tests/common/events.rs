@@ -2,7 +2,10 @@
 //! background preparations, and the footprint rule.
 
 use molt::pressure::{Trace, TraceBudget};
-use molt::session::{Event, PrepareInfo, PrepareState, SwitchInfo};
+use molt::session::{
+    Event, GenerateOptions, Generation, LeverInfo, PrepareInfo, PrepareState, Prompt, Session,
+    SessionOptions, SwitchInfo,
+};
 
 /// Tests that measure rung costs one at a time within a process: a rung's cost is measured at
 /// its load as the growth of the process's anonymous memory, and a test loading rungs beside
@@ -109,4 +112,42 @@ pub fn assert_reads_as_fresh(
         jsd < 1e-4,
         "{what} reads as the rung's own: JSD {jsd} against one fresh decode of {n} tokens"
     );
+}
+
+/// A session on the tiny ladder, starting on `big` with the tiny projectors and `opts` (no
+/// live footprint), answering `text` for 40 tokens with a switch forced onto rung `to` before
+/// token `at`: the answer, the levers its events sent, and the session after it (to read its
+/// history and caches). The switch is checked to be a single Molt switch.
+pub fn forced_switch(
+    opts: SessionOptions,
+    text: &str,
+    at: usize,
+    to: usize,
+) -> (Generation, Vec<LeverInfo>, Session) {
+    let opts = SessionOptions {
+        projector_dirs: vec![super::tiny_projectors().clone()],
+        observe_footprint: false,
+        ..opts
+    };
+    let l = super::tiny_ladder().clone();
+    let mut s = Session::with_options(l, super::cfg_long(), "big", opts).unwrap();
+    let mut levers = Vec::new();
+    let g = s
+        .generate(
+            &Prompt::Text(text.into()),
+            &GenerateOptions {
+                max_tokens: 40,
+                force_switch: Some((at, to)),
+                ..GenerateOptions::default()
+            },
+            &mut |e| {
+                if let Event::Lever(x) = e {
+                    levers.push(x.clone());
+                }
+            },
+        )
+        .unwrap();
+    assert_eq!(g.switches.len(), 1, "{:?}", g.switches);
+    assert_eq!(g.switches[0].method, "molt");
+    (g, levers, s)
 }

@@ -483,9 +483,15 @@ fn run_stall(g: &GlobalArgs, a: &Args) -> Result<()> {
         + 3 * legs * (opts.lead_tokens + 1 + opts.itl_tokens)
         + legs * stall::WAIT_ROOM_PER_LEG
         + 16;
-    // And the tokens a refill after a size switch takes, 63 cells a token net (64 re-read,
-    // one written), over a history as long as all that.
-    let need = need + legs * need.div_ceil(molt::session::DEFAULT_REFILL_CHUNK.max(2) - 1);
+    // And the tokens a refill after a size switch takes: its deadline and one, or without one
+    // 63 cells a token net (64 re-read, one written) over a history as long as all that. (A
+    // window larger than the run needs makes every context's buffers larger, and the switch
+    // slower: the run before this rule had 7,196 cells for 6,044.)
+    let refill_tokens = match molt::session::DEFAULT_REFILL_WITHIN {
+        0 => need.div_ceil(molt::session::DEFAULT_REFILL_CHUNK.max(2) - 1),
+        within => within + 1,
+    };
+    let need = need + legs * refill_tokens;
     config.n_ctx = config.n_ctx.max(u32::try_from(need).unwrap_or(u32::MAX));
     let corpus = molt::train::read_corpus(&a.corpus)?;
     let info = RunInfo::now();
