@@ -76,6 +76,13 @@ pub struct PooledRecall {
     pub recall: f64,
     /// The native destination's recall on the same items.
     pub destination_recall: f64,
+    /// The share of the expected strings the answers hold (a summary's facts stated), mean
+    /// over the items.
+    #[serde(default)]
+    pub facts: f64,
+    /// The same for the native destination on the same items.
+    #[serde(default)]
+    pub destination_facts: f64,
     /// Median switch cost over the rows (ms; 0 for the natives).
     pub cost_ms: f64,
     /// Median re-prefill cost at the same points (ms).
@@ -183,6 +190,8 @@ pub fn pool_recall(doc: &RecallDoc, file: &str, route: &str) -> Vec<PooledRecall
                 recalled,
                 recall,
                 destination_recall: weighted(&|r| r.destination_recall),
+                facts: weighted(&|r| r.facts),
+                destination_facts: weighted(&|r| r.destination_facts),
                 cost_ms: median(&|r| r.cost_ms.median),
                 reprefill_ms: median(&|r| r.reprefill_ms.median),
             }

@@ -144,6 +144,8 @@ mod tests {
                         recalled: n,
                         recall: 0.0,
                         destination_recall: 1.0,
+                        facts: 0.0,
+                        destination_facts: 1.0,
                         cost_ms: 123.4,
                         reprefill_ms: 900.0,
                     }]

@@ -13,6 +13,7 @@ use crate::bench::figures::FigureSet;
 use crate::bench::figures::recall::{
     KEEPS_FACTS, RecallSummary, by_length, default_arm, routes, summaries,
 };
+use crate::bench::precision::pool_recall;
 use crate::bench::recall::{ArmMethod, RecallDoc};
 use crate::transplant::select::SelectRule;
 
@@ -136,25 +137,10 @@ pub(super) fn summaries_section(doc: &RecallDoc) -> String {
             "| arm | facts stated | native destination | all facts | median switch gap ms | refill ms (median) | every position re-read by token |"
         );
         let _ = writeln!(s, "|---|---|---|---|---|---|---|");
-        let mut arms: Vec<&str> = doc
-            .rows
-            .iter()
-            .filter(|r| r.route == route)
-            .map(|r| r.arm.as_str())
-            .collect();
-        arms.sort_unstable();
-        arms.dedup();
-        for arm in arms {
-            let rows: Vec<_> = doc
-                .rows
-                .iter()
-                .filter(|r| r.route == route && r.arm == arm)
-                .collect();
-            let items: usize = rows.iter().map(|r| r.items).sum();
-            #[allow(clippy::cast_precision_loss)]
-            let pooled = |g: &dyn Fn(&crate::bench::recall::RecallRow) -> f64| {
-                rows.iter().map(|r| g(r) * r.items as f64).sum::<f64>() / items.max(1) as f64
-            };
+        let mut pooled = pool_recall(doc, &doc.items_file, &route);
+        pooled.sort_by(|a, b| a.arm.cmp(&b.arm));
+        for p in &pooled {
+            let arm = p.arm.as_str();
             let answers: Vec<_> = doc
                 .answers
                 .iter()
@@ -179,18 +165,17 @@ pub(super) fn summaries_section(doc: &RecallDoc) -> String {
                     .filter_map(|a| a.refill_at.map(|k| k as f64))
                     .collect(),
             );
-            let default = rows.iter().any(|r| r.default);
             let _ = writeln!(
                 s,
                 "| {} | {:.2} | {:.2} | {:.2} | {} | {} | {} |",
-                if default {
+                if p.default {
                     format!("**{arm}** (default)")
                 } else {
                     arm.to_string()
                 },
-                pooled(&|r| r.facts),
-                pooled(&|r| r.destination_facts),
-                pooled(&|r| r.recall),
+                p.facts,
+                p.destination_facts,
+                p.recall,
                 if native {
                     "–".to_string()
                 } else {
