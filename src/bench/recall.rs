@@ -630,7 +630,6 @@ pub fn continue_refilling(
     let name = ctx.model().name().to_string();
     let mut full: Vec<Token> = history.to_vec();
     full.extend(out.last().copied());
-    let chunk = chunk.max(1);
     let mut next = Some(from);
     let mut ms = 0.0;
     let mut done_at = None;
@@ -646,20 +645,10 @@ pub fn continue_refilling(
         let n_past = ctx.n_past().min(full.len());
         match next {
             Some(a) if a < n_past => {
-                let end = (a + chunk).min(n_past);
                 let t0 = Instant::now();
-                let span = Span {
-                    start: a,
-                    tokens: &full[a..end],
-                };
-                // The last span before its token (as the session reads it).
-                if end >= n_past {
-                    ctx.recompute_spans(&[span]).map_err(engine(&name))?;
-                    ctx.decode(&[t]).map_err(engine(&name))?;
-                } else {
-                    ctx.recompute_spans_then_decode(&[span], &[t])
-                        .map_err(engine(&name))?;
-                }
+                // As the session's refill reads it.
+                let end = crate::session::reread_then_decode(ctx, &full, a, chunk, t)
+                    .map_err(engine(&name))?;
                 ms += t0.elapsed().as_secs_f64() * 1e3;
                 next = Some(end);
                 if end >= n_past {

@@ -23,7 +23,7 @@
 
 use std::time::Instant;
 
-use crate::engine::{Span, Token};
+use crate::engine::{Context, EngineError, Span, Token};
 use crate::routes::RouteKind;
 
 use super::{Event, LeverInfo, Session, SessionError};
@@ -89,35 +89,20 @@ impl Session {
         let Some(mut r) = refill.filter(|r| r.rung == self.current && self.parked.is_none()) else {
             return self.live().ctx.decode(&[tok]).map_err(engine);
         };
-        let chunk = r.step.max(1);
         let n_past = self.live().ctx.n_past().min(self.history.len());
-        let end = (r.next + chunk).min(n_past);
-        if r.next >= end {
+        if r.next >= n_past {
             self.live().ctx.decode(&[tok]).map_err(engine)?;
             self.refill_done(&r, at_token, "refill", sink);
             return Ok(());
         }
         let t0 = Instant::now();
-        let span = Span {
-            start: r.next,
-            tokens: &self.history[r.next..end],
-        };
         let live = self.rungs[r.rung]
             .as_mut()
             .expect("the live rung is loaded");
-        // A token decoded in the batch of a span attends to the cells the span replaces as
-        // they were: the last span is read before its token, so that every cell, the token's
-        // too, is the destination's own.
-        let result = if end >= n_past {
-            live.ctx
-                .recompute_spans(&[span])
-                .and_then(|n| live.ctx.decode(&[tok]).map(|()| n))
-        } else {
-            live.ctx.recompute_spans_then_decode(&[span], &[tok])
-        };
+        let result = reread_then_decode(&mut live.ctx, &self.history, r.next, r.step, tok);
         r.ms += t0.elapsed().as_secs_f64() * 1e3;
         match result {
-            Ok(_) => {
+            Ok(end) => {
                 r.done += end - r.next;
                 r.next = end;
                 // What is re-read is no longer projected.
@@ -162,4 +147,35 @@ impl Session {
         sink(&Event::Lever(info.clone()));
         self.answer_levers.push(info);
     }
+}
+
+/// One step of a refill on `ctx`, whose cache holds `history[..n_past]`: re-reads the span
+/// `next..next + step` (cut at the newest cell) in place and decodes `tok` after it — in the
+/// same `llama_decode`, or, for the span that reaches the newest cell, in a pass of its own
+/// after the span, since a token decoded in the batch of a span attends to the cells the span
+/// replaces as they were: so every cell, the token's too, is the destination's own. Returns the
+/// first position not re-read. `next` must be below the newest cell.
+///
+/// # Errors
+/// The engine's (sequence 0 is then as it was before the failed batch).
+pub(crate) fn reread_then_decode(
+    ctx: &mut Context,
+    history: &[Token],
+    next: usize,
+    step: usize,
+    tok: Token,
+) -> Result<usize, EngineError> {
+    let n_past = ctx.n_past().min(history.len());
+    let end = (next + step.max(1)).min(n_past);
+    let span = Span {
+        start: next,
+        tokens: &history[next..end],
+    };
+    if end >= n_past {
+        ctx.recompute_spans(&[span])?;
+        ctx.decode(&[tok])?;
+    } else {
+        ctx.recompute_spans_then_decode(&[span], &[tok])?;
+    }
+    Ok(end)
 }
