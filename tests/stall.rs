@@ -352,3 +352,67 @@ fn a_switch_up_loads_its_destination_in_the_background_while_the_answer_goes_on(
         }
     }
 }
+
+/// Rows of every layer's K and V at `pos` in a one-sequence blob.
+fn rows_at(blob: &[u8], pos: i32) -> Vec<f32> {
+    let (_, stream) = molt::kv::KvSnapshot::parse_single_stream(blob).unwrap();
+    let i = stream
+        .positions()
+        .iter()
+        .position(|&p| p == pos)
+        .unwrap_or_else(|| panic!("position {pos} not cached"));
+    stream
+        .layers
+        .iter()
+        .flat_map(|l| l.k.row(i).to_vec().into_iter().chain(l.v.row(i).to_vec()))
+        .collect()
+}
+
+#[test]
+fn a_standby_rung_reads_the_conversations_head_after_an_answer_and_a_switch_down_splices_it_whole()
+{
+    let n = common::tiny_ladder().rungs.len();
+    let head = molt::session::DEFAULT_HEAD_REREAD;
+    let mut s = session(true);
+    // The first answer: the standby rungs were prepared before there was a conversation.
+    let mut first = None;
+    s.generate(
+        &Prompt::Text(TEXT.into()),
+        &GenerateOptions {
+            max_tokens: 3,
+            ..GenerateOptions::default()
+        },
+        &mut |e| {
+            if let Event::Switch(i) = e {
+                first = Some(i.clone());
+            }
+        },
+    )
+    .unwrap();
+    assert!(first.is_none(), "no switch in the first answer");
+    let down = forced(&mut s, " and then", 2, n - 1);
+    assert!(down.timings.from_standby, "{down:?}");
+    assert_eq!(down.method, "molt", "{down:?}");
+    assert_eq!(
+        (down.timings.head, down.timings.head_anchored),
+        (head, head),
+        "the whole head spliced from what the standby rung read, none decoded at the switch: {down:?}"
+    );
+    // Those cells are the destination's own: what a fresh context of the rung computes.
+    let history = s.history().to_vec();
+    let got = s.rung_mut(n - 1).unwrap().ctx.export_state().unwrap();
+    let info = &common::tiny_ladder().rungs[n - 1];
+    let model = molt::engine::Model::load(
+        &info.path,
+        info.name(),
+        molt::engine::ModelOptions::default(),
+    )
+    .unwrap();
+    let mut native = molt::engine::Context::new(model, common::cfg()).unwrap();
+    native.decode(&history[..head]).unwrap();
+    let want = native.export_state().unwrap();
+    for pos in 0..head {
+        let pos = i32::try_from(pos).unwrap();
+        assert_eq!(rows_at(&got, pos), rows_at(&want, pos), "position {pos}");
+    }
+}

@@ -14,6 +14,7 @@
 //! before parking (tested). While parked, the weights' pages belong to the page cache, not to
 //! this process: RSS falls by their resident size.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use crate::engine::{Context, ContextConfig, Model, ModelOptions};
@@ -22,6 +23,7 @@ use crate::pressure::{
     process_anon_rss_bytes, resident_bytes_of_mapping, return_freed_buffers_to_os,
 };
 use crate::speed::RungSetup;
+use crate::transplant::anchor::Anchor;
 
 use super::SessionError;
 
@@ -204,6 +206,8 @@ pub struct StandbyRung {
     /// added (context buffers, tokenizer tables, repacked weights if any) plus the weight
     /// pages still resident after the release (0 unless the release failed).
     pub rss_bytes: u64,
+    /// The conversation's head read natively on this rung ([`StandbyRung::read_head`]).
+    head: Option<Arc<Anchor>>,
 }
 
 impl StandbyRung {
@@ -226,7 +230,61 @@ impl StandbyRung {
         live.ctx.clear();
         let _ = crate::pressure::pages::release_mapping(&live.info.path);
         let rss_bytes = live.context_bytes + live.weights_resident();
-        Self { live, rss_bytes }
+        Self {
+            live,
+            rss_bytes,
+            head: None,
+        }
+    }
+
+    /// Reads `head` — the conversation's first tokens, the part of the history a switch's
+    /// head re-read gives the destination's own K/V — on this rung, off the answer's path, and
+    /// keeps its state (a few cells) as an anchor of this conversation: a switch down onto the
+    /// rung then splices every head position in with the projection, where the shipped anchor
+    /// covers only the chat template's opening and the first token of the conversation's own
+    /// was decoded in the batch of the switch's first token. That batch of two tokens cost
+    /// ~85 ms on a 1.5B rung where one token takes ~45 (2 cores: decoding is compute-bound).
+    /// Under causal attention the head's cells depend only on the head, so these are the
+    /// cells the switch would have computed. The context is cleared and the weight pages the
+    /// decode touched released again; on failure the rung stays on standby without a head.
+    ///
+    /// # Errors
+    /// The engine's, when the decode or the export fails.
+    pub fn read_head(&mut self, head: &[crate::engine::Token]) -> Result<(), SessionError> {
+        if self.head_for(head).is_some() {
+            return Ok(());
+        }
+        self.head = None;
+        let rung = self.live.name().to_string();
+        let engine = |source| SessionError::Engine { rung, source };
+        let ctx = &mut self.live.ctx;
+        ctx.clear();
+        let state = ctx
+            .decode_cache_only(head)
+            .and_then(|()| ctx.export_state())
+            .map_err(engine);
+        ctx.clear();
+        let _ = crate::pressure::pages::release_mapping(&self.live.info.path);
+        let info = &self.live.info;
+        self.head = Some(Arc::new(Anchor {
+            rung: info.name().to_string(),
+            file: info
+                .path
+                .file_name()
+                .map_or_else(String::new, |f| f.to_string_lossy().into_owned()),
+            sha256: info.sha256.clone(),
+            tokens: head.to_vec(),
+            state: state?,
+        }));
+        Ok(())
+    }
+
+    /// The conversation's head on this rung when it is exactly `head` ([`StandbyRung::read_head`]).
+    pub fn head_for(&self, head: &[crate::engine::Token]) -> Option<Arc<Anchor>> {
+        self.head
+            .as_ref()
+            .filter(|a| !head.is_empty() && a.tokens == head)
+            .cloned()
     }
 
     /// The rung's name.

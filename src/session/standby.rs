@@ -9,12 +9,19 @@
 //!   tokens), if the budget last read holds the rung's measured cost beside everything else.
 //! - **What counts**: a standby rung's measured cost ([`StandbyRung::rss_bytes`]) is part of
 //!   the session's modelled footprint, and of what the process's own numbers show.
+//! - **The conversation's head**: after an answer, each standby rung reads the history's
+//!   first tokens (the head a switch re-reads) and keeps their cells, so a switch down onto
+//!   it splices the whole head in with the projection instead of decoding part of it at the
+//!   switch ([`StandbyRung::read_head`]).
 //! - **First given up**: before the policy would have to move because of them, standby rungs
 //!   are dropped, smallest rung first (the next switch down most likely goes one rung down),
 //!   until the current rung and the rest fit the budget. The policy itself decides on the
 //!   rungs alone: a switch never happens to keep a standby rung.
 
+use std::sync::Arc;
+
 use super::{LiveRung, Session, StandbyRung};
+use crate::transplant::anchor::Anchor;
 
 impl Session {
     /// What the standby rungs hold, measured.
@@ -138,5 +145,29 @@ impl Session {
         if let Some(b) = self.last_budget {
             self.settle_standby(Some(b));
         }
+        self.read_standby_heads();
+    }
+
+    /// Reads the conversation's head on every standby rung that does not hold it yet
+    /// ([`StandbyRung::read_head`]): once per conversation and rung, after an answer, so a
+    /// switch down onto it decodes no head position at the switch. The decode maps the
+    /// rung's weight pages for a moment, as its load did, and releases them again. A rung
+    /// whose read fails keeps waiting without a head (its switch decodes it, as before).
+    fn read_standby_heads(&mut self) {
+        let h = self.opts.head_reread;
+        if h == 0 || self.history.len() < h {
+            return;
+        }
+        let head = &self.history[..h];
+        for s in self.standby.iter_mut().flatten() {
+            let _ = s.read_head(head);
+        }
+    }
+
+    /// The conversation's head read natively on standby rung `to`, when it holds the head a
+    /// switch now re-reads.
+    pub(super) fn standby_head(&self, to: usize) -> Option<Arc<Anchor>> {
+        let h = self.opts.head_reread.min(self.history.len());
+        self.standby.get(to)?.as_ref()?.head_for(&self.history[..h])
     }
 }

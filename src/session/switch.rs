@@ -286,7 +286,8 @@ impl Session {
     }
 
     /// The destination's anchor for a head re-read (none when the head re-read is off or no
-    /// anchor is shipped); a damaged or foreign anchor is not used, and `note` says why (the
+    /// anchor is shipped): the conversation's own head when the destination read it on
+    /// standby, else the shipped anchor of the template's opening; a damaged or foreign anchor is not used, and `note` says why (the
     /// head is then decoded whole).
     pub(super) fn anchor_for(
         &mut self,
@@ -295,6 +296,10 @@ impl Session {
     ) -> Option<Arc<Anchor>> {
         if self.opts.head_reread == 0 {
             return None;
+        }
+        // A standby destination that read this conversation's head covers all of it.
+        if let Some(head) = self.standby_head(to) {
+            return Some(head);
         }
         self.routes.anchor(to).unwrap_or_else(|e| {
             *note = Some(format!("anchor not used, head decoded: {e}"));
