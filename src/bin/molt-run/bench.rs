@@ -1272,18 +1272,15 @@ fn run_serve_qos(g: &GlobalArgs, a: &Args) -> Result<()> {
         report.conversations.len(),
         report.wall_s
     );
-    let mut doc = serde_json::to_value(&report)?;
-    if let serde_json::Value::Object(m) = &mut doc {
-        m.insert("run".into(), serde_json::to_value(info)?);
-        m.insert("trace".into(), serde_json::json!(trace_name));
-        m.insert("real_hog".into(), serde_json::json!(a.real_hog));
-        m.insert("n_ctx".into(), serde_json::json!(g.n_ctx));
-        m.insert("threads".into(), serde_json::json!(g.threads));
-        m.insert(
-            "max_tokens".into(),
-            serde_json::json!(a.serve_qos_max_tokens),
-        );
-    }
+    let doc = molt::bench::serve_qos::ServeQosDoc {
+        run: serde_json::to_value(info)?,
+        trace: trace_name,
+        real_hog: a.real_hog,
+        n_ctx: g.n_ctx,
+        threads: g.threads,
+        max_tokens: a.serve_qos_max_tokens,
+        report,
+    };
     write_result(&a.out_dir, &format!("{name}.json"), &doc)
 }
 
