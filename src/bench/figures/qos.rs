@@ -9,7 +9,7 @@ use plotters::prelude::*;
 
 use super::{FAMILY, Figure, fig_err, mib, rung_color};
 use crate::bench::BenchError;
-use crate::bench::serve_qos::{ServeQosDoc, ServeRound};
+use crate::bench::serve_qos::{ServeQosDoc, ServeRound, TenantRow};
 use crate::server::conversations::ConversationState;
 
 /// The rungs of a run in the order it first used them (the engine's, then the
@@ -27,6 +27,18 @@ fn rungs_in_order(rounds: &[ServeRound]) -> Vec<String> {
         }
     }
     rungs
+}
+
+/// The rung a conversation's lane shows in a round: the engine's while it is answering — every
+/// running answer of the batch is on the engine's rung, while the status may list a running
+/// conversation under the rung it was on before (or none, for a new one) — and its own
+/// otherwise (where its kept cache or its state file is).
+fn lane_rung<'a>(round: &'a ServeRound, t: &'a TenantRow) -> &'a str {
+    if t.state == ConversationState::Running || t.rung.is_empty() {
+        &round.engine_rung
+    } else {
+        &t.rung
+    }
 }
 
 /// A lane cell's colour: the rung's while answering, paler while kept in RAM; greys where the
@@ -71,7 +83,7 @@ pub fn qos(doc: &ServeQosDoc, path: &Path) -> Result<Figure, BenchError> {
         .iter()
         .map(|x| mib(x.budget_bytes.max(x.modelled_bytes).max(x.measured_bytes)))
         .fold(1.0, f64::max)
-        * 1.1;
+        * 1.45; // room above the lines for the legend
     let mut chart = ChartBuilder::on(&top)
         .caption(
             format!(
@@ -170,7 +182,7 @@ pub fn qos(doc: &ServeQosDoc, path: &Path) -> Result<Figure, BenchError> {
             let Some(i) = ids.iter().position(|id| *id == t.id) else {
                 continue;
             };
-            let Some(color) = state_color(&rungs, &t.rung, t.state) else {
+            let Some(color) = state_color(&rungs, lane_rung(round, t), t.state) else {
                 continue;
             };
             let (x, y) = (round.round as f64, i as f64);
@@ -198,9 +210,7 @@ pub fn qos(doc: &ServeQosDoc, path: &Path) -> Result<Figure, BenchError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::serve_qos::{
-        ConversationReport, ConversationSpec, ServeQosReport, ServeRound, TenantRow,
-    };
+    use crate::bench::serve_qos::{ConversationReport, ConversationSpec, ServeQosReport};
 
     fn written() -> ServeQosDoc {
         let row = |id: &str, rung: &str, state| TenantRow {
@@ -260,8 +270,8 @@ mod tests {
                         2 << 30,
                         1 << 30,
                         vec![
-                            row("chat", "tier0", ConversationState::Running),
-                            row("ops", "tier0", ConversationState::Queued),
+                            row("chat", "", ConversationState::Running),
+                            row("ops", "tier2", ConversationState::Running),
                         ],
                     ),
                     round(
@@ -307,6 +317,10 @@ mod tests {
             .is_err()
         );
         assert_eq!(rungs_in_order(&doc.report.rounds), ["tier0", "tier2"]);
+        let (r0, r1) = (&doc.report.rounds[0], &doc.report.rounds[1]);
+        assert_eq!(lane_rung(r0, &r0.tenants[0]), "tier0", "the engine's");
+        assert_eq!(lane_rung(r0, &r0.tenants[1]), "tier0", "the engine's");
+        assert_eq!(lane_rung(r1, &r1.tenants[0]), "tier2", "its own");
         super::super::register_font().unwrap();
         let dir = tempfile::tempdir().unwrap();
         let f = qos(&doc, &dir.path().join("qos.png")).unwrap();
