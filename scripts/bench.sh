@@ -33,6 +33,6 @@ $run bench --cost-sweep --reps "$reps" --tails 8,32
 scripts/llama-tools.sh >/dev/null || echo "== llama-tools did not build: bench --speed runs without its peer" >&2
 $run bench --speed --reps "$reps"
 $run bench --footprint
-$run bench --qos
+$run bench --serve-qos
 $run figures
 echo "== results page: results/README.md; figures: results/figures/" >&2

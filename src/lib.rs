@@ -14,11 +14,10 @@
 //! - [`server`]: the streaming HTTP service (OpenAI-compatible, every token names its rung);
 //! - [`transplant`]: RoPE sandwich, ridge, maps and projector files;
 //! - [`routes`]: which projector carries a cache between two rungs of a ladder, and its file
-//!   (used by the session, the tenants and the trainer alike);
+//!   (used by the session, the server and the trainer alike);
 //! - [`train`]: fitting a ladder's projectors from its own caches;
 //! - [`pressure`] and [`sched`]: budgets, footprints and the policy that keeps Molt inside them;
 //! - [`speed`]: each rung's micro-batch and CPU repack, chosen by measurement and budget;
-//! - [`tenants`]: the actuator that applies a multi-tenant plan to live tenants;
 //! - [`bench`]: the benchmark programs;
 //! - [`tiny`]: tiny random-weight models of the real architecture, for hermetic tests;
 //! - [`durable`]: files replaced whole or not at all (fsync, rename, fsync the directory),
@@ -42,7 +41,6 @@ pub mod server;
 pub mod session;
 pub mod speed;
 pub mod state;
-pub mod tenants;
 pub mod tiny;
 pub mod train;
 pub mod transplant;

@@ -581,7 +581,7 @@ mod seeds {
             ("seed-spike-mid-answer", "spike_mid_answer.json"),
             ("seed-spike-relative", "spike_mid_answer_relative.json"),
             ("seed-park-and-resume", "park_and_resume.json"),
-            ("seed-qos-squeeze", "qos_squeeze.json"),
+            ("seed-serve-qos", "serve_qos.json"),
         ] {
             out.push((name, std::fs::read(root.join(file)).expect("trace")));
         }

@@ -5,8 +5,9 @@
 //! - [`conditions`]: arms A–D and the ablations of D under one pressure trace, every event
 //!   logged, every metric of the design computed ([`metrics`] holds the measures).
 //! - [`cost_sweep`]: transplant against re-prefill per route and context length.
-//! - [`qos`]: three tenants with real engines sharing one moving budget, the scheduler's
-//!   levers applied before anyone takes a step.
+//! - [`serve_qos`]: the `QoS` bench — conversations of two classes through the real server
+//!   (`molt-run serve` as a child process) under one moving budget, the scheduler's plan
+//!   applied by the server's own loop; [`serve_aside`]: one answer set aside for another.
 //! - [`footprint`]: what each rung occupies per context length, measured by the OS beside the
 //!   policy's model, and what parking gives back.
 //! - [`speed`]: prefill/decode tok/s per rung, Molt's engine beside plain llama.cpp.
@@ -24,7 +25,6 @@ pub mod footprint;
 pub mod metrics;
 pub mod page;
 pub mod precision;
-pub mod qos;
 pub mod recall;
 pub mod reliability;
 pub mod sampling;

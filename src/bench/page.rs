@@ -10,7 +10,6 @@ use super::BenchError;
 use super::conditions::{ArmSummary, ConditionsReport, PairedComparison, TimingComparison};
 use super::cost_sweep::SweepDoc;
 use super::figures::{CurveDoc, FigureSet, ResidualDoc, read_json, serde_word};
-use super::qos::QosDoc;
 use super::recall::RecallDoc;
 use super::speed::Rate;
 use crate::routes::RouteKind;
@@ -18,6 +17,7 @@ use crate::routes::RouteKind;
 mod aside;
 mod concurrency;
 mod precision;
+mod qos;
 mod recall;
 mod reliability;
 mod speed;
@@ -541,7 +541,7 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
     let sweep: Option<SweepDoc> = optional(&dir.join("cost_sweep.json"))?;
     let resid: Option<ResidualDoc> = optional(&dir.join("projector_residuals.json"))?;
     let curve: Option<CurveDoc> = optional(&dir.join("projector_curve.json"))?;
-    let qos: Option<QosDoc> = optional(&dir.join("qos.json"))?;
+    let qos: Option<super::serve_qos::ServeQosDoc> = optional(&dir.join("serve_qos.json"))?;
     let recall: Option<RecallDoc> = optional(&dir.join("recall.json"))?;
     let summaries: Option<RecallDoc> = optional(&dir.join("recall_summaries.json"))?;
     let precision_doc: Option<super::precision::PrecisionDoc> =
@@ -563,7 +563,7 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
         (sweep.is_some(), "cost_sweep.json"),
         (resid.is_some(), "projector_residuals.json"),
         (curve.is_some(), "projector_curve.json"),
-        (qos.is_some(), "qos.json"),
+        (qos.is_some(), "serve_qos.json"),
         (recall.is_some(), "recall.json"),
         (summaries.is_some(), "recall_summaries.json"),
         (precision_doc.is_some(), "precision_rungs.json"),
@@ -778,7 +778,7 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
         s.push_str(&curve_section(doc));
     }
     if let Some(doc) = &qos {
-        s.push_str(&qos_section(doc));
+        s.push_str(&qos::section(doc));
         if let Some(h) = fig("qos") {
             let _ = writeln!(
                 s,
@@ -923,49 +923,6 @@ fn snippet_text(r: &ConditionsReport, figures: &FigureSet, rel: &str) -> String 
             "Under the replayed trace, Molt's switch cost {} ms per answer against {} ms for a re-prefill; the full table, the ablations and what the numbers do not show are in [results/README.md](results/README.md).",
             f(d.switch_cost_ms.as_ref().map(|r| r.median), 1),
             f(c.switch_cost_ms.as_ref().map(|r| r.median), 1)
-        );
-    }
-    s
-}
-
-#[allow(clippy::cast_precision_loss)]
-fn qos_section(doc: &QosDoc) -> String {
-    let r = &doc.report;
-    let mut s = String::new();
-    let _ = writeln!(s, "\n## Several tenants, one budget\n");
-    let _ = writeln!(
-        s,
-        "From `qos.json`: {} tenants under {}, {} rounds in {:.0} s. Tenants killed: {}. Max overshoot after enforcement: {:+.1} MiB measured, {:+.1} MiB modelled (negative = inside the budget); rounds with no feasible plan: {}.\n",
-        r.tenants.len(),
-        r.budget_source,
-        r.rounds.len(),
-        r.wall_s,
-        r.killed,
-        r.max_overshoot_measured as f64 / 1_048_576.0,
-        r.max_overshoot_modelled as f64 / 1_048_576.0,
-        r.infeasible_rounds
-    );
-    let _ = writeln!(
-        s,
-        "| tenant | class | tokens | stop | rungs | levers | deferred rounds | stalled rounds |"
-    );
-    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|");
-    for t in &r.tenants {
-        let _ = writeln!(
-            s,
-            "| {} | {} | {} | {} | {} | {} | {} | {} |",
-            t.name,
-            serde_word(&t.class),
-            t.tokens,
-            t.stop,
-            t.rungs.join(" → "),
-            t.levers
-                .iter()
-                .map(|(k, v)| format!("{k} {v}"))
-                .collect::<Vec<_>>()
-                .join(", "),
-            t.deferred_rounds,
-            t.stall_rounds
         );
     }
     s

@@ -1,8 +1,14 @@
-//! Several conversations of two classes under one moving budget, through the HTTP service:
-//! the real `molt-run serve` as a child process (one request at a time, its default loop),
-//! conversations that each state a fact, go on, and ask the fact back, while the budget moves
-//! along a trace — replayed as numbers, or made real by a memory hog
-//! ([`crate::pressure::HogBudget`]) — down to a budget below the smallest rung and back.
+//! The `QoS` bench: several conversations of two classes under one moving budget, through the
+//! HTTP service — the real `molt-run serve` as a child process (the batched loop by default,
+//! [`ServeQosOptions::parallel`]; 1 answers one request at a time) — conversations that each
+//! state a fact, go on, and ask the fact back, while the budget moves along a trace —
+//! replayed as numbers, or made real by a memory hog ([`crate::pressure::HogBudget`]) — down
+//! to a budget below the smallest rung and back.
+//!
+//! What it measures is the product's scheduler: the scheduler's plan ([`crate::sched::plan`])
+//! as the server's own loop applies it (every running answer on one rung, the least protected
+//! set aside or hibernated to their state files, `src/server/batch.rs`). There is no second
+//! actuator for the bench to drive.
 //!
 //! Every round the bench posts the budget the trace (or the hog) gives, waits a round, then
 //! samples: the server's resident set from `/proc/<pid>/status`, the engine's modelled usage
@@ -30,6 +36,7 @@ use serde_json::{Value, json};
 
 use crate::pressure::{BudgetSource, PressureError, Tick, rss_bytes_in};
 use crate::server::client;
+use crate::server::conversations::ConversationState;
 
 /// Errors of the served `QoS` bench.
 #[derive(Debug, thiserror::Error)]
@@ -156,8 +163,9 @@ pub struct TenantRow {
     pub rung: String,
     /// Tokens its cache holds.
     pub tokens: u64,
-    /// `running`, `parked`, `kept`, `hibernated`, `queued` or `dropped`.
-    pub state: String,
+    /// Where its cache is: `running`, `parked`, `kept`, `hibernated`, `queued` or `dropped`,
+    /// in the server's own words (a word it never writes does not read).
+    pub state: ConversationState,
     /// Bytes it costs where it is (KV in RAM, or its state file).
     pub bytes: u64,
 }
@@ -280,6 +288,34 @@ pub struct ServeQosReport {
 
 fn one() -> usize {
     1
+}
+
+/// `results/serve_qos.json` (`serve_qos_real_hog.json` under a real hog): the run's report
+/// with the settings it ran under. The figure and the results page read it through this type.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ServeQosDoc {
+    /// Machine and versions ([`super::RunInfo`]).
+    #[serde(default)]
+    pub run: Value,
+    /// The budget trace's file name.
+    #[serde(default)]
+    pub trace: Option<String>,
+    /// Whether a real memory hog followed the trace (otherwise its budgets were replayed as
+    /// numbers).
+    #[serde(default)]
+    pub real_hog: bool,
+    /// The server's context window, tokens.
+    #[serde(default)]
+    pub n_ctx: u32,
+    /// The server's decode threads (absent: its default, every core).
+    #[serde(default)]
+    pub threads: Option<u32>,
+    /// `max_tokens` of every answer.
+    #[serde(default)]
+    pub max_tokens: usize,
+    /// What happened.
+    #[serde(flatten)]
+    pub report: ServeQosReport,
 }
 
 /// The server child; killed and reaped on drop.
@@ -538,26 +574,31 @@ pub(crate) fn signed(x: u64) -> i64 {
     i64::try_from(x).unwrap_or(i64::MAX)
 }
 
-fn tenants_of(status: &Value) -> Vec<TenantRow> {
-    status["conversations"]
-        .as_array()
-        .map(|a| {
-            let mut v: Vec<TenantRow> = a
-                .iter()
-                .map(|c| TenantRow {
-                    id: c["id"].as_str().unwrap_or("").to_owned(),
-                    class: c["class"].as_str().unwrap_or("").to_owned(),
-                    priority: c["priority"].as_i64().unwrap_or(0),
-                    rung: c["rung"].as_str().unwrap_or("").to_owned(),
-                    tokens: c["tokens"].as_u64().unwrap_or(0),
-                    state: c["state"].as_str().unwrap_or("").to_owned(),
-                    bytes: c["bytes"].as_u64().unwrap_or(0),
-                })
-                .collect();
-            v.sort_by(|a, b| a.id.cmp(&b.id));
-            v
-        })
-        .unwrap_or_default()
+/// Every conversation the status lists, by id.
+///
+/// # Errors
+/// [`ServeQosError::Server`] when a conversation's state is not one the server writes.
+fn tenants_of(status: &Value) -> Result<Vec<TenantRow>, ServeQosError> {
+    let mut v = Vec::new();
+    for c in status["conversations"].as_array().into_iter().flatten() {
+        let state = ConversationState::deserialize(&c["state"]).map_err(|e| {
+            ServeQosError::Server(format!(
+                "conversation {}: state {}: {e}",
+                c["id"], c["state"]
+            ))
+        })?;
+        v.push(TenantRow {
+            id: c["id"].as_str().unwrap_or("").to_owned(),
+            class: c["class"].as_str().unwrap_or("").to_owned(),
+            priority: c["priority"].as_i64().unwrap_or(0),
+            rung: c["rung"].as_str().unwrap_or("").to_owned(),
+            tokens: c["tokens"].as_u64().unwrap_or(0),
+            state,
+            bytes: c["bytes"].as_u64().unwrap_or(0),
+        });
+    }
+    v.sort_by(|a, b| a.id.cmp(&b.id));
+    Ok(v)
 }
 
 /// Counts the record file's service events of `kind`.
@@ -677,12 +718,19 @@ async fn run_async(
             parked: s["engine"]["parked"] == true,
             released: s["engine"]["released"] == true,
             queued: s["queue"]["waiting"].as_u64().unwrap_or(0),
-            tenants: tenants_of(&s),
+            tenants: tenants_of(&s)?,
         };
         let states: Vec<String> = row
             .tenants
             .iter()
-            .map(|t| format!("{}:{}@{}", t.id, t.state, t.rung))
+            .map(|t| {
+                format!(
+                    "{}:{}@{}",
+                    t.id,
+                    super::figures::serde_word(&t.state),
+                    t.rung
+                )
+            })
             .collect();
         say(&format!(
             "serve-qos: round {round:>3} budget {:>5} MiB, rss {:>5} MiB (above floor {:>5}), modelled {:>5} MiB, engine {}{}{}  {}",

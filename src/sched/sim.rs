@@ -1,7 +1,7 @@
 //! Deterministic multi-round simulation: [`simulate`] replays a budget sequence through
 //! [`plan`] and [`apply`], growing running tenants' contexts between rounds, and returns one
-//! [`RoundReport`] per round — the input of the `QoS` bench's "max overshoot ≤ 0" check
-//! ([`max_overshoot`]).
+//! [`RoundReport`] per round, and the worst round's overshoot ([`max_overshoot`]) — the
+//! policy's "max overshoot ≤ 0" checked without an engine, in the property tests.
 
 use serde::{Deserialize, Serialize};
 

@@ -17,8 +17,8 @@
 //!    whose route has no projector re-reads its history there instead. Each tenant's stream
 //!    gets its own switch event. A forced switch (`molt.switch_at`) moves the whole batch
 //!    the same way. When no rung holds them all, the scheduler's plan ([`crate::sched::plan`],
-//!    as the `QoS` bench runs it, with every running answer on one rung and a parked cache in
-//!    a file) sets the least protected aside — background first, then the lower priority —
+//!    with every running answer on one rung and a parked cache in a file; this loop is its
+//!    one actuator, and the `QoS` bench measures it) sets the least protected aside — background first, then the lower priority —
 //!    their caches written under the state directory, so the others go on on the largest rung
 //!    that holds them ([`aside`]); the plan resumes them when memory returns. When it keeps
 //!    none running, the tenants wait (a stall event) until memory comes back or their

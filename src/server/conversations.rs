@@ -34,8 +34,8 @@ use crate::state::{Evicted, Expect, StateDir, StateFile, valid_id};
 /// file stays until the directory's bound evicts it, and is found again after a restart).
 const MAX_CONVERSATIONS: usize = 1024;
 
-/// Where a conversation's cache is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+/// Where a conversation's cache is (read back by the `QoS` bench from the status).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ConversationState {
     /// Being answered.

@@ -18,9 +18,9 @@
 //!   (`cost_sweep.json`, [`SweepDoc`]).
 //! - `projector_residuals.png` ([`residuals()`]) — held-out and training residuals of every
 //!   fitted map (`projector_residuals.json`, [`ResidualDoc`]).
-//! - `qos.png` ([`qos()`]) — several tenants sharing one moving budget: budget against
-//!   modelled and measured usage per round, and each tenant's rung and state (`qos.json`,
-//!   [`QosDoc`]).
+//! - `qos.png` ([`qos()`]) — conversations sharing one moving budget through the real server:
+//!   budget against modelled and measured usage per round, and each conversation's rung and
+//!   state (`serve_qos.json`, [`ServeQosDoc`]).
 //! - `recall_frontier.png` ([`recall_frontier()`]) and `recall_lengths.png`
 //!   ([`recall_lengths()`]) — recall of the context's facts against switch cost per arm, and
 //!   by context length (`recall.json`, [`RecallDoc`]).
@@ -41,8 +41,8 @@ use serde::Deserialize;
 use super::BenchError;
 use super::conditions::{ArmSummary, ConditionsReport, TokenSeries};
 use super::cost_sweep::SweepDoc;
-use super::qos::QosDoc;
 use super::recall::RecallDoc;
+use super::serve_qos::ServeQosDoc;
 
 mod conditions;
 mod cost_sweep;
@@ -205,12 +205,12 @@ pub fn draw_all(results: &Path, out: &Path) -> Result<FigureSet, BenchError> {
     } else {
         missing("projector_residuals", "projector_residuals.json");
     }
-    let qos_path = results.join("qos.json");
+    let qos_path = results.join("serve_qos.json");
     if qos_path.exists() {
-        let doc: QosDoc = read_json(&qos_path)?;
+        let doc: ServeQosDoc = read_json(&qos_path)?;
         written.push(qos(&doc, &out.join("qos.png"))?);
     } else {
-        missing("qos", "qos.json");
+        missing("qos", "serve_qos.json");
     }
     let recall_path = results.join("recall.json");
     if recall_path.exists() {

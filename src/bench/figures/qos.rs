@@ -1,6 +1,7 @@
-//! `qos.png`: several tenants sharing one moving budget — the budget against the scheduler's
-//! modelled usage and the measured usage after every round's enforcement, and each tenant's
-//! rung and state round by round (`qos.json`, written by `molt-run bench --qos`).
+//! `qos.png`: conversations sharing one moving budget through the real server — the budget
+//! against the server's modelled usage and its measured usage (resident set above its floor)
+//! round by round, and each conversation's rung and state (`serve_qos.json`, written by
+//! `molt-run bench --serve-qos`, [`ServeQosDoc`]).
 
 use std::path::Path;
 
@@ -8,15 +9,61 @@ use plotters::prelude::*;
 
 use super::{FAMILY, Figure, fig_err, mib, rung_color};
 use crate::bench::BenchError;
-use crate::bench::qos::{QosDoc, RoundRecord};
+use crate::bench::serve_qos::{ServeQosDoc, ServeRound, TenantRow};
+use crate::server::conversations::ConversationState;
 
-/// Budget against usage per round, and one lane per tenant coloured by rung (grey: waiting,
-/// hatched dark: parked).
+/// The rungs of a run in the order it first used them (the engine's, then the
+/// conversations'), so the colours follow the descent.
+fn rungs_in_order(rounds: &[ServeRound]) -> Vec<String> {
+    let mut rungs: Vec<String> = Vec::new();
+    for r in rounds {
+        let names = std::iter::once(&r.engine_rung)
+            .chain(&r.loaded)
+            .chain(r.tenants.iter().map(|t| &t.rung));
+        for g in names {
+            if !g.is_empty() && !rungs.contains(g) {
+                rungs.push(g.clone());
+            }
+        }
+    }
+    rungs
+}
+
+/// The rung a conversation's lane shows in a round: the engine's while it is answering — every
+/// running answer of the batch is on the engine's rung, while the status may list a running
+/// conversation under the rung it was on before (or none, for a new one) — and its own
+/// otherwise (where its kept cache or its state file is).
+fn lane_rung<'a>(round: &'a ServeRound, t: &'a TenantRow) -> &'a str {
+    if t.state == ConversationState::Running || t.rung.is_empty() {
+        &round.engine_rung
+    } else {
+        &t.rung
+    }
+}
+
+/// A lane cell's colour: the rung's while answering, paler while kept in RAM; greys where the
+/// cache is out of the engine (parked, in its state file, waiting); none when nothing is kept.
+fn state_color(rungs: &[String], rung: &str, state: ConversationState) -> Option<RGBColor> {
+    match state {
+        ConversationState::Running => Some(rung_color(rungs, rung)),
+        ConversationState::Kept => {
+            let RGBColor(r, g, b) = rung_color(rungs, rung);
+            let pale = |c: u8| u8::try_from((u16::from(c) + 2 * 255) / 3).unwrap_or(255);
+            Some(RGBColor(pale(r), pale(g), pale(b)))
+        }
+        ConversationState::Parked => Some(RGBColor(60, 60, 60)),
+        ConversationState::Hibernated => Some(RGBColor(140, 140, 140)),
+        ConversationState::Queued => Some(RGBColor(215, 215, 215)),
+        ConversationState::Dropped => None,
+    }
+}
+
+/// Budget against usage per round, and one lane per conversation coloured by rung and state.
 ///
 /// # Errors
 /// [`BenchError::Figure`] when drawing fails or there are no rounds.
 #[allow(clippy::cast_precision_loss, clippy::too_many_lines)]
-pub fn qos(doc: &QosDoc, path: &Path) -> Result<Figure, BenchError> {
+pub fn qos(doc: &ServeQosDoc, path: &Path) -> Result<Figure, BenchError> {
     let name = "qos";
     let e = fig_err(name);
     let r = &doc.report;
@@ -26,15 +73,7 @@ pub fn qos(doc: &QosDoc, path: &Path) -> Result<Figure, BenchError> {
             message: "no rounds".into(),
         });
     }
-    let mut rungs: Vec<String> = Vec::new();
-    for t in &r.tenants {
-        for g in &t.rungs {
-            if !rungs.contains(g) {
-                rungs.push(g.clone());
-            }
-        }
-    }
-    rungs.sort();
+    let rungs = rungs_in_order(&r.rounds);
     let n = r.rounds.iter().map(|x| x.round).max().unwrap_or(0) as f64 + 1.0;
     let root = BitMapBackend::new(path, (1400, 760)).into_drawing_area();
     root.fill(&WHITE).map_err(&e)?;
@@ -42,16 +81,18 @@ pub fn qos(doc: &QosDoc, path: &Path) -> Result<Figure, BenchError> {
     let ymax = r
         .rounds
         .iter()
-        .map(|x| mib(x.budget_bytes.max(x.modelled_after).max(x.measured_after)))
+        .map(|x| mib(x.budget_bytes.max(x.modelled_bytes).max(x.measured_bytes)))
         .fold(1.0, f64::max)
-        * 1.1;
+        * 1.45; // room above the lines for the legend
     let mut chart = ChartBuilder::on(&top)
         .caption(
             format!(
-                "{} tenants, one moving budget: killed {}, max overshoot after enforcement {:+.0} MiB measured",
-                r.tenants.len(),
+                "{} conversations through serve --parallel {}, one moving budget: killed {}, lost {}, max overshoot {:+.0} MiB measured",
+                r.conversations.len(),
+                r.parallel,
                 r.killed,
-                r.max_overshoot_measured as f64 / f64::from(1u32 << 20)
+                r.lost_conversations,
+                r.max_overshoot_measured_bytes as f64 / f64::from(1u32 << 20)
             ),
             (FAMILY, 20),
         )
@@ -66,11 +107,11 @@ pub fn qos(doc: &QosDoc, path: &Path) -> Result<Figure, BenchError> {
         .x_label_formatter(&|x: &f64| format!("{x:.0}"))
         .y_label_formatter(&|y: &f64| format!("{y:.0}"))
         .y_desc("MiB")
-        .x_desc("scheduling round")
+        .x_desc(format!("round ({} s each)", r.round_ms as f64 / 1e3))
         .label_style((FAMILY, 13))
         .draw()
         .map_err(&e)?;
-    let series = |f: &dyn Fn(&RoundRecord) -> u64| -> Vec<(f64, f64)> {
+    let series = |f: &dyn Fn(&ServeRound) -> u64| -> Vec<(f64, f64)> {
         r.rounds
             .iter()
             .map(|x| (x.round as f64, mib(f(x))))
@@ -78,8 +119,12 @@ pub fn qos(doc: &QosDoc, path: &Path) -> Result<Figure, BenchError> {
     };
     for (label, pts, color) in [
         ("budget", series(&|x| x.budget_bytes), RED),
-        ("modelled usage", series(&|x| x.modelled_after), BLUE),
-        ("measured usage", series(&|x| x.measured_after), BLACK),
+        ("modelled usage", series(&|x| x.modelled_bytes), BLUE),
+        (
+            "measured usage (resident set above the floor)",
+            series(&|x| x.measured_bytes),
+            BLACK,
+        ),
     ] {
         chart
             .draw_series(LineSeries::new(pts, color.stroke_width(2)))
@@ -95,7 +140,7 @@ pub fn qos(doc: &QosDoc, path: &Path) -> Result<Figure, BenchError> {
         chart
             .draw_series(std::iter::empty::<Circle<(f64, f64), i32>>())
             .map_err(&e)?
-            .label(format!("lane: running on {g}"))
+            .label(format!("lane: answering on {g}"))
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], c.filled()));
     }
     chart
@@ -106,8 +151,9 @@ pub fn qos(doc: &QosDoc, path: &Path) -> Result<Figure, BenchError> {
         .border_style(BLACK)
         .draw()
         .map_err(&e)?;
-    let lanes = r.tenants.len() as f64;
-    let names: Vec<String> = r.tenants.iter().map(|t| t.name.clone()).collect();
+    let ids: Vec<String> = r.conversations.iter().map(|c| c.spec.id.clone()).collect();
+    let lanes = ids.len() as f64;
+    let names = ids.clone();
     let fmt = move |y: &f64| {
         let i = y.round();
         if (y - i).abs() < 1e-6 && i >= 0.0 {
@@ -124,23 +170,20 @@ pub fn qos(doc: &QosDoc, path: &Path) -> Result<Figure, BenchError> {
         .map_err(&e)?;
     lane.configure_mesh()
         .disable_mesh()
-        .y_labels(r.tenants.len() + 1)
+        .y_labels(ids.len() + 1)
         .y_label_formatter(&fmt)
         .x_label_formatter(&|x: &f64| format!("{x:.0}"))
-        .x_desc("scheduling round (colour: rung; grey: waiting; dark: parked)")
+        .x_desc("round (colour: the rung answering; pale: kept in RAM; grey: in its state file; dark: parked; light: queued)")
         .label_style((FAMILY, 13))
         .draw()
         .map_err(&e)?;
     for round in &r.rounds {
         for t in &round.tenants {
-            let Some(i) = r.tenants.iter().position(|x| x.tenant == t.tenant) else {
+            let Some(i) = ids.iter().position(|id| *id == t.id) else {
                 continue;
             };
-            let color = match t.state {
-                "waiting" => RGBColor(210, 210, 210),
-                "parked" => RGBColor(60, 60, 60),
-                "done" => continue,
-                _ => rung_color(&rungs, &t.rung),
+            let Some(color) = state_color(&rungs, lane_rung(round, t), t.state) else {
+                continue;
             };
             let (x, y) = (round.round as f64, i as f64);
             lane.draw_series(std::iter::once(Rectangle::new(
@@ -155,111 +198,144 @@ pub fn qos(doc: &QosDoc, path: &Path) -> Result<Figure, BenchError> {
         name: name.into(),
         path: path.to_path_buf(),
         caption: format!(
-            "{} tenants under {}: the budget against the scheduler's modelled usage and the measured usage after every round's enforcement, and each tenant's rung round by round.",
-            r.tenants.len(),
-            r.budget_source
+            "{} conversations through the real server (`serve --parallel {}`, a child process) under {}: the budget against the server's modelled usage and its resident set above its {:.0} MiB floor, sampled every round, and each conversation's rung and state round by round.",
+            r.conversations.len(),
+            r.parallel,
+            r.budget_source,
+            mib(r.floor_rss_bytes)
         ),
     })
 }
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
-
     use super::*;
-    use crate::bench::qos::{QosReport, TenantReport, TenantState};
-    use crate::sched::{Lever, PlanMode, Policy, TenantClass, TenantId};
+    use crate::bench::serve_qos::{ConversationReport, ConversationSpec, ServeQosReport};
 
-    fn written() -> QosDoc {
-        let state = |tenant, state, rung: &str| TenantState {
-            tenant: TenantId(tenant),
-            state,
+    fn written() -> ServeQosDoc {
+        let row = |id: &str, rung: &str, state| TenantRow {
+            id: id.into(),
+            class: "foreground".into(),
+            priority: 0,
             rung: rung.into(),
-            context_tokens: 3,
-            generated: 1,
+            tokens: 30,
+            state,
+            bytes: 1 << 20,
         };
-        let round = |round, budget_bytes, used, tenants| RoundRecord {
+        let round = |round, budget_bytes: u64, used: u64, tenants| ServeRound {
             round,
+            t_s: round as f64,
             budget_bytes,
-            mode: PlanMode::Hold,
-            feasible: true,
-            actions: vec![(TenantId(0), Lever::Admit { rung: 0 })],
-            modelled_before: used,
-            modelled_after: used,
-            measured_after: used,
-            rss_after: used,
-            overshoot_modelled: -5,
-            overshoot_measured: -5,
-            apply_ms: 1.0,
+            rss_bytes: used + (100 << 20),
+            measured_bytes: used,
+            modelled_bytes: used,
+            overshoot_measured_bytes: -5,
+            overshoot_modelled_bytes: -5,
+            engine_rung: "tier0".into(),
+            loaded: vec!["tier0".into()],
+            parked: false,
+            released: false,
+            queued: 0,
             tenants,
-            tokens: vec![(TenantId(0), "a".into())],
         };
-        let tenant = |id, name: &str, rungs: &[&str]| TenantReport {
-            tenant: TenantId(id),
-            name: name.into(),
-            class: TenantClass::Foreground,
-            tokens: 2,
-            stall_rounds: 0,
-            deferred_rounds: 0,
-            levers: BTreeMap::from([("park".to_string(), 1)]),
-            rungs: rungs.iter().map(ToString::to_string).collect(),
-            finished_round: Some(1),
-            stop: "length".into(),
-            text: "ab".into(),
+        let conversation = |id: &str| ConversationReport {
+            spec: ConversationSpec {
+                id: id.into(),
+                class: "foreground".into(),
+                priority: 0,
+                turns: vec!["hello".into()],
+                fact: "x".into(),
+            },
+            turns: Vec::new(),
+            complete: true,
+            recalled: true,
         };
-        QosDoc {
+        ServeQosDoc {
             run: serde_json::Value::Null,
             trace: Some("t.json".into()),
             real_hog: false,
-            n_ctx: 256,
-            n_batch: 64,
-            threads: 1,
-            policy: Policy::default(),
-            tenant_specs: Vec::new(),
-            report: QosReport {
-                costs: Vec::new(),
-                floor_anon_bytes: 0,
-                budget_source: "trace t".into(),
+            n_ctx: 2048,
+            threads: Some(2),
+            max_tokens: 32,
+            report: ServeQosReport {
+                max_overshoot_measured_bytes: -5,
+                max_overshoot_modelled_bytes: -5,
+                killed: 0,
+                lost_conversations: 0,
+                hibernated: 1,
+                resumed: 1,
                 rounds: vec![
                     round(
                         0,
                         2 << 30,
                         1 << 30,
-                        vec![state(0, "running", "tier0"), state(1, "waiting", "tier0")],
+                        vec![
+                            row("chat", "", ConversationState::Running),
+                            row("ops", "tier2", ConversationState::Running),
+                        ],
                     ),
                     round(
                         1,
                         1 << 29,
                         1 << 28,
-                        vec![state(0, "parked", "tier2"), state(1, "running", "tier2")],
+                        vec![
+                            row("chat", "tier2", ConversationState::Kept),
+                            row("ops", "tier0", ConversationState::Hibernated),
+                        ],
                     ),
                 ],
-                actions: Vec::new(),
-                tenants: vec![
-                    tenant(0, "chat", &["tier0", "tier2"]),
-                    tenant(1, "batch", &["tier2"]),
-                ],
-                max_overshoot_modelled: -5,
-                max_overshoot_measured: -5,
-                infeasible_rounds: 0,
-                killed: 0,
-                wall_s: 1.0,
+                released: 1,
+                floor_rss_bytes: 100 << 20,
+                max_overshoot_rss_bytes: 10,
+                recalled: 2,
+                conversations: vec![conversation("chat"), conversation("ops")],
+                budget_source: "trace t".into(),
+                round_ms: 3000,
+                wall_s: 6.0,
+                parallel: 4,
+                think_rounds: 8,
             },
         }
     }
 
-    /// The multi-tenant figure from what `bench --qos` writes, read back through the writer's
-    /// own type; a tenant state the writer never writes does not read.
+    /// The `QoS` figure from what `bench --serve-qos` writes, read back through the writer's
+    /// own type; a conversation state the server never writes does not read.
     #[test]
     fn qos_figure_draws_from_what_the_bench_writes() {
         let text = serde_json::to_string(&written()).unwrap();
-        let doc: QosDoc = serde_json::from_str(&text).unwrap();
-        assert_eq!(doc.report.rounds[1].tenants[0].state, "parked");
-        assert!(serde_json::from_str::<QosDoc>(&text.replace("\"parked\"", "\"asleep\"")).is_err());
+        let doc: ServeQosDoc = serde_json::from_str(&text).unwrap();
+        assert_eq!(
+            doc.report.rounds[1].tenants[1].state,
+            ConversationState::Hibernated
+        );
+        assert_eq!(doc.n_ctx, 2048);
+        assert_eq!(doc.report.parallel, 4);
+        assert!(
+            serde_json::from_str::<ServeQosDoc>(
+                &text.replace("\"state\":\"hibernated\"", "\"state\":\"asleep\"")
+            )
+            .is_err()
+        );
+        assert_eq!(rungs_in_order(&doc.report.rounds), ["tier0", "tier2"]);
+        let (r0, r1) = (&doc.report.rounds[0], &doc.report.rounds[1]);
+        assert_eq!(lane_rung(r0, &r0.tenants[0]), "tier0", "the engine's");
+        assert_eq!(lane_rung(r0, &r0.tenants[1]), "tier0", "the engine's");
+        assert_eq!(lane_rung(r1, &r1.tenants[0]), "tier2", "its own");
         super::super::register_font().unwrap();
         let dir = tempfile::tempdir().unwrap();
         let f = qos(&doc, &dir.path().join("qos.png")).unwrap();
         assert!(std::fs::read(&f.path).unwrap().starts_with(b"\x89PNG"));
-        assert!(f.caption.contains("2 tenants"));
+        assert!(f.caption.contains("2 conversations"), "{}", f.caption);
+        assert!(f.caption.contains("--parallel 4"), "{}", f.caption);
+    }
+
+    /// The committed results file reads (a field renamed in the writer would fail here before
+    /// `molt-run figures` does).
+    #[test]
+    fn the_committed_serve_qos_json_reads() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("results/serve_qos.json");
+        let doc: ServeQosDoc = crate::bench::figures::read_json(&path).unwrap();
+        assert!(!doc.report.rounds.is_empty());
+        assert_eq!(doc.report.conversations.len(), 3);
     }
 }

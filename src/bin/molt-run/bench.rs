@@ -29,26 +29,14 @@ pub struct Args {
     /// policy's estimate; then park and resume (results/footprint.json).
     #[arg(long)]
     pub footprint: bool,
-    /// Three tenants (a chat, two batch jobs) with real engines sharing one moving budget
-    /// (results/qos.json).
-    #[arg(long)]
-    pub qos: bool,
-    /// The budget trace of the QoS bench (its token clock counts rounds).
-    #[arg(long, default_value = "traces/qos_squeeze.json")]
-    pub qos_trace: PathBuf,
-    /// Context window of each QoS tenant.
-    #[arg(long, default_value_t = 512)]
-    pub qos_n_ctx: u32,
-    /// Batch size of each QoS tenant's context (bounds its compute buffers).
-    #[arg(long, default_value_t = 64)]
-    pub qos_n_batch: u32,
-    /// Make the QoS trace real: a child process allocates what the trace says others take,
-    /// and the budget is read back from the operating system.
+    /// Make the --serve-qos trace real: a child process allocates what the trace says others
+    /// take, and the budget is read back from the operating system.
     #[arg(long)]
     pub real_hog: bool,
-    /// Three conversations (a foreground chat, two background jobs) through the real HTTP
-    /// service (`serve` as a child process) under a moving budget, sampled every round
-    /// (results/serve_qos.json; with --real-hog, results/serve_qos_real_hog.json).
+    /// The QoS bench: three conversations (a foreground chat, two background jobs) through the
+    /// real HTTP service (`serve` as a child process, the scheduler's plan applied by its own
+    /// loop) under a moving budget, sampled every round (results/serve_qos.json; with
+    /// --real-hog, results/serve_qos_real_hog.json).
     #[arg(long)]
     pub serve_qos: bool,
     /// The budget trace of --serve-qos (its token clock counts rounds).
@@ -64,9 +52,10 @@ pub struct Args {
     /// at a time, as `serve --serial`).
     #[arg(long, default_value_t = molt::server::DEFAULT_PARALLEL, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
     pub serve_qos_parallel: usize,
-    /// Rounds a --serve-qos conversation waits between two of its turns (answered together,
-    /// the batched loop finishes every turn before a slow trace has fallen far).
-    #[arg(long, default_value_t = 1)]
+    /// Rounds a --serve-qos conversation waits between two of its turns (8: the turns meet
+    /// the trace's falls; answered together a round apart, the batched loop finishes every
+    /// turn before the budget has fallen).
+    #[arg(long, default_value_t = 8)]
     pub serve_qos_think_rounds: usize,
     /// A foreground answer beside a long background one when memory falls below what holds
     /// both, through the real HTTP service (two sequences), with answers set aside (the
@@ -256,7 +245,6 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     if !a.speed
         && !a.cost_sweep
         && !a.footprint
-        && !a.qos
         && !a.serve_qos
         && !a.serve_aside
         && !a.recall
@@ -269,20 +257,17 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         && a.conditions.is_none()
     {
         bail!(
-            "nothing to run: pass --conditions all, --cost-sweep, --speed, --footprint, --recall, --precision, --stall, --qos, --serve-qos, --serve-aside, --soak, --sampling and/or --reliability"
+            "nothing to run: pass --conditions all, --cost-sweep, --speed, --footprint, --recall, --precision, --stall, --serve-qos, --serve-aside, --soak, --sampling and/or --reliability"
         );
     }
     if a.stall && (a.stall_lengths.is_empty() || a.stall_lengths.contains(&0)) {
         bail!("--stall-lengths must be positive");
     }
-    if a.real_hog && !a.qos && !a.serve_qos {
-        bail!("--real-hog applies to --qos and --serve-qos");
+    if a.real_hog && !a.serve_qos {
+        bail!("--real-hog applies to --serve-qos");
     }
     if a.reps == 0 {
         bail!("--reps must be at least 1");
-    }
-    if a.qos {
-        run_qos(g, a)?;
     }
     if a.serve_qos {
         run_serve_qos(g, a)?;
@@ -1095,70 +1080,6 @@ fn run_footprint(g: &GlobalArgs, a: &Args) -> Result<()> {
     write_result(&a.out_dir, "footprint.json", &doc)
 }
 
-fn run_qos(g: &GlobalArgs, a: &Args) -> Result<()> {
-    use molt::pressure::Trace;
-    let trace = Trace::load(&a.qos_trace)?;
-    let base = g.context_config()?;
-    if !(64..=8192).contains(&a.qos_n_ctx) || a.qos_n_batch == 0 {
-        bail!("--qos-n-ctx must be in 64..=8192 and --qos-n-batch at least 1");
-    }
-    let ladder = g.open_ladder()?;
-    let config = molt::engine::ContextConfig {
-        n_ctx: a.qos_n_ctx,
-        n_batch: a.qos_n_batch.min(a.qos_n_ctx),
-        ..base
-    };
-    let opts = molt::bench::qos::QosOptions::standard(
-        config,
-        molt::routes::search_dirs(a.projectors.as_deref()),
-    );
-    let mut budget = trace_or_hog(trace, a)?;
-    eprintln!("qos: budget from {}", budget.describe());
-    let info = RunInfo::now();
-    let report = molt::bench::qos::run(&ladder, &opts, budget.as_mut(), &mut |s| eprintln!("{s}"))?;
-    println!(
-        "{:<8} {:<10} {:>6} {:>7} {:>9}  {:<30} rungs",
-        "tenant", "class", "tokens", "stalls", "deferred", "levers"
-    );
-    for t in &report.tenants {
-        let levers: Vec<String> = t.levers.iter().map(|(k, v)| format!("{k}x{v}")).collect();
-        println!(
-            "{:<8} {:<10} {:>6} {:>7} {:>9}  {:<30} {}",
-            t.name,
-            format!("{:?}", t.class).to_lowercase(),
-            t.tokens,
-            t.stall_rounds,
-            t.deferred_rounds,
-            levers.join(" "),
-            t.rungs.join(" -> ")
-        );
-    }
-    println!(
-        "rounds {}, max overshoot after enforcement: modelled {:.1} MiB, measured {:.1} MiB; infeasible rounds {}; killed {}; {:.0} s",
-        report.rounds.len(),
-        report.max_overshoot_modelled as f64 / 1_048_576.0,
-        report.max_overshoot_measured as f64 / 1_048_576.0,
-        report.infeasible_rounds,
-        report.killed,
-        report.wall_s
-    );
-    let doc = molt::bench::qos::QosDoc {
-        run: serde_json::to_value(info)?,
-        trace: a
-            .qos_trace
-            .file_name()
-            .map(|n| n.to_string_lossy().to_string()),
-        real_hog: a.real_hog,
-        n_ctx: config.n_ctx,
-        n_batch: config.n_batch,
-        threads: config.n_threads,
-        policy: opts.policy,
-        tenant_specs: opts.tenants.clone(),
-        report,
-    };
-    write_result(&a.out_dir, "qos.json", &doc)
-}
-
 /// The global options a served bench's child gets: the same ladder, models, context and
 /// threads as this command.
 fn child_global_args(g: &GlobalArgs) -> Vec<String> {
@@ -1272,18 +1193,15 @@ fn run_serve_qos(g: &GlobalArgs, a: &Args) -> Result<()> {
         report.conversations.len(),
         report.wall_s
     );
-    let mut doc = serde_json::to_value(&report)?;
-    if let serde_json::Value::Object(m) = &mut doc {
-        m.insert("run".into(), serde_json::to_value(info)?);
-        m.insert("trace".into(), serde_json::json!(trace_name));
-        m.insert("real_hog".into(), serde_json::json!(a.real_hog));
-        m.insert("n_ctx".into(), serde_json::json!(g.n_ctx));
-        m.insert("threads".into(), serde_json::json!(g.threads));
-        m.insert(
-            "max_tokens".into(),
-            serde_json::json!(a.serve_qos_max_tokens),
-        );
-    }
+    let doc = molt::bench::serve_qos::ServeQosDoc {
+        run: serde_json::to_value(info)?,
+        trace: trace_name,
+        real_hog: a.real_hog,
+        n_ctx: g.n_ctx,
+        threads: g.threads,
+        max_tokens: a.serve_qos_max_tokens,
+        report,
+    };
     write_result(&a.out_dir, &format!("{name}.json"), &doc)
 }
 

@@ -1,7 +1,7 @@
 //! Setting a running answer aside: when no rung holds every running answer together, the
-//! scheduler's plan ([`sched::plan`], the one the `QoS` bench runs, with the batch's
-//! constraints: every running answer on one rung, a parked cache in a file) picks the least
-//! protected answers — background before foreground, then the lower priority, the later
+//! scheduler's plan ([`sched::plan`], applied through this module and nowhere else, with the
+//! batch's constraints: every running answer on one rung, a parked cache in a file) picks the
+//! least protected answers — background before foreground, then the lower priority, the later
 //! arrival — whose caches go to files under the state directory, so the others keep running
 //! on the largest rung that holds them instead of the whole batch parking. An answer set aside
 //! keeps everything but its cache (its sampler, its stream, its text so far); it is told with
