@@ -922,12 +922,27 @@ fn publish_engine(shared: &Shared, l: &Ladders, engine: Option<&Engine>, tenants
             e.loaded = Vec::new();
             e.running = running_ids(tenants);
             // No rung and no answer: the idle engine released everything
-            // (`follow_budget_idle`). A parked batch keeps its caches' figure.
+            // (`follow_budget_idle`). A parked batch says what it holds itself
+            // ([`publish_parked`]).
             if tenants.is_empty() {
                 e.modelled_bytes = 0;
                 e.released = true;
             }
         }
+    }
+}
+
+/// Publishes a batch parked with every rung's weights released: no rung loaded, and what the
+/// policy counts is what the park holds — the running answers' exported caches in host memory
+/// (`held`). It went on counting the released rung with every cell (tier2's 569 MiB in a
+/// `bench --serve-qos` run, 370 MiB over a 200 MiB budget for 30 s while the process stayed
+/// at its floor).
+fn publish_parked(shared: &Shared, l: &Ladders, tenants: &[Tenant], held: u64) {
+    publish_engine(shared, l, None, tenants);
+    if !tenants.is_empty() {
+        let mut e = shared.engine();
+        e.modelled_bytes = held;
+        e.released = false;
     }
 }
 
@@ -1419,7 +1434,8 @@ fn park_until(
     let since = Instant::now();
     let rss_after = super::worker::rss_bytes();
     // Published before the answers hear of the park: a status read then lists no rung loaded.
-    publish_engine(shared, l, None, tenants);
+    let held = |x: &[Option<Exportedseq>]| x.iter().flatten().map(|x| x.blob.len() as u64).sum();
+    publish_parked(shared, l, tenants, held(&exported));
     for (t, x) in tenants.iter_mut().zip(&exported) {
         t.parked_since = Some(since);
         t.emit(
@@ -1459,7 +1475,7 @@ fn park_until(
                     let t = tenants.remove(i);
                     let x = exported.remove(i);
                     end_parked(shared, l, rung, t, x, stop);
-                    publish_engine(shared, l, None, tenants);
+                    publish_parked(shared, l, tenants, held(&exported));
                 }
                 None => i += 1,
             }
