@@ -36,8 +36,9 @@ pub struct Args {
     /// The QoS bench: three conversations (a foreground chat, two background jobs) through the
     /// real HTTP service (`serve` as a child process, the scheduler's plan applied by its own
     /// loop) under a moving budget, sampled every round (results/serve_qos.json; with
-    /// --real-hog, results/serve_qos_real_hog.json).
-    #[arg(long)]
+    /// --real-hog, results/serve_qos_real_hog.json). `--qos` is the same bench (the in-process
+    /// one it named drove a second actuator and is gone).
+    #[arg(long, visible_alias = "qos")]
     pub serve_qos: bool,
     /// The budget trace of --serve-qos (its token clock counts rounds).
     #[arg(long, default_value = "traces/serve_qos.json")]
