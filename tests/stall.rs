@@ -77,6 +77,8 @@ fn forced_up(s: &mut Session, at: usize, to: usize) -> SwitchInfo {
 
 #[test]
 fn a_switch_down_takes_its_destination_off_standby_and_a_switch_up_leaves_its_source_there() {
+    // Rung costs are measured at load as the process's memory growth: one test at a time.
+    let _serial = common::events::one_at_a_time();
     let n = common::tiny_ladder().rungs.len();
     let mut s = session(true);
     let all_below: Vec<bool> = (0..n).map(|i| i > 0).collect();
@@ -112,6 +114,8 @@ fn a_switch_down_takes_its_destination_off_standby_and_a_switch_up_leaves_its_so
 
 #[test]
 fn standby_is_given_up_before_the_budget_is_overshot() {
+    // Rung costs are measured at load as the process's memory growth: one test at a time.
+    let _serial = common::events::one_at_a_time();
     let l = common::tiny_ladder();
     let opts = SessionOptions {
         // The policy's costs stay as measured at load, so the budget below means what it says.
@@ -179,6 +183,8 @@ fn standby_is_given_up_before_the_budget_is_overshot() {
 
 #[test]
 fn bench_stall_quick_writes_the_schema() {
+    // Rung costs are measured at load as the process's memory growth: one test at a time.
+    let _serial = common::events::one_at_a_time();
     let l = common::tiny_ladder();
     let dir = tempfile::tempdir().unwrap();
     let out = assert_cmd::Command::new(env!("CARGO_BIN_EXE_molt-run"))
@@ -290,6 +296,8 @@ fn bench_stall_quick_writes_the_schema() {
 
 #[test]
 fn a_switch_up_loads_its_destination_in_the_background_while_the_answer_goes_on() {
+    // Rung costs are measured at load as the process's memory growth: one test at a time.
+    let _serial = common::events::one_at_a_time();
     let l = common::tiny_ladder();
     for prepare_up in [true, false] {
         let opts = SessionOptions {
@@ -371,6 +379,8 @@ fn rows_at(blob: &[u8], pos: i32) -> Vec<f32> {
 #[test]
 fn a_standby_rung_reads_the_conversations_head_after_an_answer_and_a_switch_down_splices_it_whole()
 {
+    // Rung costs are measured at load as the process's memory growth: one test at a time.
+    let _serial = common::events::one_at_a_time();
     let n = common::tiny_ladder().rungs.len();
     let head = molt::session::DEFAULT_HEAD_REREAD;
     let mut s = session(true);
