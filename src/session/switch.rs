@@ -715,7 +715,10 @@ impl Session {
     /// The shed-first switch, for moving down under pressure: export the source's sequence
     /// state (a few MB of host memory), free the source — weights unmapped, context and its
     /// buffers released — then map the destination, project and import. The process never
-    /// holds both rungs, so the switch itself cannot overshoot the budget it answers.
+    /// holds both rungs' memory, so the switch itself cannot overshoot the budget it answers:
+    /// a standby destination's weight pages are mapped back while the source's are being
+    /// unmapped (clean page-cache pages either way; its context is already counted), a
+    /// destination loaded at the switch only once the source is gone.
     ///
     /// If the destination cannot be loaded or the state cannot be carried, the source is
     /// mapped again and its exported state re-imported byte for byte, so the session stays
@@ -761,10 +764,11 @@ impl Session {
             }),
             None => None,
         };
-        // The source is freed on a thread of its own (unmapping a 1.5B rung's weights and
-        // freeing its buffers took ~40 ms of the gap) while the projection runs when it needs
-        // nothing of the destination ([`migrate::stage`]); the destination is mapped only once
-        // the source is gone, so the process never holds both.
+        // The source is freed on a thread of its own (unmapping a 1.5B rung's weights took
+        // 86-107 ms on this VM, its context ~15) while the projection runs when it needs
+        // nothing of the destination ([`migrate::stage`]); a destination that must be loaded
+        // is loaded only once the source is gone, so the process never holds both rungs'
+        // memory (a standby one maps its pages back meanwhile, below).
         self.reap(src);
         let stageable = topk.is_none() && self.standby.get(to).is_some_and(Option::is_some);
         let anchor = match &projector {
@@ -797,25 +801,39 @@ impl Session {
             }
             _ => Ok(None),
         };
+        // A standby destination only maps its weight pages back, and does it while the
+        // source's are still being unmapped on the reaper's thread: both are clean pages of
+        // model files in the page cache, so mapping one while the other is let go takes no
+        // memory the system cannot reclaim, and the two page-table walks (~50 ms and ~100 ms
+        // for a 1.5B rung on this VM) run on both cores instead of one after the other. What
+        // the budget governs apart from the page cache — the source's KV cache and buffers —
+        // is freed as before, and the footprint sample after the switch waits for it. Any
+        // other destination is loaded once the source is gone: its context is new memory.
+        let injected = crate::fault::hit(crate::fault::Site::SwitchLoad);
+        let standby_dst = if injected {
+            None
+        } else {
+            self.take_standby(to)
+        };
         self.join_reaper();
         let t_load = Instant::now();
-        // A standby destination only maps its pages back; otherwise it is loaded now.
-        let loaded = if crate::fault::hit(crate::fault::Site::SwitchLoad) {
+        let loaded = if injected {
             Err(injected_load_failure(&self.ladder.rungs[to]))
         } else {
-            match self.take_standby(to) {
-                Some((dst, _)) => Ok((dst, true)),
+            match standby_dst {
+                Some((dst, activate_ms)) => Ok((dst, Some(activate_ms))),
                 None => {
                     let setup = self.speed_setup(to, 0);
                     let known = self.known_context_bytes(to, setup);
                     LiveRung::load_known(&self.ladder.rungs[to], self.config, setup, known)
-                        .map(|d| (d, false))
+                        .map(|d| (d, None))
                 }
             }
         };
         let carried = match loaded {
-            Ok((mut dst, from_standby)) => {
-                let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
+            Ok((mut dst, activated)) => {
+                let from_standby = activated.is_some();
+                let load_ms = activated.unwrap_or_else(|| t_load.elapsed().as_secs_f64() * 1e3);
                 let load_parts = (!from_standby).then_some(dst.parts);
                 if !from_standby {
                     self.record_load(to, &dst);
