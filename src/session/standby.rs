@@ -78,12 +78,6 @@ impl Session {
         }
     }
 
-    /// Frees a rung a switch let go of on the reaper's thread ([`Session::reap`]), its weight
-    /// pages dropped from the page tables before the unmap ([`ReleasedFirst`]).
-    pub(super) fn reap_rung(&mut self, rung: LiveRung) {
-        self.reap(ReleasedFirst(rung));
-    }
-
     /// Waits until every rung [`Session::reap`] frees is gone.
     pub(super) fn join_reaper(&mut self) {
         for h in self.reapers.drain(..) {
@@ -175,19 +169,5 @@ impl Session {
     pub(super) fn standby_head(&self, to: usize) -> Option<Arc<Anchor>> {
         let h = self.opts.head_reread.min(self.history.len());
         self.standby.get(to)?.as_ref()?.head_for(&self.history[..h])
-    }
-}
-
-/// A rung to free whose weight pages leave the page tables first (`MADV_DONTNEED`, under the
-/// address space's read lock) and only then its mapping (`munmap`, under the write lock, which
-/// holds off every page fault and populate in the process while it runs). Unmapping tier0's
-/// ~1 GB of mapped weights took 86–107 ms on the real ladder: done by the unmap, that was as
-/// long a wait for the destination of a switch down mapping its own pages back beside it.
-pub(super) struct ReleasedFirst(pub(super) LiveRung);
-
-impl Drop for ReleasedFirst {
-    fn drop(&mut self) {
-        // A failed release only leaves the work to the unmap, as before.
-        let _ = crate::pressure::pages::release_mapping(&self.0.info.path);
     }
 }

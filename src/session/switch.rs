@@ -512,7 +512,7 @@ impl Session {
         // re-reads the whole history, as when a shadow's source went first.
         let freed_early = source_live && to > from && !self.opts.keep_source;
         if freed_early && let Some(src) = self.rungs[from].take() {
-            self.reap_rung(src);
+            self.reap(src);
         }
         let source_live = source_live && !freed_early;
         let Some(dst) = self.rungs[to].as_mut() else {
@@ -769,7 +769,7 @@ impl Session {
         // nothing of the destination ([`migrate::stage`]); a destination that must be loaded
         // is loaded only once the source is gone, so the process never holds both rungs'
         // memory (a standby one maps its pages back meanwhile, below).
-        self.reap_rung(src);
+        self.reap(src);
         let stageable = topk.is_none() && self.standby.get(to).is_some_and(Option::is_some);
         let anchor = match &projector {
             Some(_) => self.anchor_for(to, &mut note),
