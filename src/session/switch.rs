@@ -355,8 +355,10 @@ impl Session {
     /// are ready.
     ///
     /// Moving down to a rung that is not loaded, the source is freed *before* the destination
-    /// is mapped (see [`Session::switch_shed_first`]), so the process never holds both; so is
-    /// moving up when `budget` does not hold both rungs side by side. Moving up with room for
+    /// is loaded (see [`Session::switch_shed_first`]; a standby destination maps its weight
+    /// pages back meanwhile, clean pages of its file in the page cache), so the process never
+    /// holds both rungs' memory; so is moving up when `budget` does not hold both rungs side
+    /// by side. Moving up with room for
     /// both, or with the source kept or the seam measured, the destination is loaded first.
     pub(super) fn switch_to(
         &mut self,
