@@ -22,21 +22,6 @@ fn max_abs(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
-/// Rows of every layer's K and V at `pos` in a one-sequence blob.
-fn rows_at(blob: &[u8], pos: i32) -> Vec<f32> {
-    let (_, stream) = KvSnapshot::parse_single_stream(blob).unwrap();
-    let i = stream
-        .positions()
-        .iter()
-        .position(|&p| p == pos)
-        .unwrap_or_else(|| panic!("position {pos} not cached"));
-    stream
-        .layers
-        .iter()
-        .flat_map(|l| l.k.row(i).to_vec().into_iter().chain(l.v.row(i).to_vec()))
-        .collect()
-}
-
 #[test]
 fn recomputing_over_a_native_cache_reproduces_it() {
     let l = common::tiny_ladder();
@@ -66,7 +51,10 @@ fn recomputing_over_a_native_cache_reproduces_it() {
     assert_eq!(ctx.seq_pos_max(), i32::try_from(toks.len() - 1).unwrap());
     let again = ctx.export_state().unwrap();
     for p in 0..i32::try_from(toks.len()).unwrap() {
-        let d = max_abs(&rows_at(&native, p), &rows_at(&again, p));
+        let d = max_abs(
+            &common::kv_rows_at(&native, p),
+            &common::kv_rows_at(&again, p),
+        );
         assert!(d < 2e-2, "position {p} moved by {d}");
     }
     // The cache still continues: the next token's logits are the native ones.

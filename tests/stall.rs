@@ -361,21 +361,6 @@ fn a_switch_up_loads_its_destination_in_the_background_while_the_answer_goes_on(
     }
 }
 
-/// Rows of every layer's K and V at `pos` in a one-sequence blob.
-fn rows_at(blob: &[u8], pos: i32) -> Vec<f32> {
-    let (_, stream) = molt::kv::KvSnapshot::parse_single_stream(blob).unwrap();
-    let i = stream
-        .positions()
-        .iter()
-        .position(|&p| p == pos)
-        .unwrap_or_else(|| panic!("position {pos} not cached"));
-    stream
-        .layers
-        .iter()
-        .flat_map(|l| l.k.row(i).to_vec().into_iter().chain(l.v.row(i).to_vec()))
-        .collect()
-}
-
 #[test]
 fn a_standby_rung_reads_the_conversations_head_after_an_answer_and_a_switch_down_splices_it_whole()
 {
@@ -423,6 +408,10 @@ fn a_standby_rung_reads_the_conversations_head_after_an_answer_and_a_switch_down
     let want = native.export_state().unwrap();
     for pos in 0..head {
         let pos = i32::try_from(pos).unwrap();
-        assert_eq!(rows_at(&got, pos), rows_at(&want, pos), "position {pos}");
+        assert_eq!(
+            common::kv_rows_at(&got, pos),
+            common::kv_rows_at(&want, pos),
+            "position {pos}"
+        );
     }
 }

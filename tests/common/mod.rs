@@ -245,3 +245,19 @@ fn projectors_of(l: &Ladder) -> PathBuf {
     }
     out
 }
+
+/// Rows of every layer's K and V at position `pos` in a one-sequence state blob (llama.cpp's
+/// export of one sequence), in layer order, K then V.
+pub fn kv_rows_at(blob: &[u8], pos: i32) -> Vec<f32> {
+    let (_, stream) = molt::kv::KvSnapshot::parse_single_stream(blob).unwrap();
+    let i = stream
+        .positions()
+        .iter()
+        .position(|&p| p == pos)
+        .unwrap_or_else(|| panic!("position {pos} not cached"));
+    stream
+        .layers
+        .iter()
+        .flat_map(|l| l.k.row(i).to_vec().into_iter().chain(l.v.row(i).to_vec()))
+        .collect()
+}
