@@ -279,7 +279,8 @@ impl StandbyRung {
         Ok(())
     }
 
-    /// The conversation's head on this rung when it is exactly `head` ([`StandbyRung::read_head`]).
+    /// The conversation's head on this rung when it is exactly `head`
+    /// ([`StandbyRung::read_head`]).
     pub fn head_for(&self, head: &[crate::engine::Token]) -> Option<Arc<Anchor>> {
         self.head
             .as_ref()

@@ -287,8 +287,8 @@ impl Session {
 
     /// The destination's anchor for a head re-read (none when the head re-read is off or no
     /// anchor is shipped): the conversation's own head when the destination read it on
-    /// standby, else the shipped anchor of the template's opening; a damaged or foreign anchor is not used, and `note` says why (the
-    /// head is then decoded whole).
+    /// standby, else the shipped anchor of the template's opening; a damaged or foreign anchor
+    /// is not used, and `note` says why (the head is then decoded whole).
     pub(super) fn anchor_for(
         &mut self,
         to: usize,
@@ -358,8 +358,8 @@ impl Session {
     /// is loaded (see [`Session::switch_shed_first`]; a standby destination maps its weight
     /// pages back meanwhile, clean pages of its file in the page cache), so the process never
     /// holds both rungs' memory; so is moving up when `budget` does not hold both rungs side
-    /// by side. Moving up with room for
-    /// both, or with the source kept or the seam measured, the destination is loaded first.
+    /// by side. Moving up with room for both, or with the source kept or the seam measured,
+    /// the destination is loaded first.
     pub(super) fn switch_to(
         &mut self,
         to: usize,
