@@ -9,7 +9,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use molt::bench::stall::{StallDoc, route_circuit};
-use molt::pressure::FixedBudget;
+use molt::pressure::{FixedBudget, resident_bytes_of_mapping};
 use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions, SwitchInfo};
 
 const TEXT: &str = "The scheduler parks the weights of a background job while keeping its cache, then maps them back when memory returns.";
@@ -110,6 +110,57 @@ fn a_switch_down_takes_its_destination_off_standby_and_a_switch_up_leaves_its_so
     let down = forced(&mut plain, TEXT, 2, n - 1);
     assert!(!down.timings.from_standby);
     assert!(down.timings.load_parts.is_some());
+}
+
+#[test]
+fn the_footprint_after_a_switch_down_onto_standby_follows_its_first_token_with_the_source_unmapped()
+{
+    // The footprint reads the process's memory: one test at a time.
+    let _serial = common::events::one_at_a_time();
+    let l = common::tiny_ladder();
+    let n = l.rungs.len();
+    let mut s = session(true);
+    let source = l.rungs[0].path.clone();
+    assert!(
+        resident_bytes_of_mapping(&source).unwrap() > 0,
+        "the source is mapped"
+    );
+    // What happened at the switch's token, in order: the events and, at the footprint
+    // sample, how much of the source's weights the process still maps.
+    let mut order: Vec<&'static str> = Vec::new();
+    let mut source_at_sample = None;
+    let mut at = None;
+    s.generate(
+        &Prompt::Text(TEXT.into()),
+        &GenerateOptions {
+            max_tokens: 6,
+            force_switch: Some((2, n - 1)),
+            ..GenerateOptions::default()
+        },
+        &mut |e| match e {
+            Event::Switch(i) => {
+                at = Some(i.at_token);
+                order.push("switch");
+            }
+            Event::Token { index, .. } if Some(*index) == at => order.push("token"),
+            Event::Footprint(_) if at.is_some() && source_at_sample.is_none() => {
+                order.push("footprint");
+                source_at_sample = Some(resident_bytes_of_mapping(&source).unwrap_or(0));
+            }
+            _ => {}
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        order,
+        ["switch", "token", "footprint"],
+        "the destination's first token does not wait for the source's freeing; the sample does"
+    );
+    assert_eq!(
+        source_at_sample,
+        Some(0),
+        "the footprint after the switch is sampled with the source's weights unmapped"
+    );
 }
 
 #[test]

@@ -239,6 +239,9 @@ struct Sample {
     cache: CacheState,
     context_tokens: usize,
     stall_ms: f64,
+    /// The gap after the destination's first token: what the switch left for the next one
+    /// to wait for (the source's freeing, which the first token no longer waits for).
+    next_gap_ms: f64,
     itl_ms: Vec<f64>,
     /// The destination's gaps while a refill after the switch re-read the history in the
     /// batches of its tokens (none: no refill), and the answer token it was done by.
@@ -523,6 +526,10 @@ fn chain(
                 cache,
                 context_tokens: session.history().len(),
                 stall_ms,
+                next_gap_ms: latencies
+                    .iter()
+                    .find(|(i, _)| *i == at + 1)
+                    .map_or(f64::NAN, |&(_, l)| l),
                 // The destination's own gaps: after the refill, when one ran.
                 itl_ms: latencies
                     .iter()
@@ -602,6 +609,9 @@ fn parts(s: &Sample) -> BTreeMap<String, f64> {
     p.insert("topk_recompute".into(), t.recompute_ms);
     p.insert("first_decode".into(), t.first_decode_ms);
     p.insert("switch_total".into(), t.cost_ms);
+    if s.next_gap_ms.is_finite() {
+        p.insert("next_gap".into(), s.next_gap_ms);
+    }
     p.insert(
         "other".into(),
         (s.stall_ms - t.load_ms - t.cost_ms).max(0.0),

@@ -301,11 +301,24 @@ impl StandbyRung {
     /// Takes the rung live: maps its weight pages back in (from the page cache when warm,
     /// else from disk). Returns it with the time that took, ms.
     pub fn activate(self) -> (LiveRung, f64) {
-        let t0 = Instant::now();
-        // A failed populate only means the first decode faults the pages in itself.
-        let _ = crate::pressure::pages::populate_mapping(&self.live.info.path);
-        (self.live, t0.elapsed().as_secs_f64() * 1e3)
+        let ms = populate(&self.live.info.path);
+        (self.live, ms)
     }
+
+    /// Takes the rung live without mapping its pages back: for a caller that maps them on a
+    /// thread of its own ([`populate`]) while it does other work.
+    pub fn into_live(self) -> LiveRung {
+        self.live
+    }
+}
+
+/// Maps the weight pages of the rung file `path` back into this process (from the page cache
+/// when warm, else from disk), as [`StandbyRung::activate`] does. Returns the time that took,
+/// ms. A failed populate only means the first decode faults the pages in itself.
+pub fn populate(path: &std::path::Path) -> f64 {
+    let t0 = Instant::now();
+    let _ = crate::pressure::pages::populate_mapping(path);
+    t0.elapsed().as_secs_f64() * 1e3
 }
 
 /// A rung whose weights are unmapped while its sequence's KV state is kept in host memory.

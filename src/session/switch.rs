@@ -779,45 +779,58 @@ impl Session {
         };
         let history = self.history.clone();
         let staged_spans = Span::of(&history, &ranges);
-        let staged = match &projector {
-            Some(p) if stageable => {
-                let reread = reread(
-                    &self.opts,
-                    &history,
-                    n_past,
-                    anchor.as_deref(),
-                    &staged_spans,
-                );
-                migrate::stage(
-                    &migrate::Exported {
-                        blob: &blob,
-                        n_past,
-                        from: &from_model,
-                        export_ms,
-                    },
-                    self.ladder.rungs[to].name(),
-                    p,
-                    self.config.cache_type,
-                    reread,
-                )
-            }
-            _ => Ok(None),
-        };
-        // A standby destination only maps its weight pages back, and does it while the
-        // source's are still being unmapped on the reaper's thread: both are clean pages of
-        // model files in the page cache, so mapping one while the other is let go takes no
-        // memory the system cannot reclaim, and the two page-table walks (~50 ms and ~100 ms
-        // for a 1.5B rung on this VM) run on both cores instead of one after the other. What
-        // the budget governs apart from the page cache — the source's KV cache and buffers —
-        // is freed as before, and the footprint sample after the switch waits for it. Any
-        // other destination is loaded once the source is gone: its context is new memory.
+        // A standby destination only maps its weight pages back, on a thread of its own while
+        // the projection runs here and the source's pages are unmapped on the reaper's: both
+        // are clean pages of model files in the page cache, so mapping one while the other is
+        // let go takes no memory the system cannot reclaim. What the budget governs apart from
+        // the page cache — the source's KV cache and buffers — is freed as before, and neither
+        // the destination's import nor its first token waits for the reaper: the token is
+        // shown, and the footprint sample after it waits for the source to be gone
+        // (`flush_footprint`), so the memory goes back to the system no later than before and
+        // the answer no longer waits for the page-table walk (~100 ms for a 1.5B rung on this
+        // VM). Any other destination is loaded once the source is gone: its context is new
+        // memory.
         let injected = crate::fault::hit(crate::fault::Site::SwitchLoad);
-        let standby_dst = if injected {
+        let standby_rung = if injected {
             None
         } else {
-            self.take_standby(to)
+            self.standby.get_mut(to).and_then(Option::take)
         };
-        self.join_reaper();
+        let (staged, activate_ms) = std::thread::scope(|scope| {
+            let populating = standby_rung.as_ref().map(|r| {
+                let path = r.path().to_path_buf();
+                scope.spawn(move || super::rung::populate(&path))
+            });
+            let staged = match &projector {
+                Some(p) if stageable => {
+                    let reread = reread(
+                        &self.opts,
+                        &history,
+                        n_past,
+                        anchor.as_deref(),
+                        &staged_spans,
+                    );
+                    migrate::stage(
+                        &migrate::Exported {
+                            blob: &blob,
+                            n_past,
+                            from: &from_model,
+                            export_ms,
+                        },
+                        self.ladder.rungs[to].name(),
+                        p,
+                        self.config.cache_type,
+                        reread,
+                    )
+                }
+                _ => Ok(None),
+            };
+            (staged, populating.map(|h| h.join().unwrap_or(0.0)))
+        });
+        let standby_dst = standby_rung.map(|r| (r.into_live(), activate_ms.unwrap_or(0.0)));
+        if standby_dst.is_none() {
+            self.join_reaper();
+        }
         let t_load = Instant::now();
         let loaded = if injected {
             Err(injected_load_failure(&self.ladder.rungs[to]))
@@ -896,7 +909,9 @@ impl Session {
                 })
             }
             Err(e) => {
-                // Put the source back exactly as it was: its exported state is a parked rung.
+                // Put the source back exactly as it was: its exported state is a parked rung,
+                // mapped again once the first mapping is gone.
+                self.join_reaper();
                 let restored = ParkedRung {
                     info: self.ladder.rungs[from].clone(),
                     config: src_config,

@@ -28,7 +28,7 @@ fn top_parts(r: &StallRow, n: usize) -> String {
         .parts_ms
         .iter()
         .filter(|(k, v)| {
-            !["switch_total", "prepared_in_background"].contains(&k.as_str())
+            !["switch_total", "prepared_in_background", "next_gap"].contains(&k.as_str())
                 && v.is_finite()
                 && **v >= 1.0
         })
@@ -127,6 +127,28 @@ pub(super) fn section(doc: &StallDoc, figures: &FigureSet, figures_rel: &str) ->
         s,
         "Where it is missed, the largest parts say why: on the size routes the selective token recompute (`token_recompute`, the destination re-reading at least 64 positions and a tenth of the context natively) and the head re-read are the switch itself, not the destination's readiness; `other` is sampling and bookkeeping between the switch and the token. Parts are medians of their own, so they need not add up to the stall's median."
     );
+    // The first token no longer waits for the source's unmap: the gap after it may.
+    let next: Vec<String> = down_warm
+        .iter()
+        // A size route's next gap is its refill's first batch, reported with the refill.
+        .filter(|r| r.method == "molt" && r.refill_gap_ms_median.is_none())
+        .filter_map(|r| {
+            let n = r.parts_ms.get("next_gap")?;
+            Some(format!(
+                "{} at {}: {n:.0} ms ({:.1}×)",
+                r.route.replace("->", " → "),
+                r.context_tokens,
+                n / r.itl_ms_median
+            ))
+        })
+        .collect();
+    if !next.is_empty() {
+        let _ = writeln!(
+            s,
+            "The destination's first token is shown while the source's weight pages are still being unmapped on a thread of their own (the memory goes back no later for it); the footprint sample after that token, and so the second token, wait for the source to be gone. The gap before the second token (`next_gap`, not part of the stall), warm, down: {}.",
+            next.join("; ")
+        );
+    }
     // What standby changed, part by part: the load before against the activation after, on
     // the same down rows.
     let pairs: Vec<(f64, f64)> = down_warm
