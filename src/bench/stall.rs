@@ -239,8 +239,8 @@ struct Sample {
     cache: CacheState,
     context_tokens: usize,
     stall_ms: f64,
-    /// The gap after the destination's first token: what the switch left for the next one
-    /// to wait for (the source's freeing, which the first token no longer waits for).
+    /// The gap after the destination's first token: whether the switch left anything for
+    /// the next token to wait for.
     next_gap_ms: f64,
     itl_ms: Vec<f64>,
     /// The destination's gaps while a refill after the switch re-read the history in the

@@ -1177,10 +1177,17 @@ fn start_idle(
     // Set-aside caches held in memory (`reserve`) are not the newcomer's to take.
     let budget = read_budget(shared, &[]).bytes.saturating_sub(reserve);
     if budget >= need {
-        let Some(h) = held.take() else {
+        let Some(Held { job, wait }) = held.take() else {
             return (Ok(engine), None);
         };
-        return start_on_best(shared, l, engine, h.job, budget);
+        return match start_on_best(shared, l, engine, job, budget, reserve) {
+            Started::Admitted(e, t) => (e, t),
+            // The budget fell while the rung loaded: the request waits again, first in line.
+            Started::Fell(e, job) => {
+                *held = Some(Held { job, wait });
+                (e, None)
+            }
+        };
     }
     // Busy for the HTTP side (before its client hears it waits): a request arriving now is
     // told its place in the queue.
@@ -1202,55 +1209,120 @@ fn start_idle(
                 "overtook",
                 serde_json::json!({"deferred": h.job.id}),
             );
-            start_on_best(shared, l, engine, other, budget)
+            match start_on_best(shared, l, engine, other, budget, reserve) {
+                Started::Admitted(e, t) => (e, t),
+                // Back in the queue, unread, with the request it overtook still first in line.
+                Started::Fell(e, other) => {
+                    shared.queue.put_back(other);
+                    (e, None)
+                }
+            }
         }
         None => (Ok(engine), None),
     }
 }
 
+/// What [`start_on_best`] did with the request it was given.
+enum Started {
+    /// Admitted (`None` when refused, its client told why), or the rung failed to load.
+    Admitted(Result<Option<Engine>, ApiError>, Option<Tenant>),
+    /// Not admitted: the budget fell while the rung loaded and no longer holds the request on
+    /// any rung; the rung is let go again and the request handed back, unread.
+    Fell(Result<Option<Engine>, ApiError>, Job),
+}
+
 /// Moves the idle engine to the largest rung that holds `job` within `budget` (never above
-/// home; freeing the old rung first: the two need not fit together) and admits it.
+/// home; freeing the old rung first: the two need not fit together) and admits it. While the
+/// rung loads and the request is read onto it (a woken conversation carried from another
+/// rung's file, its positions re-read), the status counts what that takes: it counted 0 B in
+/// a `bench --serve-qos` run while the engine read a woken conversation onto q3km, 350 MiB
+/// over the budget for three rounds. The budget is read again once the rung is loaded: when
+/// it fell meanwhile, the engine moves down to the rung the budget now holds before reading
+/// anything, and when it holds none, the request is handed back ([`Started::Fell`]).
+/// `reserve`: the set-aside caches held in memory, not the newcomer's to take.
 fn start_on_best(
     shared: &Shared,
     l: &Ladders,
     engine: Option<Engine>,
     job: Job,
     budget: u64,
-) -> (Result<Option<Engine>, ApiError>, Option<Tenant>) {
+    reserve: u64,
+) -> Started {
     let total = job_cells(&job, l.config.n_ctx);
     let smallest = l.costs.len() - 1;
-    let best = (l.home..l.costs.len())
-        .find(|&i| l.need(i, total) <= budget)
-        .unwrap_or(smallest);
-    let mut engine = match engine {
-        Some(e) if e.rung == best => e,
-        other => {
-            // Another rung, or none loaded (a park released it).
-            let from = other.as_ref().map(|e| l.name(e.rung).to_string());
-            if let Some(mut e) = other {
+    let best_for = |budget: u64| {
+        (l.home..l.costs.len())
+            .find(|&i| l.need(i, total) <= budget)
+            .unwrap_or(smallest)
+    };
+    let mut best = best_for(budget);
+    let mut engine = engine;
+    // A rung loaded for nothing is loaded at most once per rung below it.
+    for _ in 0..l.costs.len() {
+        if engine.as_ref().is_some_and(|e| e.rung == best) {
+            break;
+        }
+        // Another rung, or none loaded (a park released it).
+        let from = engine.as_ref().map(|e| l.name(e.rung).to_string());
+        if let Some(mut e) = engine.take() {
+            e.let_go_all(shared);
+            drop(e);
+            crate::pressure::trim_heap();
+        }
+        publish_loading(shared, l, best, &job.id, total);
+        let e = match l.load(best) {
+            Ok(e) => e,
+            Err(e) => {
+                let api = ApiError::from_session(&e);
+                refuse(shared, &job, &api);
+                publish_engine(shared, l, None, &[]);
+                return Started::Admitted(Err(api), None);
+            }
+        };
+        shared.recorder.service(
+            &job.id,
+            "fresh_start",
+            serde_json::json!({"from": from, "rung": l.name(best), "reason": "the budget picks another rung"}),
+        );
+        engine = Some(e);
+        let now = read_budget(shared, &[]).bytes.saturating_sub(reserve);
+        if now >= l.need(best, total) {
+            break;
+        }
+        if now < l.need(smallest, total) {
+            shared.recorder.service(
+                &job.id,
+                "handed_back",
+                serde_json::json!({"rung": l.name(best), "budget": now, "reason": "the budget fell below the smallest rung while the rung loaded"}),
+            );
+            if let Some(mut e) = engine.take() {
                 e.let_go_all(shared);
                 drop(e);
                 crate::pressure::trim_heap();
             }
-            let e = match l.load(best) {
-                Ok(e) => e,
-                Err(e) => {
-                    let api = ApiError::from_session(&e);
-                    refuse(shared, &job, &api);
-                    return (Err(api), None);
-                }
-            };
-            shared.recorder.service(
-                &job.id,
-                "fresh_start",
-                serde_json::json!({"from": from, "rung": l.name(best), "reason": "the budget picks another rung"}),
-            );
-            e
+            publish_engine(shared, l, None, &[]);
+            return Started::Fell(Ok(None), job);
         }
+        best = best_for(now);
+    }
+    let Some(mut engine) = engine else {
+        return Started::Admitted(Ok(None), None);
     };
+    publish_loading(shared, l, engine.rung, &job.id, total);
     let t = admit(shared, &mut engine, l, job);
     publish_batch(shared, l, &engine, t.as_slice());
-    (Ok(Some(engine)), t)
+    Started::Admitted(Ok(Some(engine)), t)
+}
+
+/// Publishes the engine loading rung `rung` and reading request `id` onto it: the rung with
+/// the request's whole length counted, as the batch will be.
+fn publish_loading(shared: &Shared, l: &Ladders, rung: usize, id: &str, cells: u64) {
+    let mut e = shared.engine();
+    e.current_rung = l.name(rung).to_string();
+    e.loaded = vec![e.current_rung.clone()];
+    e.running = Some(id.to_string());
+    e.modelled_bytes = l.need(rung, cells);
+    e.released = false;
 }
 
 /// Lets waiting requests join while a sequence is free and the budget holds the current rung

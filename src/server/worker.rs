@@ -198,6 +198,14 @@ impl Queue {
         g.jobs.remove(i)
     }
 
+    /// Puts back a job taken out of the queue and not started, ahead of the others (it came
+    /// before them). It held a place, so a full queue takes it back too; a closed one as well:
+    /// shutting down answers or refuses what is queued, and this job with them.
+    pub(super) fn put_back(&self, job: Job) {
+        self.lock().jobs.push_front(job);
+        self.cv.notify_one();
+    }
+
     /// Whether some waiting job (not cancelled) satisfies `f`.
     pub(super) fn any(&self, f: impl Fn(&Job) -> bool) -> bool {
         self.lock().jobs.iter().any(|j| !j.cancelled() && f(j))

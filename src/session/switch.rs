@@ -783,13 +783,12 @@ impl Session {
         // the projection runs here and the source's pages are unmapped on the reaper's: both
         // are clean pages of model files in the page cache, so mapping one while the other is
         // let go takes no memory the system cannot reclaim. What the budget governs apart from
-        // the page cache — the source's KV cache and buffers — is freed as before, and neither
-        // the destination's import nor its first token waits for the reaper: the token is
-        // shown, and the footprint sample after it waits for the source to be gone
-        // (`flush_footprint`), so the memory goes back to the system no later than before and
-        // the answer no longer waits for the page-table walk (~100 ms for a 1.5B rung on this
-        // VM). Any other destination is loaded once the source is gone: its context is new
-        // memory.
+        // the page cache — the source's KV cache and buffers — is freed as before. The
+        // destination's import and first decode run while the source is still being freed
+        // (the page-table walk alone takes ~100 ms for a 1.5B rung on this VM), and the switch
+        // waits for the reaper only after them: the token is shown once the source is gone, as
+        // before, and the memory goes back to the system no later. Any other destination is
+        // loaded once the source is gone: its context is new memory.
         let injected = crate::fault::hit(crate::fault::Site::SwitchLoad);
         let standby_rung = if injected {
             None
@@ -892,6 +891,9 @@ impl Session {
             }
             Err(e) => Err(e),
         };
+        // The token this switch decoded is not shown while the source still holds memory the
+        // budget no longer has.
+        self.join_reaper();
         match carried {
             Ok((timings, method, dst, load_ms, load_parts, from_standby)) => {
                 self.rungs[to] = Some(dst);

@@ -127,7 +127,7 @@ pub(super) fn section(doc: &StallDoc, figures: &FigureSet, figures_rel: &str) ->
         s,
         "Where it is missed, the largest parts say why: on the size routes the selective token recompute (`token_recompute`, the destination re-reading at least 64 positions and a tenth of the context natively) and the head re-read are the switch itself, not the destination's readiness; `other` is sampling and bookkeeping between the switch and the token. Parts are medians of their own, so they need not add up to the stall's median."
     );
-    // The first token no longer waits for the source's unmap: the gap after it may.
+    // Whether the switch left anything for the token after its first to wait for.
     let next: Vec<String> = down_warm
         .iter()
         // A size route's next gap is its refill's first batch, reported with the refill.
@@ -145,7 +145,7 @@ pub(super) fn section(doc: &StallDoc, figures: &FigureSet, figures_rel: &str) ->
     if !next.is_empty() {
         let _ = writeln!(
             s,
-            "The destination's first token is shown while the source's weight pages are still being unmapped on a thread of their own (the memory goes back no later for it); the footprint sample after that token, and so the second token, wait for the source to be gone. The gap before the second token (`next_gap`, not part of the stall), warm, down: {}.",
+            "On a precision route down the destination's pages are mapped back, its cache imported and its first token decoded while the source's weight pages are still being unmapped on a thread of their own; the token is shown once the source is gone. Nothing is left for the next token to wait for: the gap before the second token (`next_gap`, not part of the stall), warm, down: {}.",
             next.join("; ")
         );
     }
