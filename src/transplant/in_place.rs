@@ -13,13 +13,12 @@
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
-use ndarray::ArrayViewMut2;
 use rayon::prelude::*;
 
 use super::error::TransplantError;
 use super::map::LayerMap;
 use super::projector::Projector;
-use super::rope::{Direction, RopeSpec, rotate};
+use super::rope::{Direction, RopeSpec, RopeTable};
 use crate::kv::{CacheType, KvError, KvSnapshot, KvStream, StreamLayout, TensorSpan};
 
 /// Cells converted at a time: a chunk of f32 rows stays in the core's cache.
@@ -118,8 +117,14 @@ pub fn project(
         at = t.offset + t.len;
         tasks.push((mine, t, map, is_k));
     }
-    let rope = p.sandwich.then_some(&p.src.rope);
     let positions = &layout.positions;
+    // Both rungs rotate keys alike (`applies`): one table turns every layer both ways.
+    let table = if p.sandwich {
+        Some(RopeTable::new(&p.src.rope, positions)?)
+    } else {
+        None
+    };
+    let rope = table.as_ref().map(|t| (&p.src.rope, t));
     tasks
         .into_par_iter()
         .try_for_each(|(bytes, t, map, is_k)| {
@@ -133,14 +138,7 @@ pub fn project(
                 transposed_rows(bytes, positions.len(), &scale, &offset);
                 Ok(())
             } else {
-                rows(
-                    bytes,
-                    t.n_embd,
-                    positions,
-                    &scale,
-                    &offset,
-                    rope.filter(|_| is_k),
-                )
+                rows(bytes, t.n_embd, &scale, &offset, rope.filter(|_| is_k))
             }
         })?;
     let n = positions.len();
@@ -158,29 +156,17 @@ pub fn project(
 fn rows(
     bytes: &mut [u8],
     dim: usize,
-    positions: &[i32],
     scale: &[f32],
     offset: &[f32],
-    rope: Option<&RopeSpec>,
+    rope: Option<(&RopeSpec, &RopeTable)>,
 ) -> Result<(), TransplantError> {
     let mut halves = vec![f16::ZERO; CHUNK * dim];
     let mut buf = vec![0f32; CHUNK * dim];
     for (c, chunk) in bytes.chunks_mut(CHUNK * dim * 2).enumerate() {
         let n = chunk.len() / 2;
-        let cells = n / dim;
         decode(chunk, &mut halves[..n], &mut buf[..n]);
-        let pos = &positions[c * CHUNK..c * CHUNK + cells];
         let turn = |buf: &mut [f32], dir| match rope {
-            Some(r) => {
-                let view = ArrayViewMut2::from_shape((cells, dim), buf).map_err(|_| {
-                    TransplantError::ShapeMismatch {
-                        what: "chunk rows",
-                        expected: cells * dim,
-                        actual: n,
-                    }
-                })?;
-                rotate(view, pos, r, dir)
-            }
+            Some((spec, table)) => table.apply(buf, dim, c * CHUNK, spec, dir),
             None => Ok(()),
         };
         turn(&mut buf[..n], Direction::Unrotate)?;
