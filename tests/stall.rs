@@ -113,8 +113,7 @@ fn a_switch_down_takes_its_destination_off_standby_and_a_switch_up_leaves_its_so
 }
 
 #[test]
-fn a_switch_down_onto_standby_shows_its_first_token_and_footprint_with_the_source_unmapped()
-{
+fn a_switch_down_onto_standby_shows_its_first_token_and_footprint_with_the_source_unmapped() {
     // The footprint reads the process's memory: one test at a time.
     let _serial = common::events::one_at_a_time();
     let l = common::tiny_ladder();
