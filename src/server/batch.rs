@@ -1181,10 +1181,10 @@ fn start_idle(
             return (Ok(engine), None);
         };
         return match start_on_best(shared, l, engine, job, budget, reserve) {
-            Started::Admitted(e, t) => (e, t),
+            Started::Admitted(e, t) => (e, t.map(|t| *t)),
             // The budget fell while the rung loaded: the request waits again, first in line.
             Started::Fell(e, job) => {
-                *held = Some(Held { job, wait });
+                *held = Some(Held { job: *job, wait });
                 (e, None)
             }
         };
@@ -1210,10 +1210,10 @@ fn start_idle(
                 serde_json::json!({"deferred": h.job.id}),
             );
             match start_on_best(shared, l, engine, other, budget, reserve) {
-                Started::Admitted(e, t) => (e, t),
+                Started::Admitted(e, t) => (e, t.map(|t| *t)),
                 // Back in the queue, unread, with the request it overtook still first in line.
                 Started::Fell(e, other) => {
-                    shared.queue.put_back(other);
+                    shared.queue.put_back(*other);
                     (e, None)
                 }
             }
@@ -1225,10 +1225,10 @@ fn start_idle(
 /// What [`start_on_best`] did with the request it was given.
 enum Started {
     /// Admitted (`None` when refused, its client told why), or the rung failed to load.
-    Admitted(Result<Option<Engine>, ApiError>, Option<Tenant>),
+    Admitted(Result<Option<Engine>, ApiError>, Option<Box<Tenant>>),
     /// Not admitted: the budget fell while the rung loaded and no longer holds the request on
     /// any rung; the rung is let go again and the request handed back, unread.
-    Fell(Result<Option<Engine>, ApiError>, Job),
+    Fell(Result<Option<Engine>, ApiError>, Box<Job>),
 }
 
 /// Moves the idle engine to the largest rung that holds `job` within `budget` (never above
@@ -1301,7 +1301,7 @@ fn start_on_best(
                 crate::pressure::trim_heap();
             }
             publish_engine(shared, l, None, &[]);
-            return Started::Fell(Ok(None), job);
+            return Started::Fell(Ok(None), Box::new(job));
         }
         best = best_for(now);
     }
@@ -1311,7 +1311,7 @@ fn start_on_best(
     publish_loading(shared, l, engine.rung, &job.id, total);
     let t = admit(shared, &mut engine, l, job);
     publish_batch(shared, l, &engine, t.as_slice());
-    Started::Admitted(Ok(Some(engine)), t)
+    Started::Admitted(Ok(Some(engine)), t.map(Box::new))
 }
 
 /// Publishes the engine loading rung `rung` and reading request `id` onto it: the rung with
