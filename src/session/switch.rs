@@ -766,11 +766,12 @@ impl Session {
             }),
             None => None,
         };
-        // The source is freed on a thread of its own (unmapping a 1.5B rung's weights took
-        // 86-107 ms on this VM, its context ~15) while the projection runs when it needs
-        // nothing of the destination ([`migrate::stage`]); a destination that must be loaded
-        // is loaded only once the source is gone, so the process never holds both rungs'
-        // memory (a standby one maps its pages back meanwhile, below).
+        // The source is freed on a thread of its own (~50 ms of a core for a 1.5B rung on this
+        // VM: its context ~8, the llama.cpp model's tables 35-49, its weights' page-table
+        // entries 2-3 with 2 MiB folios) while the projection runs when it needs nothing of
+        // the destination ([`migrate::stage`]); a destination that must be loaded is loaded
+        // only once the source is gone, so the process never holds both rungs' memory (a
+        // standby one maps its pages back meanwhile, below).
         self.reap(src);
         let stageable = topk.is_none() && self.standby.get(to).is_some_and(Option::is_some);
         let anchor = match &projector {
@@ -784,11 +785,10 @@ impl Session {
         // are clean pages of model files in the page cache, so mapping one while the other is
         // let go takes no memory the system cannot reclaim. What the budget governs apart from
         // the page cache — the source's KV cache and buffers — is freed as before. The
-        // destination's import and first decode run while the source is still being freed
-        // (the page-table walk alone takes ~100 ms for a 1.5B rung on this VM), and the switch
-        // waits for the reaper only after them: the token is shown once the source is gone, as
-        // before, and the memory goes back to the system no later. Any other destination is
-        // loaded once the source is gone: its context is new memory.
+        // destination's import and first decode run while the source is still being freed,
+        // and the switch waits for the reaper only after them: the token is shown once the
+        // source is gone, as before, and the memory goes back to the system no later. Any
+        // other destination is loaded once the source is gone: its context is new memory.
         let injected = crate::fault::hit(crate::fault::Site::SwitchLoad);
         let standby_rung = if injected {
             None
@@ -911,9 +911,8 @@ impl Session {
                 })
             }
             Err(e) => {
-                // Put the source back exactly as it was: its exported state is a parked rung,
-                // mapped again once the first mapping is gone.
-                self.join_reaper();
+                // Put the source back exactly as it was (its first mapping is gone: the reaper
+                // was joined above): its exported state is a parked rung.
                 let restored = ParkedRung {
                     info: self.ladder.rungs[from].clone(),
                     config: src_config,
