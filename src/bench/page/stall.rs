@@ -145,7 +145,7 @@ pub(super) fn section(doc: &StallDoc, figures: &FigureSet, figures_rel: &str) ->
     if !next.is_empty() {
         let _ = writeln!(
             s,
-            "On a precision route down the destination's pages are mapped back, its cache imported and its first token decoded while the source's weight pages are still being unmapped on a thread of their own; the token is shown once the source is gone. The gap before the second token (`next_gap`, not part of the stall), warm, down: {}. Where a switch leaves a standby rung above its destination (a rung between the source and the destination), that rung is freed on a thread of its own while the next token decodes, and its gap shows it.",
+            "On a precision route down the destination's pages are mapped back, its cache imported and its first token decoded while the source is still being freed on a thread of its own; the token is shown once the source is gone. The gap before the second token (`next_gap`, not part of the stall), warm, down: {}. Where a switch leaves a standby rung above its destination (a rung between the source and the destination), that rung is freed on a thread of its own while the next token decodes, and its gap shows it.",
             next.join("; ")
         );
     }
