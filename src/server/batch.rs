@@ -336,6 +336,14 @@ impl Engine {
         while self.let_go_next(shared) {}
     }
 
+    /// Frees the engine: its kept conversations go to their state files, then its rung —
+    /// weights, context and KV pages — and the freed heap goes back to the system.
+    fn free(mut self, shared: &Shared) {
+        self.let_go_all(shared);
+        drop(self);
+        crate::pressure::trim_heap();
+    }
+
     /// A sequence for a prompt of `tokens` of `conversation`: the conversation's own kept
     /// sequence, rewound to the prefix it shares with the prompt (taken over: `true`); else a
     /// free one, letting kept sequences go (background first, see `let_go_next`) while none is free or the cells would
@@ -814,14 +822,12 @@ fn follow_budget_idle(
     if held <= b.bytes {
         return;
     }
-    let Some(mut e) = engine.take() else {
+    let Some(e) = engine.take() else {
         return;
     };
     let hibernated: Vec<String> = e.kept.iter().map(|k| k.conversation.clone()).collect();
-    e.let_go_all(shared);
     let rung = l.name(e.rung).to_string();
-    drop(e);
-    crate::pressure::trim_heap();
+    e.free(shared);
     shared.counters.released.fetch_add(1, Ordering::Relaxed);
     shared.recorder.service(
         "",
@@ -891,13 +897,18 @@ fn read_budget(shared: &Shared, tenants: &[Tenant]) -> Budget {
 
 /// Publishes the batch's state for `GET /v1/molt/status`.
 fn publish_batch(shared: &Shared, l: &Ladders, engine: &Engine, tenants: &[Tenant]) {
-    let cells = engine.kept_cells() + tenants.iter().map(Tenant::holding).sum::<u64>();
-    let mut e = shared.engine();
-    e.current_rung = l.name(engine.rung).to_string();
-    e.loaded = vec![e.current_rung.clone()];
-    e.running = running_ids(tenants);
     // The policy's usage: the rung with every cached cell, kept or running.
-    e.modelled_bytes = l.need(engine.rung, cells);
+    let cells = engine.kept_cells() + tenants.iter().map(Tenant::holding).sum::<u64>();
+    publish_rung(shared, l, engine.rung, running_ids(tenants), cells);
+}
+
+/// Publishes rung `rung` loaded with `cells` cached cells counted, answering `running`.
+fn publish_rung(shared: &Shared, l: &Ladders, rung: usize, running: Option<String>, cells: u64) {
+    let mut e = shared.engine();
+    e.current_rung = l.name(rung).to_string();
+    e.loaded = vec![e.current_rung.clone()];
+    e.running = running;
+    e.modelled_bytes = l.need(rung, cells);
     e.released = false;
 }
 
@@ -1264,10 +1275,8 @@ fn start_on_best(
         }
         // Another rung, or none loaded (a park released it).
         let from = engine.as_ref().map(|e| l.name(e.rung).to_string());
-        if let Some(mut e) = engine.take() {
-            e.let_go_all(shared);
-            drop(e);
-            crate::pressure::trim_heap();
+        if let Some(e) = engine.take() {
+            e.free(shared);
         }
         publish_loading(shared, l, best, &job.id, total);
         let e = match l.load(best) {
@@ -1295,10 +1304,8 @@ fn start_on_best(
                 "handed_back",
                 serde_json::json!({"rung": l.name(best), "budget": now, "reason": "the budget fell below the smallest rung while the rung loaded"}),
             );
-            if let Some(mut e) = engine.take() {
-                e.let_go_all(shared);
-                drop(e);
-                crate::pressure::trim_heap();
+            if let Some(e) = engine.take() {
+                e.free(shared);
             }
             publish_engine(shared, l, None, &[]);
             return Started::Fell(Ok(None), Box::new(job));
@@ -1317,12 +1324,7 @@ fn start_on_best(
 /// Publishes the engine loading rung `rung` and reading request `id` onto it: the rung with
 /// the request's whole length counted, as the batch will be.
 fn publish_loading(shared: &Shared, l: &Ladders, rung: usize, id: &str, cells: u64) {
-    let mut e = shared.engine();
-    e.current_rung = l.name(rung).to_string();
-    e.loaded = vec![e.current_rung.clone()];
-    e.running = Some(id.to_string());
-    e.modelled_bytes = l.need(rung, cells);
-    e.released = false;
+    publish_rung(shared, l, rung, Some(id.to_string()), cells);
 }
 
 /// Lets waiting requests join while a sequence is free and the budget holds the current rung
@@ -1452,7 +1454,7 @@ fn park_until(
     tenants: &mut Vec<Tenant>,
     budget: Budget,
 ) {
-    let Some(mut src) = engine.take() else {
+    let Some(src) = engine.take() else {
         return;
     };
     if tenants.iter().any(|t| t.parked_since.is_some()) {
@@ -1488,9 +1490,7 @@ fn park_until(
         }
     }
     drop(scratch);
-    src.let_go_all(shared);
-    drop(src);
-    crate::pressure::trim_heap();
+    src.free(shared);
     let park_ms = t0.elapsed().as_secs_f64() * 1e3;
     let deadline = l.park_deadline;
     let reason = format!(
@@ -1854,7 +1854,7 @@ fn move_all(
     to: usize,
     budget: Budget,
 ) -> Result<(), SessionError> {
-    let Some(mut src) = engine.take() else {
+    let Some(src) = engine.take() else {
         return Err(SessionError::UnknownRung(l.name(to).to_string()));
     };
     let from = src.rung;
@@ -1872,9 +1872,7 @@ fn move_all(
     }
     drop(scratch);
     // Kept caches are not carried: the next turn of their conversations is re-read.
-    src.let_go_all(shared);
-    drop(src);
-    crate::pressure::trim_heap();
+    src.free(shared);
     let export_ms = t0.elapsed().as_secs_f64() * 1e3;
     let dst = carry_all(
         l,
