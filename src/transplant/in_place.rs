@@ -18,7 +18,7 @@ use rayon::prelude::*;
 use super::error::TransplantError;
 use super::map::LayerMap;
 use super::projector::Projector;
-use super::rope::{Direction, RopeSpec, RopeTable};
+use super::rope::{Direction, RopeTable};
 use crate::kv::{CacheType, KvError, KvSnapshot, KvStream, StreamLayout, TensorSpan};
 
 /// Cells converted at a time: a chunk of f32 rows stays in the core's cache.
@@ -124,7 +124,7 @@ pub fn project(
     } else {
         None
     };
-    let rope = table.as_ref().map(|t| (&p.src.rope, t));
+    let rope = table.as_ref();
     tasks
         .into_par_iter()
         .try_for_each(|(bytes, t, map, is_k)| {
@@ -158,7 +158,7 @@ fn rows(
     dim: usize,
     scale: &[f32],
     offset: &[f32],
-    rope: Option<(&RopeSpec, &RopeTable)>,
+    rope: Option<&RopeTable>,
 ) -> Result<(), TransplantError> {
     let mut halves = vec![f16::ZERO; CHUNK * dim];
     let mut buf = vec![0f32; CHUNK * dim];
@@ -166,7 +166,7 @@ fn rows(
         let n = chunk.len() / 2;
         decode(chunk, &mut halves[..n], &mut buf[..n]);
         let turn = |buf: &mut [f32], dir| match rope {
-            Some((spec, table)) => table.apply(buf, dim, c * CHUNK, spec, dir),
+            Some(table) => table.apply(buf, dim, c * CHUNK, dir),
             None => Ok(()),
         };
         turn(&mut buf[..n], Direction::Unrotate)?;

@@ -170,8 +170,7 @@ pub fn rotate(
 /// rotated), most of the in-place projection's 50-65 ms. Un-rotating uses the negated sines,
 /// exactly what [`rotate`] computes with its sign, so the result is [`rotate`]'s to the bit.
 pub struct RopeTable {
-    n_rot: usize,
-    head_dim: usize,
+    spec: RopeSpec,
     cache: Vec<f32>,
 }
 
@@ -187,15 +186,11 @@ impl RopeTable {
         for (c, &p) in cache.chunks_exact_mut(spec.n_rot).zip(positions) {
             fill_cache(c, p, spec.freq_scale, theta_scale, 1.0);
         }
-        Ok(Self {
-            n_rot: spec.n_rot,
-            head_dim: spec.head_dim,
-            cache,
-        })
+        Ok(Self { spec: *spec, cache })
     }
 
     /// Turns `rows` — `[cell][width]` laid flat, the cells at the table's positions from
-    /// `first` on — as [`rotate`] does at those positions.
+    /// `first` on — as [`rotate`] does at those positions under the table's spec.
     ///
     /// # Errors
     /// [`TransplantError`] when `width` is not a whole number of heads, or the rows run past
@@ -205,18 +200,18 @@ impl RopeTable {
         rows: &mut [f32],
         width: usize,
         first: usize,
-        spec: &RopeSpec,
         dir: Direction,
     ) -> Result<(), TransplantError> {
-        if width == 0 || !width.is_multiple_of(self.head_dim) || spec.n_rot != self.n_rot {
+        let (spec, n_rot) = (&self.spec, self.spec.n_rot);
+        if width == 0 || !width.is_multiple_of(spec.head_dim) {
             return Err(TransplantError::NotMultiple {
                 what: "rope row width",
                 width,
-                unit: self.head_dim,
+                unit: spec.head_dim,
             });
         }
         let cells = rows.len() / width;
-        let have = self.cache.len() / self.n_rot;
+        let have = self.cache.len() / n_rot;
         if first + cells > have {
             return Err(TransplantError::ShapeMismatch {
                 what: "rope positions vs rows",
@@ -224,9 +219,9 @@ impl RopeTable {
                 actual: have,
             });
         }
-        let mut negated = vec![0f32; self.n_rot];
+        let mut negated = vec![0f32; n_rot];
         for (i, row) in rows.chunks_exact_mut(width).enumerate() {
-            let c = &self.cache[(first + i) * self.n_rot..(first + i + 1) * self.n_rot];
+            let c = &self.cache[(first + i) * n_rot..(first + i + 1) * n_rot];
             match dir {
                 Direction::Rotate => rotate_row(row, c, spec),
                 Direction::Unrotate => {
@@ -301,8 +296,8 @@ mod tests {
                 // In two chunks, as the in-place projection turns them.
                 let mut got = data.clone();
                 let (a, b) = got.split_at_mut(10 * width);
-                table.apply(a, width, 0, &spec, dir).unwrap();
-                table.apply(b, width, 10, &spec, dir).unwrap();
+                table.apply(a, width, 0, dir).unwrap();
+                table.apply(b, width, 10, dir).unwrap();
                 let want: Vec<u32> = want.iter().map(|x| x.to_bits()).collect();
                 let got: Vec<u32> = got.iter().map(|x| x.to_bits()).collect();
                 assert_eq!(got, want, "{kind:?} {dir:?}");
@@ -310,7 +305,7 @@ mod tests {
             let mut past = vec![0f32; width];
             assert!(
                 table
-                    .apply(&mut past, width, positions.len(), &spec, Direction::Rotate)
+                    .apply(&mut past, width, positions.len(), Direction::Rotate)
                     .is_err()
             );
         }
