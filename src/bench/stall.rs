@@ -515,10 +515,14 @@ fn chain(
             prompt = Prompt::Text(String::new());
             let Some(info) = switch else { continue };
             let at = info.at_token;
-            let stall_ms = latencies
-                .iter()
-                .find(|(i, _)| *i == at)
-                .map_or(f64::NAN, |&(_, l)| l);
+            // The gap before token `k` of the leg.
+            let gap = |k: usize| {
+                latencies
+                    .iter()
+                    .find(|(i, _)| *i == k)
+                    .map_or(f64::NAN, |&(_, l)| l)
+            };
+            let stall_ms = gap(at);
             sample = Some(Sample {
                 from,
                 to,
@@ -526,10 +530,7 @@ fn chain(
                 cache,
                 context_tokens: session.history().len(),
                 stall_ms,
-                next_gap_ms: latencies
-                    .iter()
-                    .find(|(i, _)| *i == at + 1)
-                    .map_or(f64::NAN, |&(_, l)| l),
+                next_gap_ms: gap(at + 1),
                 // The destination's own gaps: after the refill, when one ran.
                 itl_ms: latencies
                     .iter()
