@@ -157,6 +157,10 @@ impl Session {
 
     /// A session with explicit options.
     ///
+    /// Tunes the process's allocator to hand freed memory back
+    /// ([`crate::pressure::return_freed_buffers_to_os`]: large blocks mapped on their own, one
+    /// heap arena) — process-wide, as a runtime that gives memory back under pressure must.
+    ///
     /// # Errors
     /// [`SessionError::UnknownRung`] or a load failure.
     pub fn with_options(
