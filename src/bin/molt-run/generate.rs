@@ -226,9 +226,22 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         None => None,
     };
     let home = session.current_index();
+    // The home rung was loaded before the budget was known. Under a replayed trace the budget
+    // every answer starts under is known now: the speed policy chooses the rung's setup under
+    // it here, before the first prompt is read, as `chat` does — not inside the first answer,
+    // where a reload (1.2 s for tier0 repacked) was the most of its time to first token. (A
+    // `--real-hog` budget is the system's once the hog runs: the first answer retunes then.)
+    if let Some(t) = trace.as_ref().filter(|_| !a.real_hog) {
+        let b0 = molt::pressure::BudgetSource::budget(
+            &mut TraceBudget::new(t.clone()),
+            molt::pressure::Tick {
+                token_index: 0,
+                elapsed_ms: 0,
+            },
+        )?;
+        session.retune_with(b0.bytes)?;
+    }
     if let Some(setup) = session.rung_setup(home) {
-        // Under a trace the first answer may load it again with the measured choice (its
-        // switches say so).
         eprintln!("molt-run: {start}: {setup}");
     }
     let raw = a.raw
