@@ -383,3 +383,48 @@ fn resume_wakes_the_saved_conversation_and_status_says_where_its_cache_lives() {
         "{stdout}"
     );
 }
+
+#[test]
+fn memory_back_between_answers_moves_the_conversation_up_before_the_next_one() {
+    let home = tempfile::tempdir().unwrap();
+    let script = "/budget small\nThe cache\n/budget off\nGo on\n/status\n";
+    let mut cmd = chat(home.path(), 6, &[]);
+    let out = assert_cmd::Command::from_std({
+        cmd.stdin(std::process::Stdio::piped());
+        cmd
+    })
+    .write_stdin(script)
+    .timeout(Duration::from_secs(120))
+    .output()
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let summaries: Vec<_> = stdout
+        .lines()
+        .filter(|l| l.starts_with('[') && l.contains(" tokens · "))
+        .map(|l| regex_lite(l).unwrap_or_else(|| panic!("summary {l:?}")))
+        .collect();
+    assert_eq!(summaries.len(), 2, "{stdout}");
+    // The first answer under the cap, on the small rung.
+    assert_eq!(summaries[0].1, "small", "{stdout}");
+    // The cap lifted: the conversation is moved up between the answers, said on its own line
+    // before the next answer…
+    let moved = stdout
+        .find("⇡ small → big between answers")
+        .unwrap_or_else(|| panic!("no move up between the answers: {stdout}"));
+    let second = stdout.find("› Go on").unwrap();
+    let lifted = stdout.find("budget cap lifted").unwrap();
+    assert!(lifted < moved, "{stdout}");
+    // …which starts on the big rung with the conversation cached: only its new turn read.
+    let (_, rungs, switch, prompt, cached, _) = &summaries[1];
+    assert_eq!((rungs.as_str(), *switch), ("big", None), "{stdout}");
+    assert!(*cached > 0 && cached < prompt, "{stdout}");
+    assert!(
+        stdout[second..].lines().any(|l| l.starts_with("▸ big ")),
+        "/status shows the big rung current: {stdout}"
+    );
+}

@@ -284,3 +284,82 @@ fn real_ladder_a_conversation_moved_down_between_two_answers_remembers_its_first
         );
     }
 }
+
+#[test]
+fn a_budget_that_comes_back_between_two_answers_moves_the_conversation_up_before_the_next() {
+    let l = common::tiny_ladder().clone();
+    let opts = SessionOptions {
+        projector_dirs: vec![common::tiny_projectors().clone()],
+        observe_footprint: false,
+        ..SessionOptions::default()
+    };
+    let fixed = molt::pressure::FixedBudget::new(u64::MAX / 4);
+    let handle = fixed.handle();
+    let mut s = Session::with_options(l.clone(), cfg(), "big", opts).unwrap();
+    s.pin_context_bytes(&vec![48 << 20; l.rungs.len()]);
+    s.set_budget_source(Some(Box::new(fixed)));
+    let turn = |s: &mut Session, p: &str| {
+        let (mut switches, mut reused) = (Vec::new(), 0);
+        let g = s
+            .generate(
+                &Prompt::User(p.into()),
+                &GenerateOptions {
+                    max_tokens: 8,
+                    ..GenerateOptions::default()
+                },
+                &mut |e| match e {
+                    Event::Switch(x) => switches.push(x.clone()),
+                    Event::Start { reused_tokens, .. } => reused = *reused_tokens,
+                    _ => {}
+                },
+            )
+            .unwrap();
+        (switches, reused, g)
+    };
+    turn(
+        &mut s,
+        "The staging host is ash vault and the pager code is quill spool.",
+    );
+    // On its home rung: nothing to move up to.
+    assert_eq!(s.promote_idle().unwrap(), None);
+    // The budget falls to what the smallest rung holds: the next answer is carried down.
+    let to = l.rungs.len() - 1;
+    let tokens = s.history().len() as u64 + 64 + 8;
+    let need = s.modelled_footprint(to, tokens);
+    handle.set(need + need / 50);
+    let (switches, _, g) = turn(&mut s, "What is the pager code?");
+    assert_eq!(switches.len(), 1, "{switches:?}");
+    assert_eq!(s.current_index(), to, "{:?}", g.rungs_used);
+    // Still low: it stays.
+    assert_eq!(s.promote_idle().unwrap(), None);
+    assert_eq!(s.current_index(), to);
+    // Memory comes back while the user types: the conversation moves up between the answers,
+    // read natively on the home rung.
+    handle.set(u64::MAX / 4);
+    let cached = s.history().len();
+    let m = s
+        .promote_idle()
+        .unwrap()
+        .expect("the budget holds the home rung again");
+    assert_eq!(
+        (m.from.as_str(), m.to.as_str(), m.tokens),
+        (l.rungs[to].name(), "big", cached),
+        "{m:?}"
+    );
+    assert_eq!(s.current_index(), 0);
+    assert_eq!(s.history().len(), cached);
+    assert_eq!(s.projected_positions(), 0);
+    assert!(s.cache_is_trustworthy());
+    // The next answer starts on the home rung with the conversation cached: no switch, only
+    // the new turn read (moved up at the answer's start, it had re-read it all: 0 reused).
+    let (switches, reused, g) = turn(&mut s, "And the staging host?");
+    assert!(switches.is_empty(), "{switches:?}");
+    assert_eq!(g.rungs_used, vec!["big".to_string()]);
+    assert!(
+        reused > 0 && reused < g.prompt_tokens,
+        "{reused} of {}",
+        g.prompt_tokens
+    );
+    // Nothing to do once home.
+    assert_eq!(s.promote_idle().unwrap(), None);
+}

@@ -38,6 +38,7 @@ pub use options::{
     SessionOptions, Strategy, refill_step,
 };
 pub use prepare::{CATCH_UP_STEP, SHADOW_STEP};
+pub use rest::IdleMove;
 pub use rung::{LiveRung, LoadParts, ParkedRung, StandbyRung};
 pub use shadow::TREND_WINDOW;
 pub use switch::SwitchMethod;

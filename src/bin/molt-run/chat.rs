@@ -581,6 +581,7 @@ impl Chat {
                 Line::Text(t) => t,
             };
             self.input.remember(text.trim());
+            self.drain_idle(reports);
             match parse_typed(&text, &self.names) {
                 Ok(Typed::Empty) => {}
                 Ok(Typed::Command(c)) => self.command(c, jobs, reports, false)?,
@@ -620,10 +621,71 @@ impl Chat {
                 }
             }
             Command::Status => self.status(),
-            Command::Budget(b) => self.budget(b),
-            Command::Trace(t) => self.trace(t),
+            Command::Budget(b) => {
+                self.budget(b);
+                self.settle(jobs, answering)?;
+            }
+            Command::Trace(t) => {
+                self.trace(t);
+                self.settle(jobs, answering)?;
+            }
         }
         Ok(())
+    }
+
+    /// After the budget changed between answers: the session moves back up the ladder, if the
+    /// budget now holds a larger rung, while the user types (its report is read with whatever
+    /// comes next). During an answer the answer's own policy moves it, and the session settles
+    /// after the answer anyway.
+    fn settle(&mut self, jobs: &Sender<Job>, answering: bool) -> Result<()> {
+        if !answering {
+            jobs.send(Job::Settle)
+                .context("the generation thread ended")?;
+        }
+        Ok(())
+    }
+
+    /// Shows what the session did between answers ([`Report::Idle`]) and takes its state.
+    /// `waited`: how long the message sent last had been waiting when the report came (the
+    /// move was still under way when it was sent; its answer's own TTFT does not count that).
+    fn on_idle(
+        &mut self,
+        moved: Result<molt::session::IdleMove, String>,
+        s: Snapshot,
+        waited: Option<Duration>,
+    ) {
+        let line = match moved {
+            Ok(m) => {
+                let load = if m.load_ms > 0.0 {
+                    format!(", {} loaded in {:.0} ms", m.to, m.load_ms)
+                } else {
+                    String::new()
+                };
+                let wait = waited.map_or_else(String::new, |w| {
+                    format!("; this message waited {} ms for it", w.as_millis())
+                });
+                format!(
+                    "⇡ {} → {} between answers: the budget holds it again; the conversation's \
+                     {} tokens read on it in {:.0} ms{load}{wait}",
+                    self.renderer.rung_name(&m.from),
+                    self.renderer.rung_name(&m.to),
+                    m.tokens,
+                    m.ms
+                )
+            }
+            Err(e) => format!("could not move back up between answers: {e}"),
+        };
+        self.renderer.note(&line);
+        self.snapshot = s;
+    }
+
+    /// Reads the reports that came while the main thread waited for input.
+    fn drain_idle(&mut self, reports: &Receiver<Report>) {
+        while let Ok(r) = reports.try_recv() {
+            if let Report::Idle(m, s) = r {
+                self.on_idle(m, s, None);
+            }
+        }
     }
 
     fn budget(&mut self, b: BudgetCmd) {
@@ -781,6 +843,7 @@ impl Chat {
                     self.snapshot = s;
                     return Ok(());
                 }
+                Report::Idle(m, s) => self.on_idle(m, s, None),
                 Report::Event(_) | Report::Answered(_) => {}
             }
         }
@@ -798,6 +861,7 @@ impl Chat {
         let _ = input::take_interrupt();
         jobs.send(Job::Answer(prompt, opts))
             .context("the generation thread ended")?;
+        let sent = std::time::Instant::now();
         self.live = Some(Live {
             rung: self.names[self.snapshot.current].clone(),
             prompt: 0,
@@ -826,6 +890,7 @@ impl Chat {
                         self.snapshot = s;
                         break 'answer;
                     }
+                    Report::Idle(m, s) => self.on_idle(m, s, Some(sent.elapsed())),
                 }
             }
             if input::take_interrupt() && !stopping {

@@ -14,6 +14,8 @@ pub enum Job {
     Answer(Prompt, GenerateOptions),
     /// Forget the conversation.
     Reset,
+    /// The budget changed while idle: move back up if it holds a larger rung now.
+    Settle,
 }
 
 /// What the session says back.
@@ -25,6 +27,10 @@ pub enum Report {
     Answered(Result<Generation, String>),
     /// The session's state after a job.
     Snapshot(Snapshot),
+    /// After a job, between answers: the session moved back up the ladder (or tried to, and
+    /// why it could not), with its state after. Sent after the job's [`Report::Snapshot`], so
+    /// the main thread reads it with whatever it does next.
+    Idle(Result<molt::session::IdleMove, String>, Snapshot),
 }
 
 /// The session's state, as `/status` shows it.
@@ -190,6 +196,7 @@ pub fn spawn(
         .name("molt-generate".into())
         .spawn(move || {
             for job in job_rx {
+                let settle = matches!(job, Job::Settle);
                 match job {
                     Job::Answer(prompt, opts) => {
                         let r = session.generate(&prompt, &opts, &mut |e: &Event| {
@@ -213,13 +220,40 @@ pub fn spawn(
                             k.last = "reset: its file removed".into();
                         }
                     }
+                    Job::Settle => {}
                 }
-                let mut snap = Snapshot::of(&session);
-                snap.cache = keeper.as_ref().map_or_else(
-                    || "RAM only (no --state-dir)".into(),
-                    |k| k.describe(&session),
-                );
-                if tx.send(Report::Snapshot(snap)).is_err() {
+                let snapshot = |session: &Session, keeper: &Option<Keeper>| {
+                    let mut snap = Snapshot::of(session);
+                    snap.cache = keeper.as_ref().map_or_else(
+                        || "RAM only (no --state-dir)".into(),
+                        |k| k.describe(session),
+                    );
+                    snap
+                };
+                if !settle
+                    && tx
+                        .send(Report::Snapshot(snapshot(&session, &keeper)))
+                        .is_err()
+                {
+                    break;
+                }
+                // Between answers, while the user reads and types: back up the ladder if the
+                // budget holds a larger rung again, so that the next answer does not start
+                // with the load and the conversation's re-read.
+                let moved = match session.promote_idle() {
+                    Ok(None) => continue,
+                    Ok(Some(m)) => {
+                        if let Some(k) = keeper.as_mut() {
+                            k.save(&mut session);
+                        }
+                        Ok(m)
+                    }
+                    Err(e) => Err(e.to_string()),
+                };
+                if tx
+                    .send(Report::Idle(moved, snapshot(&session, &keeper)))
+                    .is_err()
+                {
                     break;
                 }
             }
