@@ -223,21 +223,7 @@ fn piped_script_with_trace_and_budget() {
         "/trace {}\nThe cache\n/trace off\n/budget 0.5\n/budget\n/budget off\n/status\n/reset\n/status\n",
         trace.display()
     );
-    let mut cmd = chat(home.path(), 24, &[]);
-    let out = assert_cmd::Command::from_std({
-        cmd.stdin(std::process::Stdio::piped());
-        cmd
-    })
-    .write_stdin(script)
-    .timeout(Duration::from_secs(120))
-    .output()
-    .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (stdout, _) = piped_with(home.path(), 24, &script, &[]);
     assert!(
         !stdout.contains('\x1b'),
         "a pipe gets no colour: {stdout:?}"
@@ -310,9 +296,15 @@ fn summary_lines_parse() {
     );
 }
 
-/// Runs a piped chat script in `home`; stdout and stderr.
+/// Runs a piped chat script in `home` (each line after the answer before it, at most 8 tokens
+/// each); stdout and stderr, once it exited successfully.
 fn piped(home: &Path, script: &str, extra: &[&str]) -> (String, String) {
-    let mut cmd = chat(home, 8, extra);
+    piped_with(home, 8, script, extra)
+}
+
+/// [`piped`] with answers of at most `max_tokens`.
+fn piped_with(home: &Path, max_tokens: usize, script: &str, extra: &[&str]) -> (String, String) {
+    let mut cmd = chat(home, max_tokens, extra);
     let out = assert_cmd::Command::from_std({
         cmd.stdin(std::process::Stdio::piped());
         cmd
@@ -388,21 +380,7 @@ fn resume_wakes_the_saved_conversation_and_status_says_where_its_cache_lives() {
 fn memory_back_between_answers_moves_the_conversation_up_before_the_next_one() {
     let home = tempfile::tempdir().unwrap();
     let script = "/budget small\nThe cache\n/budget off\nGo on\n/status\n";
-    let mut cmd = chat(home.path(), 6, &[]);
-    let out = assert_cmd::Command::from_std({
-        cmd.stdin(std::process::Stdio::piped());
-        cmd
-    })
-    .write_stdin(script)
-    .timeout(Duration::from_secs(120))
-    .output()
-    .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (stdout, _) = piped_with(home.path(), 6, script, &[]);
     let summaries: Vec<_> = stdout
         .lines()
         .filter(|l| l.starts_with('[') && l.contains(" tokens · "))
