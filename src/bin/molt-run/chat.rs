@@ -664,12 +664,16 @@ impl Chat {
                 let wait = waited.map_or_else(String::new, |w| {
                     format!("; this message waited {} ms for it", w.as_millis())
                 });
+                let read = if m.tokens == 0 {
+                    "nothing cached to read".to_string()
+                } else {
+                    format!("the conversation's {} tokens read on it", m.tokens)
+                };
                 format!(
-                    "⇡ {} → {} between answers: the budget holds it again; the conversation's \
-                     {} tokens read on it in {:.0} ms{load}{wait}",
+                    "⇡ {} → {} between answers: the budget holds it again; {read} in {:.0} ms\
+                     {load}{wait}",
                     self.renderer.rung_name(&m.from),
                     self.renderer.rung_name(&m.to),
-                    m.tokens,
                     m.ms
                 )
             }
