@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use super::error::TransplantError;
 use super::map::LayerMap;
 use super::projector::{LayerProjection, Projector, ProjectorKind, RungBinding};
-use super::rope::{Direction, rotate};
+use super::rope::{Direction, RopeTable};
 
 /// Cost of one [`project`] call.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -112,7 +112,16 @@ pub fn project(
         }
     }
     let t_unrot = Instant::now();
-    let unrotated: Vec<Option<Array2<f32>>> = if projector.sandwich {
+    // Each rung's rotation of these positions, computed once for every layer it turns.
+    let tables = if projector.sandwich {
+        Some((
+            RopeTable::new(&src.rope, positions)?,
+            RopeTable::new(&dst.rope, positions)?,
+        ))
+    } else {
+        None
+    };
+    let unrotated: Vec<Option<Array2<f32>>> = if let Some((src_table, _)) = &tables {
         (0..src.n_layer)
             .into_par_iter()
             .map(|s| {
@@ -120,7 +129,7 @@ pub fn project(
                     return Ok(None);
                 }
                 let mut k = src_layers[s].0.to_owned();
-                rotate(k.view_mut(), positions, &src.rope, Direction::Unrotate)?;
+                src_table.turn(k.view_mut(), Direction::Unrotate)?;
                 Ok(Some(k))
             })
             .collect::<Result<_, TransplantError>>()?
@@ -140,8 +149,8 @@ pub fn project(
                 .map(|&s| unrotated[s].as_ref().map_or(src_layers[s].0, |k| k.view()))
                 .collect();
             let mut k = apply_gathered(&lp.k, &k_in)?;
-            if projector.sandwich {
-                rotate(k.view_mut(), positions, &dst.rope, Direction::Rotate)?;
+            if let Some((_, dst_table)) = &tables {
+                dst_table.turn(k.view_mut(), Direction::Rotate)?;
             }
             let v_in: Vec<ArrayView2<'_, f32>> =
                 lp.src_layers.iter().map(|&s| src_layers[s].1).collect();
@@ -296,7 +305,7 @@ pub fn identity_projector(binding: &RungBinding) -> Projector {
 mod tests {
     use super::*;
     use crate::transplant::ridge::Affine;
-    use crate::transplant::rope::RopeSpec;
+    use crate::transplant::rope::{RopeSpec, rotate};
     use ndarray::Array1;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;

@@ -114,61 +114,20 @@ const PAR_MIN_ELEMS: usize = 16 * 1024;
 /// if `positions.len()` differs from the row count, [`TransplantError::NotMultiple`] if the
 /// row width is not a positive multiple of `head_dim`.
 pub fn rotate(
-    mut k: ArrayViewMut2<'_, f32>,
+    k: ArrayViewMut2<'_, f32>,
     positions: &[i32],
     spec: &RopeSpec,
     dir: Direction,
 ) -> Result<(), TransplantError> {
-    spec.validate()?;
-    if positions.len() != k.nrows() {
-        return Err(TransplantError::ShapeMismatch {
-            what: "rope positions vs rows",
-            expected: k.nrows(),
-            actual: positions.len(),
-        });
-    }
-    let width = k.ncols();
-    if width == 0 || !width.is_multiple_of(spec.head_dim) {
-        return Err(TransplantError::NotMultiple {
-            what: "rope row width",
-            width,
-            unit: spec.head_dim,
-        });
-    }
-    let sign = match dir {
-        Direction::Rotate => 1.0f32,
-        Direction::Unrotate => -1.0f32,
-    };
-    let theta_scale = spec.freq_base.powf(-2.0f32 / spec.n_rot as f32);
-    let pos = ArrayView1::from(positions);
-    let job = |mut row: ndarray::ArrayViewMut1<'_, f32>, &p: &i32| {
-        let mut cache = vec![0f32; spec.n_rot];
-        fill_cache(&mut cache, p, spec.freq_scale, theta_scale, sign);
-        if let Some(s) = row.as_slice_mut() {
-            rotate_row(s, &cache, spec);
-        } else {
-            // Strided view (e.g. a column-major array): rotate a contiguous copy.
-            let mut buf = row.to_vec();
-            rotate_row(&mut buf, &cache, spec);
-            row.assign(&ArrayView1::from(&buf[..]));
-        }
-    };
-    let parallel = k.len() >= PAR_MIN_ELEMS;
-    let zip = Zip::from(k.rows_mut()).and(&pos);
-    if parallel {
-        zip.par_for_each(job);
-    } else {
-        zip.for_each(job);
-    }
-    Ok(())
+    RopeTable::new(spec, positions)?.turn(k, dir)
 }
 
 /// The rotation of every position of a cache, computed once: `ggml_rope_cache_init`'s cos and
 /// sin pairs per position, for a caller that turns many rows at the same positions — every
-/// layer of a cache, both ways. [`rotate`] computes them again for every row it turns: at a
-/// precision switch of ~1,200 cells that was ~4 M sines and cosines (28 layers, un-rotated and
-/// rotated), most of the in-place projection's 50-65 ms. Un-rotating uses the negated sines,
-/// exactly what [`rotate`] computes with its sign, so the result is [`rotate`]'s to the bit.
+/// layer of a cache, both ways. Computed again for every row turned, at a precision switch of
+/// ~1,200 cells that was ~4 M sines and cosines (28 layers, un-rotated and rotated), most of
+/// the in-place projection's 50-65 ms. Un-rotating uses the negated sines, to the bit what
+/// ggml's cache with a sign of −1 holds (the probe's routine, the tests' oracle).
 pub struct RopeTable {
     spec: RopeSpec,
     cache: Vec<f32>,
@@ -184,7 +143,7 @@ impl RopeTable {
         let theta_scale = spec.freq_base.powf(-2.0f32 / spec.n_rot as f32);
         let mut cache = vec![0f32; positions.len() * spec.n_rot];
         for (c, &p) in cache.chunks_exact_mut(spec.n_rot).zip(positions) {
-            fill_cache(c, p, spec.freq_scale, theta_scale, 1.0);
+            fill_cache(c, p, spec.freq_scale, theta_scale);
         }
         Ok(Self { spec: *spec, cache })
     }
@@ -203,13 +162,7 @@ impl RopeTable {
         dir: Direction,
     ) -> Result<(), TransplantError> {
         let (spec, n_rot) = (&self.spec, self.spec.n_rot);
-        if width == 0 || !width.is_multiple_of(spec.head_dim) {
-            return Err(TransplantError::NotMultiple {
-                what: "rope row width",
-                width,
-                unit: spec.head_dim,
-            });
-        }
+        check_width(width, spec)?;
         let cells = rows.len() / width;
         let have = self.cache.len() / n_rot;
         if first + cells > have {
@@ -219,6 +172,13 @@ impl RopeTable {
                 actual: have,
             });
         }
+        self.turn_rows(rows, width, first, dir);
+        Ok(())
+    }
+
+    /// [`RopeTable::apply`] without its checks (the caller made them).
+    fn turn_rows(&self, rows: &mut [f32], width: usize, first: usize, dir: Direction) {
+        let (spec, n_rot) = (&self.spec, self.spec.n_rot);
         let mut negated = vec![0f32; n_rot];
         for (i, row) in rows.chunks_exact_mut(width).enumerate() {
             let c = &self.cache[(first + i) * n_rot..(first + i + 1) * n_rot];
@@ -233,17 +193,74 @@ impl RopeTable {
                 }
             }
         }
+    }
+}
+
+impl RopeTable {
+    /// Turns `k` — `[n_cells][n_heads * head_dim]`, row `i` at the table's position `i` — in
+    /// place; rows in parallel with rayon when the matrix is large.
+    ///
+    /// # Errors
+    /// [`TransplantError::ShapeMismatch`] if the table's positions are not one per row,
+    /// [`TransplantError::NotMultiple`] if the row width is not a positive multiple of
+    /// `head_dim`.
+    pub fn turn(
+        &self,
+        mut k: ArrayViewMut2<'_, f32>,
+        dir: Direction,
+    ) -> Result<(), TransplantError> {
+        let have = self.cache.len() / self.spec.n_rot;
+        if have != k.nrows() {
+            return Err(TransplantError::ShapeMismatch {
+                what: "rope positions vs rows",
+                expected: k.nrows(),
+                actual: have,
+            });
+        }
+        let width = k.ncols();
+        check_width(width, &self.spec)?;
+        let job = |mut row: ndarray::ArrayViewMut1<'_, f32>, &i: &usize| {
+            if let Some(s) = row.as_slice_mut() {
+                self.turn_rows(s, width, i, dir);
+            } else {
+                // Strided view (e.g. a column-major array): turn a contiguous copy.
+                let mut buf = row.to_vec();
+                self.turn_rows(&mut buf, width, i, dir);
+                row.assign(&ArrayView1::from(&buf[..]));
+            }
+        };
+        let parallel = k.len() >= PAR_MIN_ELEMS;
+        let index = ndarray::Array1::from_iter(0..k.nrows());
+        let zip = Zip::from(k.rows_mut()).and(&index);
+        if parallel {
+            zip.par_for_each(job);
+        } else {
+            zip.for_each(job);
+        }
         Ok(())
     }
 }
 
-/// `ggml_rope_cache_init` for one position: `cache[2i] = cos`, `cache[2i+1] = sign * sin`.
-fn fill_cache(cache: &mut [f32], pos: i32, freq_scale: f32, theta_scale: f32, sign: f32) {
+/// `width` is a positive whole number of `spec`'s heads.
+fn check_width(width: usize, spec: &RopeSpec) -> Result<(), TransplantError> {
+    if width == 0 || !width.is_multiple_of(spec.head_dim) {
+        return Err(TransplantError::NotMultiple {
+            what: "rope row width",
+            width,
+            unit: spec.head_dim,
+        });
+    }
+    Ok(())
+}
+
+/// `ggml_rope_cache_init` for one position, rotating: `cache[2i] = cos`, `cache[2i+1] = sin`
+/// (un-rotating negates the sines, [`RopeTable::apply`]).
+fn fill_cache(cache: &mut [f32], pos: i32, freq_scale: f32, theta_scale: f32) {
     let mut theta = pos as f32;
     for pair in cache.chunks_exact_mut(2) {
         let t = freq_scale * theta;
         pair[0] = t.cos();
-        pair[1] = t.sin() * sign;
+        pair[1] = t.sin();
         theta *= theta_scale;
     }
 }
