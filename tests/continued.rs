@@ -169,30 +169,8 @@ fn second_turn_after_a_fall(
     Session,
     String,
 ) {
-    let fixed = molt::pressure::FixedBudget::new(u64::MAX / 4);
-    let handle = fixed.handle();
-    let mut s = Session::with_options(l.clone(), cfg(), home, opts).unwrap();
-    // Costs fixed, not measured at each load: tests share the process, and a load's growth of
-    // its anonymous memory counts what other tests allocate meanwhile.
-    s.pin_context_bytes(&vec![48 << 20; l.rungs.len()]);
-    s.set_budget_source(Some(Box::new(fixed)));
-    let turn = |s: &mut Session, p: &str, switches: &mut Vec<_>, reused: &mut usize| {
-        s.generate(
-            &Prompt::User(p.into()),
-            &GenerateOptions {
-                max_tokens,
-                ..GenerateOptions::default()
-            },
-            &mut |e| match e {
-                Event::Switch(x) => switches.push(x.clone()),
-                Event::Start { reused_tokens, .. } => *reused = *reused_tokens,
-                _ => {}
-            },
-        )
-        .unwrap()
-    };
-    let (mut switches, mut reused) = (Vec::new(), 0);
-    turn(&mut s, first, &mut switches, &mut reused);
+    let (mut s, handle) = on_a_fixed_budget(l, opts, home);
+    let (switches, _, _) = turn(&mut s, first, max_tokens);
     assert!(switches.is_empty(), "{switches:?}");
     // Room for `to` and the conversation, not for the rung above it.
     let tokens = s.history().len() as u64 + 64 + max_tokens as u64;
@@ -200,8 +178,54 @@ fn second_turn_after_a_fall(
     let above = s.modelled_footprint(to - 1, tokens);
     assert!(above > need, "{above} vs {need}");
     handle.set(need + (above - need) / 2);
-    let g = turn(&mut s, second, &mut switches, &mut reused);
+    let (switches, reused, g) = turn(&mut s, second, max_tokens);
     (switches, reused, g.prompt_tokens, s, g.text)
+}
+
+/// A session on `home` reading its budget from a [`molt::pressure::FixedBudget`] (ample until
+/// the handle sets it), its rungs' costs pinned.
+fn on_a_fixed_budget(
+    l: &molt::ladder::Ladder,
+    opts: SessionOptions,
+    home: &str,
+) -> (Session, molt::pressure::FixedBudgetHandle) {
+    let fixed = molt::pressure::FixedBudget::new(u64::MAX / 4);
+    let handle = fixed.handle();
+    let mut s = Session::with_options(l.clone(), cfg(), home, opts).unwrap();
+    // Costs fixed, not measured at each load: tests share the process, and a load's growth of
+    // its anonymous memory counts what other tests allocate meanwhile.
+    s.pin_context_bytes(&vec![48 << 20; l.rungs.len()]);
+    s.set_budget_source(Some(Box::new(fixed)));
+    (s, handle)
+}
+
+/// One turn of at most `max_tokens`: its switches, the prompt tokens read from the cache, and
+/// the answer.
+fn turn(
+    s: &mut Session,
+    prompt: &str,
+    max_tokens: usize,
+) -> (
+    Vec<molt::session::SwitchInfo>,
+    usize,
+    molt::session::Generation,
+) {
+    let (mut switches, mut reused) = (Vec::new(), 0);
+    let g = s
+        .generate(
+            &Prompt::User(prompt.into()),
+            &GenerateOptions {
+                max_tokens,
+                ..GenerateOptions::default()
+            },
+            &mut |e| match e {
+                Event::Switch(x) => switches.push(x.clone()),
+                Event::Start { reused_tokens, .. } => reused = *reused_tokens,
+                _ => {}
+            },
+        )
+        .unwrap();
+    (switches, reused, g)
 }
 
 #[test]
@@ -293,32 +317,11 @@ fn a_budget_that_comes_back_between_two_answers_moves_the_conversation_up_before
         observe_footprint: false,
         ..SessionOptions::default()
     };
-    let fixed = molt::pressure::FixedBudget::new(u64::MAX / 4);
-    let handle = fixed.handle();
-    let mut s = Session::with_options(l.clone(), cfg(), "big", opts).unwrap();
-    s.pin_context_bytes(&vec![48 << 20; l.rungs.len()]);
-    s.set_budget_source(Some(Box::new(fixed)));
-    let turn = |s: &mut Session, p: &str| {
-        let (mut switches, mut reused) = (Vec::new(), 0);
-        let g = s
-            .generate(
-                &Prompt::User(p.into()),
-                &GenerateOptions {
-                    max_tokens: 8,
-                    ..GenerateOptions::default()
-                },
-                &mut |e| match e {
-                    Event::Switch(x) => switches.push(x.clone()),
-                    Event::Start { reused_tokens, .. } => reused = *reused_tokens,
-                    _ => {}
-                },
-            )
-            .unwrap();
-        (switches, reused, g)
-    };
+    let (mut s, handle) = on_a_fixed_budget(&l, opts, "big");
     turn(
         &mut s,
         "The staging host is ash vault and the pager code is quill spool.",
+        8,
     );
     // On its home rung: nothing to move up to.
     assert_eq!(s.promote_idle().unwrap(), None);
@@ -327,7 +330,7 @@ fn a_budget_that_comes_back_between_two_answers_moves_the_conversation_up_before
     let tokens = s.history().len() as u64 + 64 + 8;
     let need = s.modelled_footprint(to, tokens);
     handle.set(need + need / 50);
-    let (switches, _, g) = turn(&mut s, "What is the pager code?");
+    let (switches, _, g) = turn(&mut s, "What is the pager code?", 8);
     assert_eq!(switches.len(), 1, "{switches:?}");
     assert_eq!(s.current_index(), to, "{:?}", g.rungs_used);
     // Still low: it stays.
@@ -352,7 +355,7 @@ fn a_budget_that_comes_back_between_two_answers_moves_the_conversation_up_before
     assert!(s.cache_is_trustworthy());
     // The next answer starts on the home rung with the conversation cached: no switch, only
     // the new turn read (moved up at the answer's start, it had re-read it all: 0 reused).
-    let (switches, reused, g) = turn(&mut s, "And the staging host?");
+    let (switches, reused, g) = turn(&mut s, "And the staging host?", 8);
     assert!(switches.is_empty(), "{switches:?}");
     assert_eq!(g.rungs_used, vec!["big".to_string()]);
     assert!(
