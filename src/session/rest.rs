@@ -174,7 +174,7 @@ pub struct IdleMove {
     pub to: String,
     /// Tokens of the conversation read natively on `to`.
     pub tokens: usize,
-    /// Time the destination's load took (0 off standby or already loaded), ms.
+    /// Time the destination's load took (0 when it was loaded already), ms.
     pub load_ms: f64,
     /// The whole move: load and re-read, ms.
     pub ms: f64,
@@ -203,11 +203,7 @@ impl Session {
         {
             return Ok(None);
         }
-        let Some(b) = self.read_budget(crate::pressure::Tick {
-            token_index: 0,
-            elapsed_ms: 0,
-        })?
-        else {
+        let Some(b) = self.read_budget(crate::pressure::Tick::default())? else {
             return Ok(None);
         };
         self.last_budget = Some(b.bytes);
@@ -223,7 +219,8 @@ impl Session {
         };
         let from = self.current;
         let t0 = Instant::now();
-        let loaded = self.rungs[to].is_some() || self.standby.get(to).is_some_and(Option::is_some);
+        // Standby rungs are below the current one only: a rung above is loaded or not.
+        let loaded = self.rungs[to].is_some();
         self.ensure_loaded(to)?;
         let load_ms = if loaded {
             0.0

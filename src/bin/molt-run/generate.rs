@@ -234,10 +234,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     if let Some(t) = trace.as_ref().filter(|_| !a.real_hog) {
         let b0 = molt::pressure::BudgetSource::budget(
             &mut TraceBudget::new(t.clone()),
-            molt::pressure::Tick {
-                token_index: 0,
-                elapsed_ms: 0,
-            },
+            molt::pressure::Tick::default(),
         )?;
         session.retune_with(b0.bytes)?;
     }
