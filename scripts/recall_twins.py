@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""Append the ~1,800-token recall items' twins to benches/recall/items.jsonl.
+
+A twin is an item with the same context and fact, asked at the other switch point: an item
+asked directly (switch "first") gets a twin whose question asks for a preamble first
+(switch "mid"), and the other way round. Each cell of length x switch point at ~1,800 tokens
+then holds every fact of that length once: 24 items instead of 12, so one item moves a cell's
+recall by 0.04 instead of 0.08. The questions below are hand-written (the ~1,800-token items
+were written beside the generator, so their facts are not in its table).
+
+Deterministic and idempotent, stdlib only:
+
+    python3 scripts/recall_twins.py           # appends the twins not yet in the file
+    python3 scripts/recall_twins.py --check   # says what it would append, writes nothing
+"""
+
+import argparse
+import json
+import os
+import sys
+
+# The preambles of gen_recall_items.py's mid questions, in its order.
+PREAMBLES = [
+    "First write two sentences about the overall mood of these notes, then {ask}.",
+    "Begin with a short summary, two or three sentences long, of which teams appear in these notes. After that, {ask}.",
+    "Before anything else, describe in two sentences the kinds of problems these teams are dealing with. Only then {ask}.",
+    "Start by writing two sentences on what kind of document this seems to be and who would read it; then {ask}.",
+    "First name two topics discussed in the notes, with one full sentence on each, and afterwards {ask}.",
+    "Open with two sentences giving your impression of how organised these teams seem. Then, in a new sentence, {ask}.",
+    "Write a brief two-sentence summary of the notes first. Once that is done, {ask}.",
+    "First explain in two sentences which decision in these notes seems most consequential, and only after that {ask}.",
+]
+FIRST_SUFFIX = " Answer in one full sentence."
+
+# Items asked directly: the request as a clause, for the twin asked after a preamble.
+ASK = {
+    "str-1800-start-guild-room": "name the room where the architecture guild now meets",
+    "two-1800-end-mentor-badge": "give the building badge number of the mentor assigned to this summer's intern cohort",
+    "ident-1800-start-cli-drain": "name the command-line flag that should be passed to the deploy tool when rotating nodes out",
+    "name-1800-end-deletion-lead": "give the full name of the engineer leading the new deletion workflow project",
+    "ident-1800-middle-queue-deadletter": "name the queue to which failed webhooks are now moved for manual replay",
+    "two-1800-middle-codename-flag": "name the exact feature flag the billing rewrite will launch behind",
+    "num-1800-start-failover-lag": "state by how many milliseconds at most the read replicas fell behind the primary during the failover rehearsal",
+    "num-1800-end-clickstream-days": "say after how many days raw clickstream events will now be deleted",
+    "ident-1800-middle-job-orphan-sweep": "give the name under which the nightly job that removes orphaned uploads is registered in the scheduler",
+    "name-1800-start-move-coordinator": "give the full name of the person coordinating the office move",
+    "str-1800-end-migration-error": "quote the exact message the tenant migration script prints when it reaches a row it cannot convert",
+    "two-1800-middle-firewall-exception": "say who approved the firewall exception for the logistics partner's traffic and under which ticket it is recorded",
+}
+
+# Items asked after a preamble: the direct question, for the twin asked before token 1.
+ASKED = {
+    "num-1800-start-checkout-rps": "At how many requests per second did the checkout service peak during the load test?",
+    "ident-1800-middle-table-consent": "What is the exact name of the database table that the consent report reads from?",
+    "name-1800-start-translation-coordinator": "What is the full name of the person who will coordinate translation reviews for the new markets?",
+    "num-1800-end-venue-seats": "How many people can the shortlisted hall for the department gathering seat?",
+    "str-1800-end-sync-error-msg": "What exact message do users see in the status bar when they hit the sync bug?",
+    "two-1800-middle-archive-host-path": "What is the host of the cold archive, and under which path are the quarterly snapshots kept?",
+    "num-1800-middle-conference-cap": "What is the most that each attendee may spend on flights and hotel combined for the autumn conference trip?",
+    "ident-1800-start-metrics-host": "What is the hostname of the machine that runs the new long-term metrics store?",
+    "ident-1800-end-audit-namespace": "Into which Kubernetes namespace will the audit scanners be deployed?",
+    "name-1800-end-contract-negotiator": "What is the full name of the person leading negotiations for the renewed cloud hosting contract?",
+    "str-1800-middle-candidate-lounge": "What is the name of the lounge where candidates wait before their on-site interviews?",
+    "two-1800-start-staging-host-port": "What are the host and the port of the staging copy of the orders database?",
+}
+
+SUFFIX = {"first": "-asked-mid", "mid": "-asked-first"}
+
+
+def twin(item, n_mid):
+    """The item asked at the other switch point; `n_mid` picks the preamble."""
+    if item["switch"] == "first":
+        question = PREAMBLES[n_mid % len(PREAMBLES)].format(ask=ASK[item["id"]])
+        switch = "mid"
+    else:
+        question = ASKED[item["id"]] + FIRST_SUFFIX
+        switch = "first"
+    for e in item["expected"]:
+        assert e.lower() not in question.lower(), (item["id"], "question leaks", e)
+    out = dict(item)
+    out.update(id=item["id"] + SUFFIX[item["switch"]], switch=switch, question=question)
+    return out
+
+
+def main():
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.path.normpath(os.path.join(here, "..", "benches", "recall", "items.jsonl"))
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--items", default=path)
+    ap.add_argument("--check", action="store_true", help="say what would be appended only")
+    args = ap.parse_args()
+    with open(args.items, encoding="utf-8") as f:
+        items = [json.loads(line) for line in f if line.strip()]
+    ids = {i["id"] for i in items}
+    originals = [i for i in items if i["length"] == 1800 and not i["id"].endswith(tuple(SUFFIX.values()))]
+    missing = sorted({i["id"] for i in originals} - set(ASK) - set(ASKED))
+    if missing:
+        sys.exit(f"no twin question written for {', '.join(missing)}")
+    new, n_mid = [], 0
+    for item in originals:
+        t = twin(item, n_mid)
+        n_mid += t["switch"] == "mid"
+        if t["id"] not in ids:
+            new.append(t)
+    for t in new:
+        print(f"{t['id']}: {t['switch']}: {t['question']}")
+    if args.check or not new:
+        print(f"{len(new)} twins to append" + (" (nothing written)" if args.check else ""))
+        return
+    with open(args.items, "a", encoding="utf-8") as f:
+        for t in new:
+            f.write(json.dumps(t, ensure_ascii=False) + "\n")
+    print(f"appended {len(new)} twins to {args.items}")
+
+
+if __name__ == "__main__":
+    main()
