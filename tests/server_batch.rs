@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use harness::{serial, start};
 use molt::server::client::{self, EventStream};
 use molt::session::Strategy;
+use molt::transplant::select::TokenRecompute;
 use serde_json::{Value, json};
 
 fn chat(content: &str, max_tokens: usize, stream: bool) -> Value {
@@ -153,9 +154,18 @@ async fn small_only_budget(addr: SocketAddr) -> f64 {
 /// small after, and the switches' methods come back in stream order, each with the refill
 /// levers of its stream (a carried cache re-reads its history in place behind the answer).
 async fn cut_two_running_answers(strategy: Strategy) -> Vec<(String, Vec<Value>)> {
+    cut_two_running_answers_with(strategy, TokenRecompute::default_size().into()).await
+}
+
+/// [`cut_two_running_answers`] with the size switch's token recompute set.
+async fn cut_two_running_answers_with(
+    strategy: Strategy,
+    recompute: Option<TokenRecompute>,
+) -> Vec<(String, Vec<Value>)> {
     let srv = start(|c| {
         c.parallel = 2;
         c.session.strategy = strategy;
+        c.session.token_recompute = recompute;
     })
     .await;
     let addr = srv.addr;
@@ -225,9 +235,17 @@ async fn a_budget_cut_mid_answer_carries_every_running_answer() {
     let cut = cut_two_running_answers(Strategy::Molt).await;
     let methods: Vec<&str> = cut.iter().map(|(m, _)| m.as_str()).collect();
     assert_eq!(methods, ["molt", "molt"], "the caches were carried");
-    // Down a size route each carried cache is re-read in place behind its answer, once, every
-    // position from the head's end to the newest token.
+    // Down a size route, a switch whose choice of positions covers half of a cache re-reads
+    // all of it — these short conversations' — and nothing is re-read behind the answer.
     for (_, refills) in &cut {
+        assert!(refills.is_empty(), "{refills:?}");
+    }
+    // With no choice, each carried cache is re-read in place behind its answer, once,
+    // every position from the head's end to the newest token.
+    // (The projection alone: any choice of the question's sentences covers most of these.)
+    let cut = cut_two_running_answers_with(Strategy::Molt, None).await;
+    for (m, refills) in &cut {
+        assert_eq!(m, "molt");
         assert_eq!(refills.len(), 1, "{refills:?}");
         assert_eq!(refills[0]["lever"], "refill", "{refills:?}");
         assert_eq!(refills[0]["rung"], "small");
@@ -692,8 +710,17 @@ async fn only_budget(addr: SocketAddr, name: &str) -> f64 {
 /// before the cut as alone, its file removed) and returns the switch event.
 async fn set_aside_then_resumed_on(to: &str, carry_on_resume: bool) -> Value {
     let dir = tempfile::tempdir().unwrap();
-    let srv =
-        batched_with_state_and(dir.path(), move |c| c.carry_on_resume = carry_on_resume).await;
+    // Down the size route, the projection alone (no token recompute): the default's choice
+    // would cover most of this short conversation and re-read all of it, leaving nothing for
+    // a refill to show.
+    let projection_only = to == "small";
+    let srv = batched_with_state_and(dir.path(), move |c| {
+        c.carry_on_resume = carry_on_resume;
+        if projection_only {
+            c.session.token_recompute = None;
+        }
+    })
+    .await;
     let addr = srv.addr;
     let background = background_request();
     let want_bg = alone(addr, &background).await;

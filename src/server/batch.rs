@@ -2053,7 +2053,8 @@ fn carry_into(
                 t.projected = projected;
                 // The head re-read is the destination's own already.
                 let next = l.opts.head_reread.min(t.cached.len());
-                t.refill = refills.then(|| Refill {
+                // Nothing projected (the switch re-read the whole cache): nothing to refill.
+                t.refill = (refills && !t.projected.is_empty()).then(|| Refill {
                     next,
                     done: 0,
                     step: l.opts.refill_step(t.cached.len() - next),

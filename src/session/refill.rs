@@ -50,7 +50,8 @@ impl Session {
     /// [`SessionOptions::refill_chunk`]: super::SessionOptions::refill_chunk
     /// [`SessionOptions::refill_precision`]: super::SessionOptions::refill_precision
     pub(super) fn start_refill(&mut self, kind: RouteKind) {
-        let on = self.opts.refills(kind);
+        // Nothing projected (the switch re-read the whole cache): nothing to refill.
+        let on = self.opts.refills(kind) && !self.projected.is_empty();
         // The head re-read is the destination's own (its anchor and the first token): native
         // already.
         let next = self.opts.head_reread.min(self.history.len());

@@ -176,6 +176,14 @@ pub struct TokenRecompute {
     /// context to bring its fact whole.
     #[serde(default)]
     pub min_positions: usize,
+    /// When the positions chosen cover at least this share of the cache between the head and
+    /// the tail, all of it is re-read instead (0: never). On a short context the floor and
+    /// the question already take most of it: re-reading the rest costs the switch at most
+    /// twice as much, leaves a cache wholly native, and spares the refill behind the answer
+    /// a re-read of every position again (a server switch at 88 cells re-read 88 positions,
+    /// 85 of them twice).
+    #[serde(default)]
+    pub whole_from: f64,
 }
 
 impl TokenRecompute {
@@ -191,6 +199,7 @@ impl TokenRecompute {
     pub fn default_size() -> Self {
         Self {
             min_positions: 64,
+            whole_from: 0.5,
             ..Self::sentences(0.10)
         }
     }
@@ -207,6 +216,7 @@ impl TokenRecompute {
             follow: 0,
             unit: Unit::Position,
             min_positions: 0,
+            whole_from: 0.0,
         }
     }
 
@@ -384,6 +394,12 @@ pub fn select_spans(
             _ => spans.push(always..end_all),
         }
     }
+    #[allow(clippy::cast_precision_loss)]
+    if setting.whole_from > 0.0
+        && covered(&spans) as f64 >= setting.whole_from * (end_all - lo) as f64
+    {
+        return vec![lo..end_all];
+    }
     while spans.len() > MAX_SPANS {
         let (i, _) = spans
             .windows(2)
@@ -416,6 +432,7 @@ mod tests {
             follow: 0,
             unit: Unit::Position,
             min_positions: 0,
+            whole_from: 0.0,
         }
     }
 
@@ -497,6 +514,37 @@ mod tests {
         };
         let s = select_spans(&scores, &ends, 0, 80, 60, &all, 0);
         assert_eq!(s, vec![0..80], "{s:?}");
+    }
+
+    #[test]
+    fn a_choice_covering_half_the_cache_re_reads_all_of_it() {
+        // The floor's choice (10..80, 70 of 80 positions) covers more than half: everything
+        // between the head and the tail is re-read; the share's (40 of 80) half exactly; a
+        // choice below half is left as it is.
+        let mut ends = vec![false; 80];
+        ends[9] = true;
+        ends[29] = true;
+        ends[59] = true;
+        let mut scores = vec![0.0f32; 80];
+        scores[20] = 5.0;
+        scores[45] = 1.0;
+        let whole = |min_positions| TokenRecompute {
+            min_positions,
+            whole_from: 0.5,
+            ..TokenRecompute::sentences(0.05)
+        };
+        assert_eq!(
+            select_spans(&scores, &ends, 2, 80, 60, &whole(40), 0),
+            vec![2..80]
+        );
+        assert_eq!(
+            select_spans(&scores, &ends, 0, 80, 60, &whole(0), 0),
+            vec![0..80],
+            "10..30 and 60..80: 40 of 80"
+        );
+        let short = select_spans(&scores, &ends, 0, 80, 70, &whole(0), 0);
+        assert_eq!(short, vec![10..30, 70..80], "30 of 80: below half");
+        assert_eq!(TokenRecompute::default_size().whole_from, 0.5);
     }
 
     #[test]
