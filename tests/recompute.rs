@@ -298,9 +298,12 @@ fn a_refill_that_caught_up_continues_as_the_native_cache_does() {
 fn a_size_switch_refills_the_history_in_place_and_then_answers_as_the_native_cache_does() {
     let l = common::tiny_ladder().clone();
     let run = |to: usize, chunk: usize, within: usize| {
+        // A twentieth by position: on this short text the default's choice covers most of the
+        // cache and the switch re-reads all of it, leaving nothing to refill (the test below).
         let opts = SessionOptions {
             refill_chunk: chunk,
             refill_within: within,
+            token_recompute: Some(TokenRecompute::attention(0.05)),
             ..SessionOptions::default()
         };
         let (g, levers, s) = common::events::forced_switch(opts, TEXT, 2, to);
@@ -372,6 +375,89 @@ fn a_size_switch_refills_the_history_in_place_and_then_answers_as_the_native_cac
     assert!(
         off.iter().all(|x| !x.lever.starts_with("refill")),
         "{off:?}"
+    );
+}
+
+/// The sparse read the recall benchmark's `sparse-*` arms switch with: the head and a few spans
+/// of a history read natively at their own positions, nothing between them. The cache then
+/// holds exactly those positions and ends where the history does; the next token decodes after
+/// it; and re-reading the holes in place from the head on (as a refill does) leaves every cell
+/// what a native prefill of the history builds.
+#[test]
+fn a_sparse_read_holds_only_its_spans_and_a_refill_over_its_holes_is_native() {
+    let l = common::tiny_ladder();
+    let md = Model::load(&l.rungs[2].path, "small", ModelOptions::default()).unwrap();
+    let toks = md.tokenize(TEXT, false).unwrap();
+    let n = toks.len();
+    assert!(n > 40, "{n}");
+    let head = 4;
+    let ranges = [10..16, 25..31, n - 6..n];
+    let mut ctx = Context::new(md.clone(), common::cfg_long()).unwrap();
+    ctx.decode(&toks[..head]).unwrap();
+    let read = ctx.decode_sparse(&Span::of(&toks, &ranges), n).unwrap();
+    assert_eq!(read, 18);
+    assert_eq!(ctx.n_past(), n);
+    let blob = ctx.export_state().unwrap();
+    let (_, stream) = KvSnapshot::parse_single_stream(&blob).unwrap();
+    let want: Vec<i32> = (0..head)
+        .chain(ranges.iter().flat_map(Clone::clone))
+        .map(|p| i32::try_from(p).unwrap())
+        .collect();
+    assert_eq!(stream.positions(), want.as_slice());
+    // Out of order, or past the end: refused, the cache as it was.
+    assert!(ctx.decode_sparse(&Span::of(&toks, &[2..3]), n).is_err());
+    // The next token goes after the history.
+    ctx.decode(&[toks[0]]).unwrap();
+    ctx.truncate(n);
+    // Re-read from the head's end to the end, in place: the native cache.
+    ctx.recompute_spans(&Span::of(&toks, &[head..n])).unwrap();
+    let mut native = Context::new(md, common::cfg_long()).unwrap();
+    native.decode(&toks).unwrap();
+    let (a, b) = (ctx.export_state().unwrap(), native.export_state().unwrap());
+    for pos in [0, 5, 12, 20, 28, n - 1] {
+        let p = i32::try_from(pos).unwrap();
+        let d = max_abs(&common::kv_rows_at(&a, p), &common::kv_rows_at(&b, p));
+        assert!(d < 2e-2, "position {pos}: {d}");
+    }
+}
+
+/// A size switch whose choice of positions covers half the cache or more (a short
+/// conversation: the default's floor of 64 positions and the question) re-reads all of it,
+/// by default: the switch reports every position between the head and the newest token
+/// recomputed, nothing is left projected, no refill runs behind the answer, and the answer
+/// after the switch is what a native cache of the same text gives.
+#[test]
+fn a_size_switch_over_a_short_history_re_reads_all_of_it_and_refills_nothing() {
+    let l = common::tiny_ladder().clone();
+    let at = 2;
+    let (g, levers, s) = common::events::forced_switch(SessionOptions::default(), TEXT, at, 2);
+    let sw = &g.switches[0];
+    let head = molt::session::DEFAULT_HEAD_REREAD;
+    let cells = sw.timings.cells;
+    assert_eq!(sw.timings.recomputed, cells - head, "{:?}", sw.timings);
+    assert_eq!(s.projected_positions(), 0);
+    assert!(
+        levers.iter().all(|x| !x.lever.starts_with("refill")),
+        "{levers:?}"
+    );
+    // From the switch on, the answer is a native cache's.
+    let history = s.history();
+    let prompt = history.len() - (g.tokens.len() - 1);
+    let info = &l.rungs[2];
+    let model = Model::load(&info.path, info.name(), ModelOptions::default()).unwrap();
+    let mut native = Context::new(model, common::cfg_long()).unwrap();
+    native.decode(&history[..prompt + at]).unwrap();
+    let mut again = g.tokens[..at].to_vec();
+    while again.len() < g.tokens.len() {
+        let t = molt::engine::argmax(native.logits());
+        again.push(t);
+        if again.len() < g.tokens.len() {
+            native.decode(&[t]).unwrap();
+        }
+    }
+    assert_eq!(
+        again, g.tokens,
+        "the answer after the switch is the native cache's"
     );
 }
 

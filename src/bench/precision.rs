@@ -478,6 +478,7 @@ mod tests {
                 precision_every: 1,
                 precision_variant: Variant::Identity,
                 partial: None,
+                answered: Default::default(),
             },
             rows: vec![
                 row("head4", "tier0→q3km", 4, 1.0, 100.0),

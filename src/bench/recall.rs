@@ -206,6 +206,17 @@ pub enum ArmMethod {
         /// fixed chunk; runs before 2026-12-06's second session had none).
         #[serde(default)]
         refill_within: usize,
+        /// The projected cells the switch did not re-read are forgotten before the first
+        /// decode (SnapKV's eviction, by the source's choice): the answer attends only to the
+        /// head, the re-read sentences and the question — native cells — until the refill
+        /// has re-read the rest in place.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        evict: bool,
+        /// No projection: the destination reads the head and the chosen positions natively at
+        /// their own positions (a prefill of only those parts), the rest of the history left
+        /// out until the refill re-reads it in place.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        sparse: bool,
     },
 }
 
@@ -241,8 +252,28 @@ impl Arm {
                 recompute,
                 refill,
                 refill_within,
+                evict: false,
+                sparse: false,
             },
         }
+    }
+
+    /// This arm with no projection: only the positions it re-reads are read, natively.
+    fn sparse(mut self, name: &str) -> Self {
+        if let ArmMethod::Transplant { sparse, .. } = &mut self.method {
+            *sparse = true;
+        }
+        self.name = name.into();
+        self
+    }
+
+    /// This arm with the projected cells it does not re-read forgotten at the switch.
+    fn evicting(mut self, name: &str) -> Self {
+        if let ArmMethod::Transplant { evict, .. } = &mut self.method {
+            *evict = true;
+        }
+        self.name = name.into();
+        self
     }
 
     /// Whether this arm is what a session does on `kind` when nothing is set.
@@ -263,8 +294,12 @@ impl Arm {
                 recompute: r,
                 refill,
                 refill_within,
+                evict,
+                sparse,
             } => {
-                head == d.head_reread
+                !evict
+                    && !sparse
+                    && head == d.head_reread
                     && tail == d.tail_recompute
                     && r == recompute
                     && refill == refill_chunk
@@ -378,16 +413,44 @@ pub fn default_arms(names: &[String]) -> Vec<Arm> {
             (256, 0),
         ),
         // The refill with a deadline: 64 per token, or what reaches the newest token within 8.
+        // A choice covering half the cache re-reads all of it (`whole_from`; since 2026-12-06's
+        // third session: it covers 21-25% at ~512 tokens and less beyond, so only ~256-token
+        // items can differ, and those were measured again).
         Arm::refilled(
             "sent-r10-m64+refill64-w8",
             h,
             0,
-            Some(sent_floor(0.10, 64)),
+            Some(TokenRecompute::default_size()),
             (64, 8),
         ),
         // The same refill without the switch's selective recompute: the stall of a size
         // switch is mostly that recompute; the refill re-reads every position anyway.
         Arm::refilled("head4+refill64-w8", h, 0, None, (64, 8)),
+        // The default with the cells it leaves projected forgotten until the refill re-reads
+        // them: the answer's first tokens read only native cells.
+        Arm::refilled(
+            "sent-r10-m64+refill64-w8",
+            h,
+            0,
+            Some(TokenRecompute::default_size()),
+            (64, 8),
+        )
+        .evicting("sent-r10-m64-evict+refill64-w8"),
+        Arm::transplant("sent-r10-m64", h, 0, Some(sent_floor(0.10, 64)))
+            .evicting("sent-r10-m64-evict"),
+        // No projection at all: the destination reads what the default would re-read (the
+        // sentences the question looks at, the question) natively at their own positions, the
+        // rest left out until the refill reads it.
+        Arm::refilled(
+            "sent-r10-m64+refill64-w8",
+            h,
+            0,
+            Some(TokenRecompute::default_size()),
+            (64, 8),
+        )
+        .sparse("sparse-r10-m64+refill64-w8"),
+        Arm::transplant("sent-r10-m64", h, 0, Some(TokenRecompute::default_size()))
+            .sparse("sparse-r10-m64"),
     ];
     if names.is_empty() {
         return all;
@@ -423,6 +486,11 @@ pub struct RecallOptions {
     /// Where the answers so far are written after every item (`None`: nowhere).
     #[serde(skip)]
     pub partial: Option<std::path::PathBuf>,
+    /// Items already answered, as `(item id, route)`: not run again on that route (a source
+    /// whose every route is answered for an item does not read it). For a run that adds items
+    /// to an earlier one ([`merge`]).
+    #[serde(skip)]
+    pub answered: std::collections::BTreeSet<(String, String)>,
 }
 
 fn auto_variant() -> Variant {
@@ -776,6 +844,11 @@ pub fn run(
             }
         }
         for (n_item, item) in items.iter().enumerate() {
+            let route_name = |d: usize| format!("{}→{}", src_name, ladder.rungs[d].name());
+            let todo = |d: usize| !opts.answered.contains(&(item.id.clone(), route_name(d)));
+            if !opts.routes.iter().any(|&(s2, d)| s2 == s && todo(d)) {
+                continue;
+            }
             let (switch_at, max) = match item.switch {
                 SwitchPoint::First => (1, opts.max_tokens_first),
                 SwitchPoint::Mid => (
@@ -812,12 +885,12 @@ pub fn run(
                     refill_at: refill.and_then(|r| r.1),
                 }
             };
-            for &(_, d) in opts.routes.iter().filter(|r| r.0 == s) {
+            for &(_, d) in opts.routes.iter().filter(|r| r.0 == s && todo(r.1)) {
                 let kind = route_kind(routes.binding(s), routes.binding(d));
                 if kind == RouteKind::Precision && n_item % opts.precision_every.max(1) != 0 {
                     continue;
                 }
-                let route = format!("{}→{}", src_name, ladder.rungs[d].name());
+                let route = route_name(d);
                 kinds.insert(route.clone(), kind);
                 let arms = match kind {
                     RouteKind::Size => &opts.size_arms,
@@ -864,6 +937,8 @@ pub fn run(
                             recompute,
                             refill,
                             refill_within,
+                            evict,
+                            sparse,
                         } => {
                             let last = *read.before.last().expect("switch after a token");
                             let h = head.min(n_past);
@@ -909,26 +984,72 @@ pub fn run(
                                 .map(|r| src.ctx.model().detokenize(&history[r.clone()]))
                                 .collect();
                             let spans = Span::of(&history, &ranges);
-                            let t = migrate::transplant_exported(
-                                &Exported {
-                                    blob: &read.blob,
-                                    n_past,
-                                    from: &src_name,
-                                    export_ms: 0.0,
-                                },
-                                &mut dst.ctx,
-                                &projector,
-                                None,
-                                Reread {
-                                    head: &history[..h],
-                                    tail: &history[n_past - tl..],
-                                    anchor: anchor.as_deref(),
-                                    spans: &spans,
-                                },
-                                last,
-                            )?;
+                            let exported = Exported {
+                                blob: &read.blob,
+                                n_past,
+                                from: &src_name,
+                                export_ms: 0.0,
+                            };
+                            let reread = Reread {
+                                head: &history[..h],
+                                tail: &history[n_past - tl..],
+                                anchor: anchor.as_deref(),
+                                spans: &spans,
+                            };
+                            let t = if sparse && tl == 0 {
+                                // The head, then the chosen positions, read natively; nothing
+                                // projected.
+                                let t0 = Instant::now();
+                                dst.ctx.clear();
+                                dst.ctx.decode(&history[..h]).map_err(engine(&dst_name))?;
+                                let done = dst
+                                    .ctx
+                                    .decode_sparse(&spans, n_past)
+                                    .map_err(engine(&dst_name))?;
+                                dst.ctx.decode(&[last]).map_err(engine(&dst_name))?;
+                                migrate::SwitchTimings {
+                                    cost_ms: t0.elapsed().as_secs_f64() * 1e3,
+                                    recomputed: done,
+                                    spans: spans.len(),
+                                    head: h,
+                                    cells: n_past,
+                                    ..migrate::SwitchTimings::default()
+                                }
+                            } else if evict && tl == 0 {
+                                // As the switch, with the cells left projected forgotten
+                                // between the carry and the first decode.
+                                let t0 = Instant::now();
+                                let t = migrate::carry_exported(
+                                    &exported,
+                                    &mut dst.ctx,
+                                    &projector,
+                                    None,
+                                    reread,
+                                )?;
+                                let mut keep = ranges.clone();
+                                keep.push(0..h);
+                                let left = crate::session::uncovered(n_past, &keep);
+                                dst.ctx.forget(&left);
+                                dst.ctx.decode(&[last]).map_err(engine(&dst_name))?;
+                                migrate::SwitchTimings {
+                                    cost_ms: t0.elapsed().as_secs_f64() * 1e3,
+                                    ..t
+                                }
+                            } else {
+                                migrate::transplant_exported(
+                                    &exported,
+                                    &mut dst.ctx,
+                                    &projector,
+                                    None,
+                                    reread,
+                                    last,
+                                )?
+                            };
                             let mut out = read.before.clone();
-                            if refill > 0 {
+                            // As a session: no refill when the switch re-read every position.
+                            let projected =
+                                n_past - h - tl > crate::transplant::select::covered(&ranges);
+                            if refill > 0 && projected {
                                 refilled = Some(continue_refilling(
                                     &mut dst.ctx,
                                     &history,
@@ -1008,21 +1129,21 @@ pub fn resummarise(doc: &mut RecallDoc, items: &[RecallItem]) {
     doc.rows = summarise(&ran, &doc.answers, &kinds, &doc.options);
 }
 
-/// Merges an earlier run into `doc`: the earlier answers of every arm × route this run did not
-/// measure are kept beside this run's (an arm measured again replaces its earlier answers on
-/// that route), the arm lists and routes are united, and the rows recomputed from the answers.
-/// `items` is the item file both ran. Each answer keeps its own run's cost: rows that mix runs
-/// compare costs measured at different times.
+/// Merges an earlier run into `doc`: the earlier answers of every item × arm × route this run
+/// did not measure are kept beside this run's (an item an arm answered again replaces its
+/// earlier answer on that route; so a run of new items adds them), the arm lists and routes are
+/// united, and the rows recomputed from the answers. `items` is the item file both ran. Each
+/// answer keeps its own run's cost: rows that mix runs compare costs measured at different times.
 pub fn merge(doc: &mut RecallDoc, old: RecallDoc, items: &[RecallItem]) {
-    let measured: std::collections::BTreeSet<(String, String)> = doc
+    let measured: std::collections::BTreeSet<(&str, &str, &str)> = doc
         .answers
         .iter()
-        .map(|a| (a.route.clone(), a.arm.clone()))
+        .map(|a| (a.route.as_str(), a.arm.as_str(), a.id.as_str()))
         .collect();
     let kept: Vec<RecallAnswer> = old
         .answers
         .into_iter()
-        .filter(|a| !measured.contains(&(a.route.clone(), a.arm.clone())))
+        .filter(|a| !measured.contains(&(a.route.as_str(), a.arm.as_str(), a.id.as_str())))
         .collect();
     doc.answers.extend(kept);
     let unite = |mine: &mut Vec<Arm>, theirs: Vec<Arm>| {
@@ -1314,6 +1435,7 @@ mod tests {
                 precision_every: 1,
                 precision_variant: Variant::Auto,
                 partial: None,
+                answered: Default::default(),
             },
             rows: vec![row(route)],
             answers,
@@ -1335,8 +1457,9 @@ mod tests {
             vec![
                 answer("a", "reprefill", r, "42"),
                 answer("b", "reprefill", r, "42"),
+                answer("b", "sent-r10-m64", r, "42"),
             ],
-            arms[..1].to_vec(),
+            arms.clone(),
             r,
         );
         merge(&mut new, old, &items);
@@ -1350,15 +1473,15 @@ mod tests {
         assert_eq!(
             new.answers.len(),
             4,
-            "the re-measured arm replaced, the other kept"
+            "the re-measured answers replaced, the others kept"
         );
         assert!(
             (recall("reprefill") - 1.0).abs() < 1e-12,
             "the new run's answers"
         );
         assert!(
-            (recall("sent-r10-m64") - 0.5).abs() < 1e-12,
-            "the old run's answers"
+            (recall("sent-r10-m64") - 1.0).abs() < 1e-12,
+            "item a's answer kept from the old run beside item b's from the new"
         );
         assert_eq!(new.options.size_arms.len(), 2);
     }

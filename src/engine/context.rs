@@ -349,6 +349,100 @@ impl Context {
         }
     }
 
+    /// Forgets the cells of `ranges` (positions inside `[0, n_past)`), leaving every other cell
+    /// and every position where it is: the sequence has holes there until something decodes
+    /// those positions again (a recompute or a refill re-reads them in place). Later tokens
+    /// attend only to the cells left.
+    pub fn forget(&mut self, ranges: &[std::ops::Range<usize>]) {
+        // SAFETY: live context; removing position ranges of sequence 0 is always valid.
+        let mem = unsafe { llama_cpp_sys_2::llama_get_memory(self.ptr.as_ptr()) };
+        for r in ranges {
+            let end = r.end.min(self.n_past);
+            if r.start >= end {
+                continue;
+            }
+            let p0 = i32::try_from(r.start).unwrap_or(i32::MAX);
+            let p1 = i32::try_from(end).unwrap_or(i32::MAX);
+            // SAFETY: as above.
+            unsafe { llama_cpp_sys_2::llama_memory_seq_rm(mem, SEQ, p0, p1) };
+        }
+        // The tap's hidden rows no longer describe the cache.
+        self.restart_hidden(self.n_past);
+    }
+
+    /// Reads `spans` natively in sequence 0 after its last cell, as one text (each token
+    /// attending to the cells before it and to the spans' earlier tokens), then moves each span
+    /// to its own positions (llama.cpp re-rotates their keys at the next decode): a prefill of
+    /// only these parts of a history, read as if the parts between them were not there, and
+    /// kept where the history has them. The sequence then ends at `end` (where the next token
+    /// goes), with holes where nothing was read. The spans must be in order, after the
+    /// sequence's last cell and before `end`. The moved keys are re-rotated by the next
+    /// decode: decode before exporting the state. Returns the positions read.
+    ///
+    /// # Errors
+    /// [`EngineError::ContextOverflow`] when the spans are out of order or reach past `end` or
+    /// the context; [`EngineError::Shed`] when this cache cannot move positions; a decode
+    /// error otherwise.
+    pub fn decode_sparse(&mut self, spans: &[Span<'_>], end: usize) -> Result<usize, EngineError> {
+        let n_ctx = self.config.n_ctx as usize;
+        let mut at = self.n_past;
+        let mut ok = end <= n_ctx;
+        for s in spans {
+            ok &= s.start >= at;
+            at = s.start + s.tokens.len();
+        }
+        if !ok || at > end {
+            return Err(EngineError::ContextOverflow {
+                needed: at.max(end),
+                n_ctx: self.config.n_ctx,
+            });
+        }
+        // SAFETY: live context; read-only query.
+        let can = unsafe {
+            let mem = llama_cpp_sys_2::llama_get_memory(self.ptr.as_ptr());
+            llama_cpp_sys_2::llama_memory_can_shift(mem)
+        };
+        if !can {
+            return Err(EngineError::Shed {
+                pinned: self.n_past,
+                n: 0,
+                n_past: self.n_past,
+                detail: "this cache cannot move positions".into(),
+            });
+        }
+        let start = self.n_past;
+        let all: Vec<Token> = spans
+            .iter()
+            .flat_map(|s| s.tokens.iter().copied())
+            .collect();
+        self.decode(&all)?;
+        let conv = |v: usize| {
+            i32::try_from(v).map_err(|_| EngineError::OutOfRange {
+                what: "position",
+                value: v as u64,
+            })
+        };
+        // Where each span was read, then moved last first (each moves up, never past the next).
+        let mut read_at = start;
+        let mut moves = Vec::with_capacity(spans.len());
+        for s in spans {
+            moves.push((read_at, read_at + s.tokens.len(), s.start - read_at));
+            read_at += s.tokens.len();
+        }
+        // SAFETY: live context; moving position ranges of sequence 0 on a cache that can shift.
+        let mem = unsafe { llama_cpp_sys_2::llama_get_memory(self.ptr.as_ptr()) };
+        for &(p0, p1, delta) in moves.iter().rev() {
+            if delta > 0 {
+                let (p0, p1, d) = (conv(p0)?, conv(p1)?, conv(delta)?);
+                // SAFETY: as above.
+                unsafe { llama_cpp_sys_2::llama_memory_seq_add(mem, SEQ, p0, p1, d) };
+            }
+        }
+        self.n_past = end;
+        self.restart_hidden(end);
+        Ok(all.len())
+    }
+
     /// Sheds context: drops the `n` positions after the first `pinned` (the oldest tokens that
     /// are not the pinned system prompt), shifts every later position down by `n` (llama.cpp
     /// re-rotates their cached keys), then decodes `next` at the new end of the sequence.

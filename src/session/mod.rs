@@ -43,7 +43,7 @@ pub use rung::{LiveRung, LoadParts, ParkedRung, StandbyRung};
 pub use shadow::TREND_WINDOW;
 pub use switch::SwitchMethod;
 // What the batched server's switch and prompt read share with the session's (`src/server/batch.rs`).
-pub(crate) use native::{refresh as refresh_projected, sentence_ends_of};
+pub(crate) use native::{minus as uncovered, refresh as refresh_projected, sentence_ends_of};
 pub(crate) use refill::reread_then_decode;
 pub(crate) use switch::{CachedState, CarryRoute, carry_cache, recompute_ranges};
 

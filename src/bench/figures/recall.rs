@@ -627,6 +627,7 @@ pub(crate) fn sample_doc() -> RecallDoc {
             precision_every: 2,
             precision_variant: crate::routes::Variant::Auto,
             partial: None,
+            answered: Default::default(),
         },
         rows: all,
         answers: Vec::new(),

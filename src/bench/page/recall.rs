@@ -327,10 +327,20 @@ fn reread(doc: &RecallDoc, x: &RecallSummary) -> String {
             recompute,
             refill,
             refill_within,
+            evict,
+            sparse,
         } => {
             let mut parts = Vec::new();
             if head > 0 {
                 parts.push(format!("head {head}"));
+            }
+            if evict {
+                parts.push("the rest forgotten until re-read".into());
+            }
+            if sparse {
+                parts.push(
+                    "nothing projected: only these read, the rest left out until re-read".into(),
+                );
             }
             if tail > 0 {
                 parts.push(format!("tail {tail}"));

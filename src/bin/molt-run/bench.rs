@@ -183,6 +183,14 @@ pub struct Args {
     /// Run only the first N items of every context length and switch point.
     #[arg(long)]
     pub recall_sample: Option<usize>,
+    /// Run only the items of these context lengths (the items' nominal lengths: 256, 512,
+    /// 1024, 1800; comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    pub recall_lengths: Vec<usize>,
+    /// Run only the items that switch at this point (`first`: before answer token 1; `mid`:
+    /// mid-answer).
+    #[arg(long)]
+    pub recall_switch: Option<String>,
     /// On precision routes, carry the cache unchanged (the identity projector) instead of the
     /// fitted diagonal maps: how a precision rung without fitted maps is measured.
     #[arg(long)]
@@ -196,6 +204,10 @@ pub struct Args {
     /// own run's cost).
     #[arg(long, value_name = "FILE")]
     pub recall_merge: Option<PathBuf>,
+    /// With --recall-merge: run only what the merged file has not answered (an item on a route
+    /// it has any answer for is skipped), as when items were added to the item file.
+    #[arg(long, requires = "recall_merge")]
+    pub recall_new: bool,
     /// The precision-rung benchmark: per rung, file size, the policy's footprint, prefill and
     /// decode speed, its own answers to the conditions prompts judged by the largest rung, and
     /// recall after a switch to it read from --precision-recall files
@@ -690,6 +702,15 @@ fn run_recall(g: &GlobalArgs, a: &Args) -> Result<()> {
             p.message
         );
     }
+    if !a.recall_lengths.is_empty() {
+        items.retain(|i| a.recall_lengths.contains(&i.length));
+    }
+    match a.recall_switch.as_deref() {
+        None => {}
+        Some("first") => items.retain(|i| i.switch == recall::SwitchPoint::First),
+        Some("mid") => items.retain(|i| i.switch == recall::SwitchPoint::Mid),
+        Some(other) => bail!("--recall-switch {other:?}: first or mid"),
+    }
     if a.quick {
         items = recall::sample(&items, 1);
     } else if let Some(n) = a.recall_sample {
@@ -714,6 +735,21 @@ fn run_recall(g: &GlobalArgs, a: &Args) -> Result<()> {
         })
         .cloned()
         .collect();
+    let merged: Option<recall::RecallDoc> = match &a.recall_merge {
+        Some(path) => Some(
+            serde_json::from_slice(&std::fs::read(path)?)
+                .map_err(|e| anyhow::anyhow!("--recall-merge {}: {e}", path.display()))?,
+        ),
+        None => None,
+    };
+    let answered = match &merged {
+        Some(old) if a.recall_new => old
+            .answers
+            .iter()
+            .map(|x| (x.id.clone(), x.route.clone()))
+            .collect(),
+        _ => Default::default(),
+    };
     let opts = recall::RecallOptions {
         routes,
         size_arms: arms,
@@ -728,6 +764,7 @@ fn run_recall(g: &GlobalArgs, a: &Args) -> Result<()> {
             molt::routes::Variant::Auto
         },
         partial: Some(a.out_dir.join("recall.partial.json")),
+        answered,
     };
     std::fs::create_dir_all(&a.out_dir)?;
     if let Some(path) = &a.recall_from_partial {
@@ -806,12 +843,10 @@ fn run_recall(g: &GlobalArgs, a: &Args) -> Result<()> {
         run: serde_json::to_value(info)?,
     };
     let mut doc = doc;
-    if let Some(path) = &a.recall_merge {
-        let old: recall::RecallDoc = serde_json::from_slice(&std::fs::read(path)?)
-            .map_err(|e| anyhow::anyhow!("--recall-merge {}: {e}", path.display()))?;
+    if let (Some(path), Some(old)) = (&a.recall_merge, merged) {
         recall::merge(&mut doc, old, &items);
         eprintln!(
-            "merged the arms and routes this run did not measure from {}",
+            "merged the answers this run did not measure from {}",
             path.display()
         );
     }
