@@ -295,7 +295,12 @@ pub fn recall_frontier(doc: &RecallDoc, path: &Path) -> Result<Figure, BenchErro
         let mut marks: Vec<((i32, i32), String)> = Vec::new();
         for (i, route) in in_kind.iter().enumerate() {
             let c = RUNG_COLORS[i.min(3)];
-            let points: Vec<&&RecallSummary> = here.iter().filter(|s| &s.route == *route).collect();
+            // Only arms measured on every item of the route: an arm run on a subset (one
+            // length, one switch point) pooled beside arms run on all of them would be read
+            // as a point of the same frontier.
+            let on_route = || here.iter().filter(|s| &s.route == *route);
+            let every = on_route().map(|s| s.items).max().unwrap_or(0);
+            let points: Vec<&&RecallSummary> = on_route().filter(|s| s.items == every).collect();
             // The destination's recall is the same on every arm's rows of the route (the same
             // items); the default arm's rows are read, or the first arm's without one.
             let reference = points.iter().find(|s| s.default).or(points.first());
@@ -375,7 +380,7 @@ pub fn recall_frontier(doc: &RecallDoc, path: &Path) -> Result<Figure, BenchErro
         name: name.into(),
         path: path.to_path_buf(),
         caption: format!(
-            "Recall of the context's facts against switch cost, one point per arm on {} items (every context length and switch point pooled; cost as a share of the re-prefill's at the same points): dashed, the native destination's recall; ringed, the default switch.",
+            "Recall of the context's facts against switch cost, one point per arm measured on every item of its route ({} items in all; every context length and switch point pooled; cost as a share of the re-prefill's at the same points): dashed, the native destination's recall; ringed, the default switch. Arms run on a subset are in the tables, not here.",
             doc.n_items
         ),
     })

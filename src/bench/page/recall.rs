@@ -269,11 +269,17 @@ fn verdict(doc: &RecallDoc, all: &[RecallSummary], route: &str) -> String {
             );
         }
     }
-    // The cheapest switching arm that keeps the facts at every length of this route.
-    let keeps = |x: &&RecallSummary| {
+    // The cheapest switching arm that keeps the facts at every length of this route (measured
+    // at every length the default was: an arm run at one length only keeps them "everywhere"
+    // it was run, which says nothing of the others).
+    let lengths_of =
+        |a: &str| -> Vec<usize> { by_length(doc, route, a).iter().map(|(n, _)| *n).collect() };
+    let every = lengths_of(&arm);
+    let keeps_where_run = |x: &&RecallSummary| {
         let v = by_length(doc, route, &x.arm);
         !v.is_empty() && v.iter().all(|(_, y)| !y.loses_facts())
     };
+    let keeps = |x: &&RecallSummary| keeps_where_run(x) && lengths_of(&x.arm) == every;
     let cheapest = all
         .iter()
         .filter(|x| x.route == route && !x.is_native() && x.cost_fraction().is_some())
@@ -303,6 +309,24 @@ fn verdict(doc: &RecallDoc, all: &[RecallSummary], route: &str) -> String {
                 " No switching arm keeps them at every length, the re-prefill included."
             );
         }
+    }
+    // Arms run at some lengths only that keep the facts there: said as such.
+    let partial = all
+        .iter()
+        .filter(|x| x.route == route && !x.is_native() && x.cost_fraction().is_some())
+        .filter(|x| keeps_where_run(x) && lengths_of(&x.arm) != every)
+        .min_by(|a, b| {
+            let fr = |x: &RecallSummary| x.cost_fraction().unwrap_or(f64::INFINITY);
+            fr(a).total_cmp(&fr(b))
+        });
+    if let Some(x) = partial {
+        let _ = write!(
+            s,
+            " Measured at {} tokens only, `{}` keeps them there, at {} of the re-prefill's cost.",
+            join_lengths(&lengths_of(&x.arm)),
+            x.arm,
+            pct(x.cost_fraction())
+        );
     }
     s.push('\n');
     s

@@ -702,6 +702,8 @@ fn run_recall(g: &GlobalArgs, a: &Args) -> Result<()> {
             p.message
         );
     }
+    // The whole file: a merged document's rows are summarised over every item it answered.
+    let all_items = items.clone();
     if !a.recall_lengths.is_empty() {
         items.retain(|i| a.recall_lengths.contains(&i.length));
     }
@@ -844,7 +846,7 @@ fn run_recall(g: &GlobalArgs, a: &Args) -> Result<()> {
     };
     let mut doc = doc;
     if let (Some(path), Some(old)) = (&a.recall_merge, merged) {
-        recall::merge(&mut doc, old, &items);
+        recall::merge(&mut doc, old, &all_items);
         eprintln!(
             "merged the answers this run did not measure from {}",
             path.display()
