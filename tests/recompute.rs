@@ -384,6 +384,10 @@ fn a_size_switch_refills_the_history_in_place_and_then_answers_as_the_native_cac
 /// it; and re-reading the holes in place from the head on (as a refill does) leaves every cell
 /// what a native prefill of the history builds.
 #[test]
+#[allow(
+    clippy::single_range_in_vec_init,
+    reason = "lists of spans, one of which holds a single span"
+)]
 fn a_sparse_read_holds_only_its_spans_and_a_refill_over_its_holes_is_native() {
     let l = common::tiny_ladder();
     let md = Model::load(&l.rungs[2].path, "small", ModelOptions::default()).unwrap();

@@ -189,10 +189,13 @@ fn a_file_whose_rung_the_budget_no_longer_holds_wakes_through_the_switch() {
     let dir = StateDir::open(d.path(), 64).unwrap();
     let (path, first_turn_len, _) = hibernated(&dir, "big");
     let file = StateFile::from_bytes(&path, &std::fs::read(&path).unwrap()).unwrap();
-    // Started on the big rung (the session's home), moved down to the small one.
+    // Started on the big rung (the session's home), moved down to the small one. The
+    // projection alone (no token recompute): the default's choice would cover most of this
+    // short conversation and re-read all of it at the wake, leaving no projected cell.
     let opts = SessionOptions {
         observe_footprint: false,
         projector_dirs: vec![common::tiny_projectors().clone()],
+        token_recompute: None,
         ..SessionOptions::default()
     };
     let mut s =

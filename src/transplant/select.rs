@@ -398,7 +398,7 @@ pub fn select_spans(
     if setting.whole_from > 0.0
         && covered(&spans) as f64 >= setting.whole_from * (end_all - lo) as f64
     {
-        return vec![lo..end_all];
+        return std::iter::once(lo..end_all).collect();
     }
     while spans.len() > MAX_SPANS {
         let (i, _) = spans
