@@ -19,18 +19,9 @@ import json
 import os
 import sys
 
-# The preambles of gen_recall_items.py's mid questions, in its order.
-PREAMBLES = [
-    "First write two sentences about the overall mood of these notes, then {ask}.",
-    "Begin with a short summary, two or three sentences long, of which teams appear in these notes. After that, {ask}.",
-    "Before anything else, describe in two sentences the kinds of problems these teams are dealing with. Only then {ask}.",
-    "Start by writing two sentences on what kind of document this seems to be and who would read it; then {ask}.",
-    "First name two topics discussed in the notes, with one full sentence on each, and afterwards {ask}.",
-    "Open with two sentences giving your impression of how organised these teams seem. Then, in a new sentence, {ask}.",
-    "Write a brief two-sentence summary of the notes first. Once that is done, {ask}.",
-    "First explain in two sentences which decision in these notes seems most consequential, and only after that {ask}.",
-]
-FIRST_SUFFIX = " Answer in one full sentence."
+# The generator's mid-question preambles and first-question suffix, in its order.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gen_recall_items import FIRST_SUFFIX, PREAMBLES  # noqa: E402
 
 # Items asked directly: the request as a clause, for the twin asked after a preamble.
 ASK = {

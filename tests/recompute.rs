@@ -6,7 +6,7 @@
 
 mod common;
 
-use molt::engine::{Context, ContextConfig, Model, ModelOptions, Span};
+use molt::engine::{Context, ContextConfig, Model, ModelOptions, Span, Token};
 use molt::kv::KvSnapshot;
 use molt::routes::{Routes, Variant};
 use molt::session::migrate::{Exported, Reread, reprefill, transplant_exported};
@@ -296,7 +296,6 @@ fn a_refill_that_caught_up_continues_as_the_native_cache_does() {
 /// switch starts none, and `refill_chunk: 0` turns it off.
 #[test]
 fn a_size_switch_refills_the_history_in_place_and_then_answers_as_the_native_cache_does() {
-    let l = common::tiny_ladder().clone();
     let run = |to: usize, chunk: usize, within: usize| {
         // A twentieth by position: on this short text the default's choice covers most of the
         // cache and the switch re-reads all of it, leaving nothing to refill (the test below).
@@ -337,20 +336,9 @@ fn a_size_switch_refills_the_history_in_place_and_then_answers_as_the_native_cac
         "eight a step takes more than three tokens here (refilled before token {k})"
     );
     // A native cache of the same text continues as the answer did from token `k`.
-    let info = &l.rungs[2];
-    let model = Model::load(&info.path, info.name(), ModelOptions::default()).unwrap();
-    let mut native = Context::new(model, common::cfg_long()).unwrap();
-    native.decode(&history[..prompt + k]).unwrap();
-    let mut again = g.tokens[..k].to_vec();
-    while again.len() < g.tokens.len() {
-        let t = molt::engine::argmax(native.logits());
-        again.push(t);
-        if again.len() < g.tokens.len() {
-            native.decode(&[t]).unwrap();
-        }
-    }
     assert_eq!(
-        again, g.tokens,
+        native_continuation(&history, &g.tokens, k),
+        g.tokens,
         "after the refill the answer is the native cache's"
     );
     // With a deadline of three tokens: more a step, the same positions, done by then.
@@ -432,7 +420,6 @@ fn a_sparse_read_holds_only_its_spans_and_a_refill_over_its_holes_is_native() {
 /// after the switch is what a native cache of the same text gives.
 #[test]
 fn a_size_switch_over_a_short_history_re_reads_all_of_it_and_refills_nothing() {
-    let l = common::tiny_ladder().clone();
     let at = 2;
     let (g, levers, s) = common::events::forced_switch(SessionOptions::default(), TEXT, at, 2);
     let sw = &g.switches[0];
@@ -444,25 +431,31 @@ fn a_size_switch_over_a_short_history_re_reads_all_of_it_and_refills_nothing() {
         levers.iter().all(|x| !x.lever.starts_with("refill")),
         "{levers:?}"
     );
-    // From the switch on, the answer is a native cache's.
-    let history = s.history();
-    let prompt = history.len() - (g.tokens.len() - 1);
-    let info = &l.rungs[2];
+    assert_eq!(
+        native_continuation(s.history(), &g.tokens, at),
+        g.tokens,
+        "the answer after the switch is the native cache's"
+    );
+}
+
+/// What the small rung answers, greedily, from a native cache of the session's `history` (the
+/// prompt, then every answer token but the last) cut after the answer's first `k` tokens:
+/// `tokens[..k]`, then its own tokens up to `tokens`' length.
+fn native_continuation(history: &[Token], tokens: &[Token], k: usize) -> Vec<Token> {
+    let info = &common::tiny_ladder().rungs[2];
+    let prompt = history.len() - (tokens.len() - 1);
     let model = Model::load(&info.path, info.name(), ModelOptions::default()).unwrap();
     let mut native = Context::new(model, common::cfg_long()).unwrap();
-    native.decode(&history[..prompt + at]).unwrap();
-    let mut again = g.tokens[..at].to_vec();
-    while again.len() < g.tokens.len() {
+    native.decode(&history[..prompt + k]).unwrap();
+    let mut again = tokens[..k].to_vec();
+    while again.len() < tokens.len() {
         let t = molt::engine::argmax(native.logits());
         again.push(t);
-        if again.len() < g.tokens.len() {
+        if again.len() < tokens.len() {
             native.decode(&[t]).unwrap();
         }
     }
-    assert_eq!(
-        again, g.tokens,
-        "the answer after the switch is the native cache's"
-    );
+    again
 }
 
 /// The residual rule's scores: a size route's maps there and back lose a share of every

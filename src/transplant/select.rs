@@ -449,10 +449,9 @@ mod tests {
         assert_eq!(at, vec![7, 13, 15]);
     }
 
-    #[test]
-    fn a_sentence_comes_whole_and_the_budget_bounds_the_total() {
-        // Three sentences: 0..10, 10..30, 30..60; the question attends to position 20, inside
-        // the middle one, whose value (position 12) stands before the words it attends to.
+    /// 80 positions in three sentences ending at 9, 29 and 59 (then the question), the
+    /// heaviest attention on 20, the next on 45.
+    fn three_sentences() -> (Vec<bool>, Vec<f32>) {
         let mut ends = vec![false; 80];
         ends[9] = true;
         ends[29] = true;
@@ -460,6 +459,14 @@ mod tests {
         let mut scores = vec![0.0f32; 80];
         scores[20] = 5.0;
         scores[45] = 1.0;
+        (ends, scores)
+    }
+
+    #[test]
+    fn a_sentence_comes_whole_and_the_budget_bounds_the_total() {
+        // Three sentences: 0..10, 10..30, 30..60; the question attends to position 20, inside
+        // the middle one, whose value (position 12) stands before the words it attends to.
+        let (ends, scores) = three_sentences();
         let set = TokenRecompute::sentences(0.3);
         let s = select_spans(&scores, &ends, 0, 80, 60, &set, 0);
         assert_eq!(s, vec![10..30, 60..80], "{s:?}");
@@ -491,13 +498,7 @@ mod tests {
     fn the_floor_takes_more_than_the_share_of_a_short_context() {
         // Same three sentences; a share of 0.05 (3 positions) would stop after the first
         // sentence it takes, the floor of 40 takes the next sentence by attention too.
-        let mut ends = vec![false; 80];
-        ends[9] = true;
-        ends[29] = true;
-        ends[59] = true;
-        let mut scores = vec![0.0f32; 80];
-        scores[20] = 5.0;
-        scores[45] = 1.0;
+        let (ends, scores) = three_sentences();
         let share = TokenRecompute::sentences(0.05);
         let s = select_spans(&scores, &ends, 0, 80, 60, &share, 0);
         assert_eq!(s, vec![10..30, 60..80], "{s:?}");
@@ -521,13 +522,7 @@ mod tests {
         // The floor's choice (10..80, 70 of 80 positions) covers more than half: everything
         // between the head and the tail is re-read; the share's (40 of 80) half exactly; a
         // choice below half is left as it is.
-        let mut ends = vec![false; 80];
-        ends[9] = true;
-        ends[29] = true;
-        ends[59] = true;
-        let mut scores = vec![0.0f32; 80];
-        scores[20] = 5.0;
-        scores[45] = 1.0;
+        let (ends, scores) = three_sentences();
         let whole = |min_positions| TokenRecompute {
             min_positions,
             whole_from: 0.5,
