@@ -206,18 +206,34 @@ pub enum ArmMethod {
         /// fixed chunk; runs before 2026-12-06's second session had none).
         #[serde(default)]
         refill_within: usize,
-        /// The projected cells the switch did not re-read are forgotten before the first
-        /// decode (SnapKV's eviction, by the source's choice): the answer attends only to the
-        /// head, the re-read sentences and the question — native cells — until the refill
-        /// has re-read the rest in place.
-        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-        evict: bool,
-        /// No projection: the destination reads the head and the chosen positions natively at
-        /// their own positions (a prefill of only those parts), the rest of the history left
-        /// out until the refill re-reads it in place.
-        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-        sparse: bool,
+        /// What happens to the positions the switch does not re-read
+        /// ([`Uncovered::Projected`] unless the arm says otherwise).
+        #[serde(default, skip_serializing_if = "Uncovered::is_projected")]
+        uncovered: Uncovered,
     },
+}
+
+/// What a size switch does with the positions it does not re-read natively.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Uncovered {
+    /// Projected from the source's cache (the shipped switch).
+    #[default]
+    Projected,
+    /// Projected, then forgotten before the first decode (SnapKV's eviction, by the source's
+    /// choice): the answer attends only to the head, the re-read sentences and the question
+    /// until the refill has re-read the rest in place.
+    Forgotten,
+    /// Never there: no projection, the destination reads the head and the chosen positions
+    /// natively at their own positions (a prefill of only those parts), the rest left out
+    /// until the refill re-reads it in place.
+    LeftOut,
+}
+
+impl Uncovered {
+    fn is_projected(&self) -> bool {
+        *self == Self::Projected
+    }
 }
 
 /// One arm of the benchmark.
@@ -252,25 +268,15 @@ impl Arm {
                 recompute,
                 refill,
                 refill_within,
-                evict: false,
-                sparse: false,
+                uncovered: Uncovered::Projected,
             },
         }
     }
 
-    /// This arm with no projection: only the positions it re-reads are read, natively.
-    fn sparse(mut self, name: &str) -> Self {
-        if let ArmMethod::Transplant { sparse, .. } = &mut self.method {
-            *sparse = true;
-        }
-        self.name = name.into();
-        self
-    }
-
-    /// This arm with the projected cells it does not re-read forgotten at the switch.
-    fn evicting(mut self, name: &str) -> Self {
-        if let ArmMethod::Transplant { evict, .. } = &mut self.method {
-            *evict = true;
+    /// This arm, named `name`, doing `with` to the positions it does not re-read.
+    fn leaving(mut self, with: Uncovered, name: &str) -> Self {
+        if let ArmMethod::Transplant { uncovered, .. } = &mut self.method {
+            *uncovered = with;
         }
         self.name = name.into();
         self
@@ -294,11 +300,9 @@ impl Arm {
                 recompute: r,
                 refill,
                 refill_within,
-                evict,
-                sparse,
+                uncovered,
             } => {
-                !evict
-                    && !sparse
+                uncovered == Uncovered::Projected
                     && head == d.head_reread
                     && tail == d.tail_recompute
                     && r == recompute
@@ -435,9 +439,9 @@ pub fn default_arms(names: &[String]) -> Vec<Arm> {
             Some(TokenRecompute::default_size()),
             (64, 8),
         )
-        .evicting("sent-r10-m64-evict+refill64-w8"),
+        .leaving(Uncovered::Forgotten, "sent-r10-m64-evict+refill64-w8"),
         Arm::transplant("sent-r10-m64", h, 0, Some(sent_floor(0.10, 64)))
-            .evicting("sent-r10-m64-evict"),
+            .leaving(Uncovered::Forgotten, "sent-r10-m64-evict"),
         // No projection at all: the destination reads what the default would re-read (the
         // sentences the question looks at, the question) natively at their own positions, the
         // rest left out until the refill reads it.
@@ -448,9 +452,9 @@ pub fn default_arms(names: &[String]) -> Vec<Arm> {
             Some(TokenRecompute::default_size()),
             (64, 8),
         )
-        .sparse("sparse-r10-m64+refill64-w8"),
+        .leaving(Uncovered::LeftOut, "sparse-r10-m64+refill64-w8"),
         Arm::transplant("sent-r10-m64", h, 0, Some(TokenRecompute::default_size()))
-            .sparse("sparse-r10-m64"),
+            .leaving(Uncovered::LeftOut, "sparse-r10-m64"),
     ];
     if names.is_empty() {
         return all;
@@ -937,8 +941,7 @@ pub fn run(
                             recompute,
                             refill,
                             refill_within,
-                            evict,
-                            sparse,
+                            uncovered,
                         } => {
                             let last = *read.before.last().expect("switch after a token");
                             let h = head.min(n_past);
@@ -996,7 +999,11 @@ pub fn run(
                                 anchor: anchor.as_deref(),
                                 spans: &spans,
                             };
-                            let t = if sparse && tl == 0 {
+                            // Positions neither the head, the tail nor the spans re-read.
+                            let mut covered = ranges.clone();
+                            covered.extend([0..h, n_past - tl..n_past]);
+                            let left = crate::session::uncovered(n_past, &covered);
+                            let t = if uncovered == Uncovered::LeftOut && tl == 0 {
                                 // The head, then the chosen positions, read natively; nothing
                                 // projected.
                                 let t0 = Instant::now();
@@ -1015,7 +1022,7 @@ pub fn run(
                                     cells: n_past,
                                     ..migrate::SwitchTimings::default()
                                 }
-                            } else if evict && tl == 0 {
+                            } else if uncovered == Uncovered::Forgotten && tl == 0 {
                                 // As the switch, with the cells left projected forgotten
                                 // between the carry and the first decode.
                                 let t0 = Instant::now();
@@ -1026,9 +1033,6 @@ pub fn run(
                                     None,
                                     reread,
                                 )?;
-                                let mut keep = ranges.clone();
-                                keep.push(0..h);
-                                let left = crate::session::uncovered(n_past, &keep);
                                 dst.ctx.forget(&left);
                                 dst.ctx.decode(&[last]).map_err(engine(&dst_name))?;
                                 migrate::SwitchTimings {
@@ -1047,9 +1051,7 @@ pub fn run(
                             };
                             let mut out = read.before.clone();
                             // As a session: no refill when the switch re-read every position.
-                            let projected =
-                                n_past - h - tl > crate::transplant::select::covered(&ranges);
-                            if refill > 0 && projected {
+                            if refill > 0 && !left.is_empty() {
                                 refilled = Some(continue_refilling(
                                     &mut dst.ctx,
                                     &history,

@@ -14,7 +14,7 @@ use crate::bench::figures::recall::{
     KEEPS_FACTS, RecallSummary, by_length, default_arm, routes, summaries,
 };
 use crate::bench::precision::pool_recall;
-use crate::bench::recall::{ArmMethod, RecallDoc};
+use crate::bench::recall::{ArmMethod, RecallDoc, Uncovered};
 use crate::transplant::select::SelectRule;
 
 /// The section, from its `##` heading on; `figures_rel` is the figure directory relative to
@@ -351,20 +351,18 @@ fn reread(doc: &RecallDoc, x: &RecallSummary) -> String {
             recompute,
             refill,
             refill_within,
-            evict,
-            sparse,
+            uncovered,
         } => {
             let mut parts = Vec::new();
             if head > 0 {
                 parts.push(format!("head {head}"));
             }
-            if evict {
-                parts.push("the rest forgotten until re-read".into());
-            }
-            if sparse {
-                parts.push(
+            match uncovered {
+                Uncovered::Projected => {}
+                Uncovered::Forgotten => parts.push("the rest forgotten until re-read".into()),
+                Uncovered::LeftOut => parts.push(
                     "nothing projected: only these read, the rest left out until re-read".into(),
-                );
+                ),
             }
             if tail > 0 {
                 parts.push(format!("tail {tail}"));
