@@ -53,6 +53,7 @@ fn two_answers_with_a_switch(
     dir: &Path,
     fault: Option<&str>,
     projectors: &Path,
+    extra: &[&str],
 ) -> (Output, Vec<serde_json::Value>) {
     let prompts = dir.join("prompts.txt");
     std::fs::write(&prompts, "The cache\nTell me a story\n").unwrap();
@@ -77,6 +78,7 @@ fn two_answers_with_a_switch(
         .arg(&trace)
         .arg("--projectors")
         .arg(projectors)
+        .args(extra)
         .args(["--max-tokens", "12", "--out"])
         .arg(&results)
         .output()
@@ -120,10 +122,11 @@ fn assert_next_answer_switches(rows: &[serde_json::Value]) {
 
 /// A switch whose `fault` fires: the first answer ends with an error naming every one of
 /// `words`, and the next answer switches by projection.
-fn a_failed_switch_ends_its_answer_only(fault: &str, words: &[&str]) {
+fn a_failed_switch_ends_its_answer_only(fault: &str, words: &[&str], extra: &[&str]) {
     let _ = common::tiny_ladder();
     let dir = tempfile::tempdir().unwrap();
-    let (out, rows) = two_answers_with_a_switch(dir.path(), Some(fault), common::tiny_projectors());
+    let (out, rows) =
+        two_answers_with_a_switch(dir.path(), Some(fault), common::tiny_projectors(), extra);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(rows.len(), 2, "{stderr}");
     let err = rows[0]["error"]
@@ -135,7 +138,11 @@ fn a_failed_switch_ends_its_answer_only(fault: &str, words: &[&str]) {
 
 #[test]
 fn destination_load_fails_mid_switch() {
-    a_failed_switch_ends_its_answer_only("switch_load:1", &["could not load", "injected fault"]);
+    a_failed_switch_ends_its_answer_only(
+        "switch_load:1",
+        &["could not load", "injected fault"],
+        &[],
+    );
     record(
         "switch_load",
         "the answer ends with a clear error (llama.cpp could not load …: injected fault); the source stays loaded and the next answer switches by projection",
@@ -144,7 +151,13 @@ fn destination_load_fails_mid_switch() {
 
 #[test]
 fn kv_import_fails_mid_switch() {
-    a_failed_switch_ends_its_answer_only("kv_import:1", &["import", "injected fault"]);
+    // A size switch reads sparsely by default and imports nothing: the projection is asked
+    // for, as a precision route's switch projects.
+    a_failed_switch_ends_its_answer_only(
+        "kv_import:1",
+        &["import", "injected fault"],
+        &["--switch-rest", "projected"],
+    );
     record(
         "kv_import",
         "the answer ends with a clear error (import: injected fault); the source is restored and the next answer switches by projection",
@@ -156,7 +169,8 @@ fn unreadable_anchor_decodes_the_head_instead() {
     let _ = common::tiny_ladder();
     let dir = tempfile::tempdir().unwrap();
     let projectors = projectors_with_anchors(dir.path());
-    let (out, rows) = two_answers_with_a_switch(dir.path(), Some("anchor_read:1"), &projectors);
+    let (out, rows) =
+        two_answers_with_a_switch(dir.path(), Some("anchor_read:1"), &projectors, &[]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     assert_eq!(rows.len(), 2, "{stderr}");

@@ -366,11 +366,13 @@ fn a_size_switch_refills_the_history_in_place_and_then_answers_as_the_native_cac
     );
 }
 
-/// The sparse read the recall benchmark's `sparse-*` arms switch with: the head and a few spans
+/// The sparse read a size switch makes by default (`Rest::LeftOut`): the head and a few spans
 /// of a history read natively at their own positions, nothing between them. The cache then
-/// holds exactly those positions and ends where the history does; the next token decodes after
-/// it; and re-reading the holes in place from the head on (as a refill does) leaves every cell
-/// what a native prefill of the history builds.
+/// holds exactly those positions and ends where the history does, its moved keys already
+/// rotated for their new positions when the read returns (layer 0's keys depend only on the
+/// token and its position, so they match a native prefill's there, exported before any other
+/// decode); and re-reading the holes in place from the head on (as a refill does) leaves every
+/// cell what a native prefill of the history builds.
 #[test]
 #[allow(
     clippy::single_range_in_vec_init,
@@ -384,9 +386,12 @@ fn a_sparse_read_holds_only_its_spans_and_a_refill_over_its_holes_is_native() {
     assert!(n > 40, "{n}");
     let head = 4;
     let ranges = [10..16, 25..31, n - 6..n];
-    let mut ctx = Context::new(md.clone(), common::cfg_long()).unwrap();
+    let mut native = Context::new(md.clone(), common::cfg_long()).unwrap();
+    native.decode(&toks).unwrap();
+    let native_blob = native.export_state().unwrap();
+    let mut ctx = Context::new(md, common::cfg_long()).unwrap();
     ctx.decode(&toks[..head]).unwrap();
-    let read = ctx.decode_sparse(&Span::of(&toks, &ranges), n).unwrap();
+    let read = ctx.decode_sparse(&Span::of(&toks, &ranges), &[]).unwrap();
     assert_eq!(read, 18);
     assert_eq!(ctx.n_past(), n);
     let blob = ctx.export_state().unwrap();
@@ -396,19 +401,41 @@ fn a_sparse_read_holds_only_its_spans_and_a_refill_over_its_holes_is_native() {
         .map(|p| i32::try_from(p).unwrap())
         .collect();
     assert_eq!(stream.positions(), want.as_slice());
-    // Out of order, or past the end: refused, the cache as it was.
-    assert!(ctx.decode_sparse(&Span::of(&toks, &[2..3]), n).is_err());
+    let (_, native_stream) = KvSnapshot::parse_single_stream(&native_blob).unwrap();
+    let layer0_key = |s: &molt::kv::KvStream, pos: usize| {
+        let i = s
+            .positions()
+            .iter()
+            .position(|&p| p == i32::try_from(pos).unwrap())
+            .unwrap();
+        s.layers[0].k.row(i).to_vec()
+    };
+    for pos in [12, 27, n - 1] {
+        let d = max_abs(&layer0_key(&stream, pos), &layer0_key(&native_stream, pos));
+        assert!(d < 2e-2, "layer 0 key at {pos}: {d}");
+    }
+    // Out of order, or a lone last token apart from the rest: refused, the cache as it was.
+    assert!(ctx.decode_sparse(&Span::of(&toks, &[2..3]), &[]).is_err());
+    let mut other = Context::new(ctx.model().clone(), common::cfg_long()).unwrap();
+    other.decode(&toks[..head]).unwrap();
+    assert!(
+        other
+            .decode_sparse(&Span::of(&toks, &[10..16, 30..31]), &[])
+            .is_err()
+    );
+    assert_eq!(other.n_past(), head);
     // The next token goes after the history.
     ctx.decode(&[toks[0]]).unwrap();
     ctx.truncate(n);
     // Re-read from the head's end to the end, in place: the native cache.
     ctx.recompute_spans(&Span::of(&toks, &[head..n])).unwrap();
-    let mut native = Context::new(md, common::cfg_long()).unwrap();
-    native.decode(&toks).unwrap();
-    let (a, b) = (ctx.export_state().unwrap(), native.export_state().unwrap());
+    let a = ctx.export_state().unwrap();
     for pos in [0, 5, 12, 20, 28, n - 1] {
         let p = i32::try_from(pos).unwrap();
-        let d = max_abs(&common::kv_rows_at(&a, p), &common::kv_rows_at(&b, p));
+        let d = max_abs(
+            &common::kv_rows_at(&a, p),
+            &common::kv_rows_at(&native_blob, p),
+        );
         assert!(d < 2e-2, "position {pos}: {d}");
     }
 }
@@ -436,6 +463,56 @@ fn a_size_switch_over_a_short_history_re_reads_all_of_it_and_refills_nothing() {
         g.tokens,
         "the answer after the switch is the native cache's"
     );
+}
+
+/// The default size switch over a longer history reads sparsely: nothing is exported or
+/// projected, the destination reads the head, the positions the question looked at and the
+/// question, and leaves the rest out. The refill then reads what was left out behind the
+/// answer, and from the token after it the answer is what a native cache of the same text
+/// gives. With the refill off, what was left out is read when the answer ends (a `fill`
+/// lever): the cache the answer leaves holds every position, natively.
+#[test]
+fn a_default_size_switch_reads_sparsely_and_leaves_a_whole_native_cache() {
+    let long = [TEXT; 4].join(" ");
+    let head = molt::session::DEFAULT_HEAD_REREAD;
+    let run = |chunk: usize| {
+        let opts = SessionOptions {
+            refill_chunk: chunk,
+            ..SessionOptions::default()
+        };
+        common::events::forced_switch(opts, &long, 2, 2)
+    };
+    let (g, levers, s) = run(molt::session::DEFAULT_REFILL_CHUNK);
+    let t = &g.switches[0].timings;
+    assert!(t.sparse, "{t:?}");
+    assert!(
+        t.export_ms == 0.0 && t.project_ms == 0.0 && t.import_ms == 0.0,
+        "{t:?}"
+    );
+    let left_out = t.cells - head - t.recomputed;
+    assert!(
+        left_out > t.cells / 3,
+        "most of the history left out: {t:?}"
+    );
+    let refills: Vec<_> = levers.iter().filter(|x| x.lever == "refill").collect();
+    assert_eq!(refills.len(), 1, "{levers:?}");
+    let k = refills[0].at_token;
+    assert_eq!(s.projected_positions(), 0);
+    assert_eq!(
+        native_continuation(s.history(), &g.tokens, k),
+        g.tokens,
+        "after the refill the answer is the native cache's"
+    );
+
+    let (g0, levers0, s0) = run(0);
+    assert!(g0.switches[0].timings.sparse);
+    assert_eq!(g0.tokens[..2], g.tokens[..2]);
+    assert!(levers0.iter().all(|x| x.lever != "refill"), "{levers0:?}");
+    let fills: Vec<_> = levers0.iter().filter(|x| x.lever == "fill").collect();
+    assert_eq!(fills.len(), 1, "{levers0:?}");
+    assert_eq!(fills[0].at_token, g0.tokens.len());
+    assert_eq!(fills[0].tokens, left_out, "{:?}", fills[0]);
+    assert_eq!(s0.projected_positions(), 0);
 }
 
 /// What the small rung answers, greedily, from a native cache of the session's `history` (the

@@ -371,30 +371,58 @@ impl Context {
     }
 
     /// Reads `spans` natively in sequence 0 after its last cell, as one text (each token
-    /// attending to the cells before it and to the spans' earlier tokens), then moves each span
-    /// to its own positions (llama.cpp re-rotates their keys at the next decode): a prefill of
-    /// only these parts of a history, read as if the parts between them were not there, and
-    /// kept where the history has them. The sequence then ends at `end` (where the next token
-    /// goes), with holes where nothing was read. The spans must be in order, after the
-    /// sequence's last cell and before `end`. The moved keys are re-rotated by the next
-    /// decode: decode before exporting the state. Returns the positions read.
+    /// attending to the cells before it and to the spans' earlier tokens), moves each span to
+    /// its own positions, then decodes `then` after the last span: a prefill of only these
+    /// parts of a history, read as if the parts between them were not there, and kept where
+    /// the history has them. The sequence then ends after `then`, with holes where nothing was
+    /// read; the logits are the last token's. The spans must be in order, after the sequence's
+    /// last cell, and the last one must hold two tokens or follow the one before it (or the
+    /// sequence's last cell) directly: its last token is held back and decoded with `then`
+    /// once the spans are in place, which makes llama.cpp re-rotate the moved keys before
+    /// anything reads or exports them (a move alone leaves that to the next decode, and a
+    /// state exported before it would carry keys rotated for the wrong positions). Returns
+    /// the span positions read.
     ///
     /// # Errors
-    /// [`EngineError::ContextOverflow`] when the spans are out of order or reach past `end` or
-    /// the context; [`EngineError::Shed`] when this cache cannot move positions; a decode
+    /// [`EngineError::ContextOverflow`] when the spans are out of order or reach past the
+    /// context; [`EngineError::OutOfRange`] when there are none or the last cannot be decoded
+    /// after the others; [`EngineError::Shed`] when this cache cannot move positions; a decode
     /// error otherwise.
-    pub fn decode_sparse(&mut self, spans: &[Span<'_>], end: usize) -> Result<usize, EngineError> {
+    pub fn decode_sparse(
+        &mut self,
+        spans: &[Span<'_>],
+        then: &[Token],
+    ) -> Result<usize, EngineError> {
         let n_ctx = self.config.n_ctx as usize;
+        let spans: Vec<&Span<'_>> = spans.iter().filter(|s| !s.tokens.is_empty()).collect();
+        let Some(last) = spans.last() else {
+            return Err(EngineError::OutOfRange {
+                what: "spans of a sparse read",
+                value: 0,
+            });
+        };
         let mut at = self.n_past;
-        let mut ok = end <= n_ctx;
-        for s in spans {
+        let mut ok = true;
+        for s in &spans {
             ok &= s.start >= at;
             at = s.start + s.tokens.len();
         }
-        if !ok || at > end {
+        let end = at;
+        if !ok || end + then.len() > n_ctx {
             return Err(EngineError::ContextOverflow {
-                needed: at.max(end),
+                needed: end.max(self.n_past) + then.len(),
                 n_ctx: self.config.n_ctx,
+            });
+        }
+        // The held-back token goes right after the last cell the spans leave.
+        let before_last = match spans.len() {
+            1 => self.n_past,
+            n => spans[n - 2].start + spans[n - 2].tokens.len(),
+        };
+        if last.tokens.len() < 2 && last.start != before_last {
+            return Err(EngineError::OutOfRange {
+                what: "a sparse read's last span apart from the others with one token",
+                value: last.start as u64,
             });
         }
         // SAFETY: live context; read-only query.
@@ -411,11 +439,15 @@ impl Context {
             });
         }
         let start = self.n_past;
-        let all: Vec<Token> = spans
+        let read: usize = spans.iter().map(|s| s.tokens.len()).sum();
+        let mut all: Vec<Token> = spans
             .iter()
             .flat_map(|s| s.tokens.iter().copied())
             .collect();
-        self.decode(&all)?;
+        let held = all.pop().expect("the last span holds a token");
+        if !all.is_empty() {
+            self.decode_cache_only(&all)?;
+        }
         let conv = |v: usize| {
             i32::try_from(v).map_err(|_| EngineError::OutOfRange {
                 what: "position",
@@ -425,22 +457,27 @@ impl Context {
         // Where each span was read, then moved last first (each moves up, never past the next).
         let mut read_at = start;
         let mut moves = Vec::with_capacity(spans.len());
-        for s in spans {
-            moves.push((read_at, read_at + s.tokens.len(), s.start - read_at));
-            read_at += s.tokens.len();
+        for (i, s) in spans.iter().enumerate() {
+            let n = s.tokens.len() - usize::from(i + 1 == spans.len());
+            moves.push((read_at, read_at + n, s.start - read_at));
+            read_at += n;
         }
         // SAFETY: live context; moving position ranges of sequence 0 on a cache that can shift.
         let mem = unsafe { llama_cpp_sys_2::llama_get_memory(self.ptr.as_ptr()) };
         for &(p0, p1, delta) in moves.iter().rev() {
-            if delta > 0 {
+            if delta > 0 && p1 > p0 {
                 let (p0, p1, d) = (conv(p0)?, conv(p1)?, conv(delta)?);
                 // SAFETY: as above.
                 unsafe { llama_cpp_sys_2::llama_memory_seq_add(mem, SEQ, p0, p1, d) };
             }
         }
-        self.n_past = end;
-        self.restart_hidden(end);
-        Ok(all.len())
+        self.n_past = end - 1;
+        self.restart_hidden(end - 1);
+        let mut next = Vec::with_capacity(then.len() + 1);
+        next.push(held);
+        next.extend_from_slice(then);
+        self.decode(&next)?;
+        Ok(read)
     }
 
     /// Sheds context: drops the `n` positions after the first `pinned` (the oldest tokens that

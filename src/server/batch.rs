@@ -465,6 +465,9 @@ struct Tenant {
     parked_since: Option<Instant>,
     /// Positions of its cache whose cells a switch projected and nothing has re-read since.
     projected: Vec<Range<usize>>,
+    /// The positions in `projected` hold no cell (a sparse read left them out): a cache
+    /// still holding some when its answer ends is not built on.
+    holes: bool,
     /// After a Molt switch down a size route: the refill re-reading its history in place, a
     /// chunk in the batch of each step ([`SessionOptions::refill_chunk`]); `None` when none
     /// runs.
@@ -1045,6 +1048,7 @@ fn admit(shared: &Shared, engine: &mut Engine, l: &Ladders, job: Job) -> Option<
         started: false,
         parked_since: None,
         projected,
+        holes: false,
         refill: None,
         observed: None,
         stream: Utf8Stream::new(),
@@ -2050,6 +2054,8 @@ fn carry_into(
         let n_tokens = t.cached.len() as u64;
         let (method, timings, note) = match carried {
             Ok((timings, projected)) => {
+                // Absent cells stay absent through a later projection.
+                t.holes = (t.holes && !t.projected.is_empty()) || timings.sparse;
                 t.projected = projected;
                 // The head re-read is the destination's own already.
                 let next = l.opts.head_reread.min(t.cached.len());
@@ -2490,7 +2496,10 @@ fn keep_or_free(shared: &Shared, engine: &mut Engine, t: &Tenant) {
         engine.ctx.remove_seq(t.seq);
         return;
     };
-    let trusted = t.projected.is_empty() || engine.refreshable;
+    // Positions a sparse read left out and the refill did not reach (an answer shorter than
+    // its deadline) cannot be refreshed: nothing attends to them. The conversation is read
+    // again from its messages instead.
+    let trusted = t.projected.is_empty() || (engine.refreshable && !t.holes);
     let keep = trusted && !t.cached.is_empty() && engine.ctx.n_past(t.seq) == Some(t.cached.len());
     let kv = engine.kv_per_token * t.cached.len() as u64;
     shared.conversations.answered(

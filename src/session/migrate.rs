@@ -115,6 +115,11 @@ pub struct SwitchTimings {
     /// source, which had written them after the carry began.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub caught_up: usize,
+    /// A sparse read ([`read_sparse`]): nothing was projected; the destination read the head,
+    /// the `recomputed` positions and the tail natively, and the `cells - head - recomputed -
+    /// tail` others are absent until something reads them.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub sparse: bool,
 }
 
 #[allow(clippy::trivially_copy_pass_by_ref)] // serde's skip_serializing_if passes a reference
@@ -824,6 +829,95 @@ pub fn carry_exported(
     })
 }
 
+/// A size switch with no projection (a sparse read, [`crate::transplant::select::Rest::LeftOut`]):
+/// `dst` is cleared and reads natively the head (its anchored part imported from `anchor`),
+/// then `reread.spans` and the tail as one text moved to their own positions
+/// ([`Context::decode_sparse`]), then `then` (the token sampled last, or nothing for a carry
+/// that stops before it). The positions of the `n_past` cells no span covers hold nothing
+/// until a refill reads them. `reread.spans` and the tail together must reach `n_past` (the
+/// question and the answer so far are always chosen); `from` names the source in errors. On
+/// failure `dst` is left empty.
+///
+/// # Errors
+/// [`SessionError::Migration`] naming the step that failed.
+pub fn read_sparse(
+    dst: &mut Context,
+    reread: Reread<'_>,
+    n_past: usize,
+    then: &[Token],
+    from: &str,
+) -> Result<SwitchTimings, SessionError> {
+    let fail = |dst: &mut Context, source: MigrationError| {
+        dst.clear();
+        SessionError::Migration {
+            from: from.to_string(),
+            to: dst.model().name().to_string(),
+            source,
+        }
+    };
+    let Reread {
+        head,
+        tail,
+        anchor,
+        spans,
+    } = reread;
+    if head.len() + tail.len() > n_past {
+        let cause = MigrationCause::LongerThanCache {
+            asked: head.len() + tail.len(),
+            cached: n_past,
+        };
+        return Err(fail(dst, MigrationStep::HeadReread.fail(cause)));
+    }
+    let t1 = Instant::now();
+    let covered = anchor.map_or(0, |a| a.covers(head));
+    let head_anchored = match anchor {
+        Some(a) if covered > 0 && dst.import_state(&a.state).is_ok() => {
+            dst.truncate(covered);
+            covered
+        }
+        _ => {
+            dst.clear();
+            0
+        }
+    };
+    if let Err(e) = dst.decode_cache_only(&head[head_anchored..]) {
+        return Err(fail(dst, MigrationStep::HeadReread.fail(e)));
+    }
+    let head_ms = ms(t1);
+    let ts = Instant::now();
+    let mut all: Vec<Span<'_>> = spans.to_vec();
+    if !tail.is_empty() {
+        all.push(Span {
+            start: n_past - tail.len(),
+            tokens: tail,
+        });
+    }
+    let recomputed = match dst.decode_sparse(&all, then) {
+        Ok(n) => n,
+        Err(e) => return Err(fail(dst, MigrationStep::SelectiveRecompute.fail(e))),
+    };
+    if dst.n_past() != n_past + then.len() {
+        let cause = MigrationCause::EndsElsewhere {
+            imported: dst.n_past(),
+            source_end: n_past,
+        };
+        return Err(fail(dst, MigrationStep::SelectiveRecompute.fail(cause)));
+    }
+    Ok(SwitchTimings {
+        head: head.len(),
+        head_anchored,
+        head_ms,
+        recomputed: recomputed - tail.len(),
+        spans: spans.len(),
+        spans_ms: ms(ts),
+        tail: tail.len(),
+        cost_ms: ms(t1),
+        cells: n_past,
+        sparse: true,
+        ..SwitchTimings::default()
+    })
+}
+
 /// The conventional switch (condition C): clear `dst` and re-read `history` plus `last` on it.
 ///
 /// # Errors
@@ -887,7 +981,8 @@ pub fn prefill_flops(n_params: u64, n_layer: u64, n_embd: u64, n_tokens: u64) ->
 /// FLOPs a Molt switch spent, for "FLOPs avoided": its projection (`timings.flops`) plus
 /// every position it decoded natively on the destination — the head's unanchored part, the
 /// tail, the recomputed tokens and the token sampled last — each a forward pass attending over
-/// up to the `n_past` cells carried.
+/// up to the `n_past` cells carried. A sparse read ([`read_sparse`]) projects nothing: its
+/// FLOPs are a prefill of the positions it read.
 #[must_use]
 pub fn switch_flops(
     timings: &SwitchTimings,
@@ -898,6 +993,10 @@ pub fn switch_flops(
 ) -> f64 {
     let native =
         timings.head.saturating_sub(timings.head_anchored) + timings.tail + timings.recomputed + 1;
+    // A sparse read is a prefill of the positions it reads: they attend only to each other.
+    if timings.sparse {
+        return prefill_flops(n_params, n_layer, n_embd, native as u64);
+    }
     #[allow(clippy::cast_precision_loss)]
     let (p, l, e, m, n) = (
         n_params as f64,

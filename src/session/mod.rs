@@ -45,7 +45,7 @@ pub use switch::SwitchMethod;
 // What the batched server's switch and prompt read share with the session's (`src/server/batch.rs`).
 pub(crate) use native::{minus as uncovered, refresh as refresh_projected, sentence_ends_of};
 pub(crate) use refill::reread_then_decode;
-pub(crate) use switch::{CachedState, CarryRoute, carry_cache, recompute_ranges};
+pub(crate) use switch::{CachedState, CarryRoute, carry_cache, reads_sparse, recompute_ranges};
 
 use crate::engine::{ChatMessage, ContextConfig, Sampler, Token, Utf8Stream, softmax};
 use crate::ladder::Ladder;
@@ -112,6 +112,10 @@ pub struct Session {
     /// Positions of the cache whose cells a switch projected and nothing has re-read natively
     /// since (ordered, disjoint).
     projected: Vec<Range<usize>>,
+    /// The positions in `projected` hold no cell at all (a sparse read left them out,
+    /// [`crate::transplant::select::Rest::LeftOut`]): they are read before a prompt or a state
+    /// file is built on the cache, since nothing can attend to them.
+    holes: bool,
     /// A switch's footprint sample (token index, budget), taken once the destination's first
     /// token is out: reading the process's page tables and trimming the heap took ~250 ms on
     /// a loaded 2-core machine, and belongs to no gap the user waits on.
@@ -228,6 +232,7 @@ impl Session {
             refill: None,
             observed: None,
             projected: Vec::new(),
+            holes: false,
             footprint_due: None,
         };
         s.load_pace();
@@ -712,6 +717,10 @@ impl Session {
         if budget0.is_some() {
             self.retune_idle()?;
         }
+        // Positions a sparse read left out and nothing has read since (an answer cancelled
+        // before its end's fill, a cache parked meanwhile): the prompt could not attend to
+        // them, so they are read first.
+        self.fill_holes(0, sink);
         let keep = common_prefix(&self.history, &tokens).min(tokens.len().saturating_sub(1));
         let rung_name = self.current_rung().to_string();
         let wrap = |source| SessionError::Engine {
@@ -868,8 +877,13 @@ impl Session {
         }
         self.flush_footprint(sink);
         // A refill still behind when the answer ends is dropped: what it re-read stays native,
-        // and the next prompt re-reads the projected cells it looks at.
+        // and the next prompt re-reads the projected cells it looks at. Positions a sparse
+        // read left out are read now, so the cache the answer leaves is whole (a later
+        // prompt, a state file, a park build on it).
         self.drop_refill();
+        if !killed {
+            self.fill_holes(out_tokens.len(), sink);
+        }
         let tail = stream.finish();
         if !stopped_by_control {
             text.push_str(&control.finish(tail));

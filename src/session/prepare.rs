@@ -99,6 +99,9 @@ struct Carry {
     head: usize,
     anchor: Option<Arc<Anchor>>,
     ranges: Vec<Range<usize>>,
+    /// Read sparsely ([`migrate::read_sparse`]): no projection, the positions outside the
+    /// head and `ranges` left out.
+    sparse: bool,
 }
 
 /// A conversation carried onto a loaded destination in the background, waiting for the switch.
@@ -408,6 +411,7 @@ impl Session {
         } else {
             (0, Vec::new(), None)
         };
+        let sparse = projector.is_some() && self.reads_sparse(from, to, &ranges, n_past);
         Some(Carry {
             blob,
             n_past,
@@ -418,6 +422,7 @@ impl Session {
             head,
             anchor,
             ranges,
+            sparse,
         })
     }
 
@@ -644,18 +649,22 @@ fn carry_onto(live: &mut LiveRung, c: Carry, to: usize) -> Result<Carried, Strin
                 anchor: c.anchor.as_deref(),
                 spans: &spans,
             };
-            let t = migrate::carry_exported(
-                &migrate::Exported {
-                    blob: &c.blob,
-                    n_past: c.n_past,
-                    from: &c.from_model,
-                    export_ms: c.export_ms,
-                },
-                &mut live.ctx,
-                p,
-                None,
-                reread,
-            )
+            let t = if c.sparse {
+                migrate::read_sparse(&mut live.ctx, reread, c.n_past, &[], &c.from_model)
+            } else {
+                migrate::carry_exported(
+                    &migrate::Exported {
+                        blob: &c.blob,
+                        n_past: c.n_past,
+                        from: &c.from_model,
+                        export_ms: c.export_ms,
+                    },
+                    &mut live.ctx,
+                    p,
+                    None,
+                    reread,
+                )
+            }
             .map_err(|e| e.to_string())?;
             (t, true, c.ranges)
         }

@@ -127,6 +127,61 @@ impl Session {
         }
     }
 
+    /// Reads the positions a sparse read left out and no refill has read yet, natively in
+    /// place, each stretch attending to every cell before it (the head, the positions the
+    /// switch read, the stretches read before it): afterwards the cache is what a re-prefill
+    /// builds. Called when an answer ends before its refill did, and before a prompt is read
+    /// on the cache — nothing can attend to a position with no cell, so the next question
+    /// could not find what it asks about. A `fill` lever (`↻` in `chat`) says how many
+    /// positions and how long. Nothing happens when no cell is absent. Never fatal: if the
+    /// engine fails, the cache and the history are cut before the first stretch not read
+    /// (what is left is native), the next prompt reads the rest again from the conversation,
+    /// and the lever says `fill abandoned: …`.
+    pub(super) fn fill_holes(&mut self, at_token: usize, sink: &mut dyn FnMut(&Event)) {
+        if !self.holes || self.projected.is_empty() || self.rungs[self.current].is_none() {
+            return;
+        }
+        self.drop_refill();
+        let t0 = Instant::now();
+        let holes = std::mem::take(&mut self.projected);
+        self.holes = false;
+        let rung = self.current;
+        let live = self.rungs[rung].as_mut().expect("checked above");
+        let n_past = live.ctx.n_past().min(self.history.len());
+        let mut done = 0;
+        let mut what = "fill".to_string();
+        for h in &holes {
+            let end = h.end.min(n_past);
+            if h.start >= end {
+                continue;
+            }
+            let span = Span {
+                start: h.start,
+                tokens: &self.history[h.start..end],
+            };
+            match live.ctx.recompute_spans(&[span]) {
+                Ok(n) => done += n,
+                Err(e) => {
+                    live.ctx.truncate(h.start);
+                    self.history.truncate(h.start);
+                    self.pinned = self.pinned.min(h.start);
+                    what = format!("fill abandoned: {e}");
+                    break;
+                }
+            }
+        }
+        let info = LeverInfo::refill(
+            at_token,
+            &what,
+            self.ladder.rungs[rung].name(),
+            done,
+            t0.elapsed().as_secs_f64() * 1e3,
+            self.last_budget.unwrap_or(0),
+        );
+        sink(&Event::Lever(info.clone()));
+        self.answer_levers.push(info);
+    }
+
     fn refill_done(
         &mut self,
         r: &Refill,

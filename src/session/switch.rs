@@ -12,7 +12,7 @@ use crate::engine::{ContextConfig, Span, Token};
 use crate::pressure::Budget;
 use crate::transplant::anchor::Anchor;
 use crate::transplant::projector::Projector;
-use crate::transplant::select::select_spans;
+use crate::transplant::select::{Rest, select_spans};
 
 use super::error::MigrationStep;
 use super::{
@@ -179,6 +179,43 @@ pub(crate) fn recompute_ranges(
     select_spans(scores, &ends, lo, hi, always, &setting, avail as u64)
 }
 
+/// Whether a switch over a route of `kind` that re-reads `ranges` of a cache of `n_past` cells
+/// reads sparsely ([`migrate::read_sparse`]) rather than projecting: the size route's token
+/// recompute leaves the rest out ([`Rest::LeftOut`]), its positions were chosen by the
+/// attention of the question being answered (`observed`; chosen by position they would not
+/// hold what the next tokens need), they reach the end of the cache before the tail (the
+/// question and the answer so far), which a sparse read needs to go on from, and no top-k
+/// recompute of a projection is asked for.
+pub(crate) fn reads_sparse(
+    opts: &SessionOptions,
+    kind: RouteKind,
+    observed: bool,
+    ranges: &[Range<usize>],
+    n_past: usize,
+) -> bool {
+    let Some(setting) = opts.token_recompute else {
+        return false;
+    };
+    let tail = opts.tail_recompute.min(n_past);
+    let Some(last) = ranges.last() else {
+        return false;
+    };
+    // The last piece read holds two tokens or follows the one before it (see
+    // `Context::decode_sparse`).
+    let last_ok = if tail > 0 {
+        tail >= 2 || last.end == n_past - tail
+    } else {
+        last.len() >= 2
+    };
+    // Top-k recompute refines a projection: asking for it asks for one.
+    setting.rest == Rest::LeftOut
+        && opts.topk_recompute.is_none()
+        && kind == RouteKind::Size
+        && observed
+        && last.end == n_past - tail
+        && last_ok
+}
+
 /// A cache exported on one rung, to be carried onto another by [`carry_cache`].
 pub(crate) struct CachedState<'a> {
     /// The source's exported state and how many cells it holds.
@@ -230,7 +267,11 @@ pub(crate) fn carry_cache(
     );
     let spans = Span::of(cache.history, &ranges);
     let reread = reread(opts, cache.history, n_past, route.anchor, &spans);
+    let sparse = reads_sparse(opts, route.kind, cache.observed.is_some(), &ranges, n_past);
     let timings = match cache.pending {
+        // Nothing projected: the head, the chosen positions and the tail read natively, the
+        // last cell decoded last (the pending token is left to the caller).
+        _ if sparse => migrate::read_sparse(dst, reread, n_past, &[], cache.exported.from)?,
         // The tail is decoded with the pending token, then cut back.
         Some(last) if !reread.tail.is_empty() => {
             let t = migrate::transplant_exported(
@@ -283,6 +324,19 @@ impl Session {
             model.map(AsRef::as_ref),
             n_past,
         )
+    }
+
+    /// Whether a switch `from → to` re-reading `ranges` of `n_past` cells reads sparsely: see
+    /// [`reads_sparse`].
+    pub(super) fn reads_sparse(
+        &self,
+        from: usize,
+        to: usize,
+        ranges: &[Range<usize>],
+        n_past: usize,
+    ) -> bool {
+        let kind = routes::route_kind(self.routes.binding(from), self.routes.binding(to));
+        reads_sparse(&self.opts, kind, self.observed.is_some(), ranges, n_past)
     }
 
     /// The destination's anchor for a head re-read (none when the head re-read is off or no
@@ -473,7 +527,10 @@ impl Session {
             self.join_reaper();
             crate::pressure::trim_heap();
         }
-        // What the destination's cache holds that is not its own.
+        // What the destination's cache holds that is not its own: absent cells stay absent
+        // through a later projection, until something reads them.
+        self.holes = (self.holes && !self.projected.is_empty() && method == SwitchMethod::Molt)
+            || timings.sparse;
         self.projected = if method == SwitchMethod::Molt {
             super::native::projected_after(&timings, spans)
         } else {
@@ -664,9 +721,14 @@ impl Session {
                 let anchor = self.anchor_for(to, &mut note);
                 let rc = topk.as_ref().map(|t| self.recompute_for(to, t));
                 let spans = Span::of(&self.history, &ranges);
-                let reread = self.reread(src.ctx.n_past(), anchor.as_deref(), &spans);
-                migrate::transplant_with(&src.ctx, &mut dst.ctx, p, rc.as_ref(), reread, last)
-                    .map(|t| (t, SwitchMethod::Molt))
+                let n_past = src.ctx.n_past();
+                let reread = self.reread(n_past, anchor.as_deref(), &spans);
+                if self.reads_sparse(from, to, &ranges, n_past) {
+                    migrate::read_sparse(&mut dst.ctx, reread, n_past, &[last], src.model().name())
+                } else {
+                    migrate::transplant_with(&src.ctx, &mut dst.ctx, p, rc.as_ref(), reread, last)
+                }
+                .map(|t| (t, SwitchMethod::Molt))
             }
         };
         let (timings, method) = match result {
@@ -773,7 +835,9 @@ impl Session {
         // only once the source is gone, so the process never holds both rungs' memory (a
         // standby one maps its pages back meanwhile, below).
         self.reap(src);
-        let stageable = topk.is_none() && self.standby.get(to).is_some_and(Option::is_some);
+        let sparse = projector.is_some() && self.reads_sparse(from, to, &ranges, n_past);
+        let stageable =
+            !sparse && topk.is_none() && self.standby.get(to).is_some_and(Option::is_some);
         let anchor = match &projector {
             Some(_) => self.anchor_for(to, &mut note),
             None => None,
@@ -863,6 +927,14 @@ impl Session {
                         migrate::transplant_staged(st, &from_model, &mut dst.ctx, last)
                             .map(|t| (t, SwitchMethod::Molt))
                     }
+                    (Some(_), Ok(None)) if sparse => migrate::read_sparse(
+                        &mut dst.ctx,
+                        self.reread(n_past, anchor.as_deref(), &spans),
+                        n_past,
+                        &[last],
+                        &from_model,
+                    )
+                    .map(|t| (t, SwitchMethod::Molt)),
                     (Some(p), Ok(None)) => migrate::transplant_exported(
                         &migrate::Exported {
                             blob: &blob,

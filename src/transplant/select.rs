@@ -184,6 +184,49 @@ pub struct TokenRecompute {
     /// 85 of them twice).
     #[serde(default)]
     pub whole_from: f64,
+    /// What the destination holds at the positions not chosen: the source's cells projected,
+    /// or nothing until a refill reads them ([`Rest::LeftOut`], a sparse read).
+    #[serde(default, skip_serializing_if = "Rest::is_projected")]
+    pub rest: Rest,
+}
+
+/// What a size switch leaves at the cached positions its token recompute does not re-read.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Rest {
+    /// The source's cells, projected onto the destination: every position holds a cell, the
+    /// unchosen ones approximate. Fluent, but the ~1,600 projected cells of a ~1,800-token
+    /// context drown the few re-read ones: the answer restates the question without its value
+    /// (16/24 items recalled where the native destination recalls 21, `results/recall.json`).
+    #[default]
+    Projected,
+    /// Nothing: the destination reads only the head, the chosen sentences and the question,
+    /// natively at their own positions (a sparse read, [`crate::engine::Context::decode_sparse`]),
+    /// with no projection at all; the positions left out are read by the refill behind the
+    /// answer, or before the next prompt is read on the cache.
+    LeftOut,
+}
+
+impl Rest {
+    /// Whether the unchosen positions are projected (the serialised default).
+    #[must_use]
+    pub fn is_projected(&self) -> bool {
+        *self == Self::Projected
+    }
+}
+
+impl std::str::FromStr for Rest {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "projected" => Ok(Self::Projected),
+            "left-out" => Ok(Self::LeftOut),
+            other => Err(format!(
+                "unknown rest {other:?} (expected projected or left-out)"
+            )),
+        }
+    }
 }
 
 impl TokenRecompute {
@@ -194,12 +237,17 @@ impl TokenRecompute {
     /// (`results/recall.json`, arm `sent-r10-m64`): the position unit with eight followers
     /// (`attn-r05-f8`, the earlier default) lost values that stand before the words the
     /// question names ("port 7319 for the gateway"), and a share alone re-read too little of
-    /// a 256-token context; at 1,024 tokens and more the floor is below the share.
+    /// a 256-token context; at 1,024 tokens and more the floor is below the share. Nothing
+    /// else is projected ([`Rest::LeftOut`], since 2026-12-07): with the rest projected the
+    /// default recalled 16/24 facts at ~1,800 tokens before answer token 1 and 6/24
+    /// mid-answer, against the native destination's 21 and 10; read sparsely, 22 and 16 at
+    /// 11-13% of a re-prefill's cost (arm `sparse-r10-m64`).
     #[must_use]
     pub fn default_size() -> Self {
         Self {
             min_positions: 64,
             whole_from: 0.5,
+            rest: Rest::LeftOut,
             ..Self::sentences(0.10)
         }
     }
@@ -217,6 +265,7 @@ impl TokenRecompute {
             unit: Unit::Position,
             min_positions: 0,
             whole_from: 0.0,
+            rest: Rest::Projected,
         }
     }
 
@@ -433,6 +482,7 @@ mod tests {
             unit: Unit::Position,
             min_positions: 0,
             whole_from: 0.0,
+            rest: Rest::Projected,
         }
     }
 

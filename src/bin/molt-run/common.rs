@@ -242,6 +242,18 @@ pub fn lever_line(l: &LeverInfo) -> String {
             l.rung, l.tokens, l.cost_ms
         );
     }
+    if l.lever == "fill" {
+        return format!(
+            "↻ {} read the {} positions the switch left out ({:.0} ms): its cache is whole and its own",
+            l.rung, l.tokens, l.cost_ms
+        );
+    }
+    if let Some(why) = l.lever.strip_prefix("fill abandoned: ") {
+        return format!(
+            "↻ reading what the switch left out on {} failed after {} positions ({why}): the next prompt reads the rest again",
+            l.rung, l.tokens
+        );
+    }
     if let Some(why) = l.lever.strip_prefix("refill abandoned: ") {
         return format!(
             "↻ refill on {} abandoned after {} positions: {why}",

@@ -95,6 +95,12 @@ pub struct Args {
     /// (a short context's fact sentence is as long as a long context's).
     #[arg(long, value_name = "N", default_value_t = molt::transplant::select::TokenRecompute::default_size().min_positions)]
     pub recompute_floor: usize,
+    /// What a size switch leaves at the positions it does not re-read: nothing (`left-out`,
+    /// the default: the destination reads only the head, the chosen sentences and the
+    /// question, the refill reads the rest behind the answer, and what it has not reached
+    /// when the answer ends is read then) or the source's cells projected (`projected`).
+    #[arg(long, value_name = "REST", default_value = "left-out")]
+    pub switch_rest: molt::transplant::select::Rest,
     #[command(flatten)]
     pub refill: crate::common::RefillArgs,
     /// Write JSONL results here instead of stdout (text is then streamed to stdout).
@@ -115,6 +121,7 @@ fn token_recompute(a: &Args) -> Result<Option<molt::transplant::select::TokenRec
             rule: a.recompute_rule,
             unit: a.recompute_unit,
             min_positions: a.recompute_floor,
+            rest: a.switch_rest,
             ..molt::transplant::select::TokenRecompute::default_size()
         }),
     )
