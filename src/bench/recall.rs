@@ -30,7 +30,7 @@ use crate::routes::{RouteKind, Routes, Variant, route_kind};
 use crate::session::migrate::{self, Exported, Reread};
 use crate::session::{DEFAULT_HEAD_REREAD, LiveRung, SessionOptions};
 use crate::transplant::select::{
-    SelectRule, TokenRecompute, Unit, residual_scores, select_spans, sentence_ends,
+    Rest, SelectRule, TokenRecompute, Unit, residual_scores, select_spans, sentence_ends,
 };
 
 /// Where the switch falls in the answer.
@@ -226,7 +226,8 @@ pub enum Uncovered {
     Forgotten,
     /// Never there: no projection, the destination reads the head and the chosen positions
     /// natively at their own positions (a prefill of only those parts), the rest left out
-    /// until the refill re-reads it in place.
+    /// until the refill re-reads it in place. Since 2026-12-07 the session's own
+    /// [`Rest::LeftOut`] (the recompute setting's `rest`); kept so that the runs before read.
     LeftOut,
 }
 
@@ -302,7 +303,15 @@ impl Arm {
                 refill_within,
                 uncovered,
             } => {
-                uncovered == Uncovered::Projected
+                // An earlier run's sparse read named in `uncovered` is the session's `rest`.
+                let r = match (uncovered, r) {
+                    (Uncovered::LeftOut, Some(r)) => Some(TokenRecompute {
+                        rest: Rest::LeftOut,
+                        ..r
+                    }),
+                    _ => r,
+                };
+                uncovered != Uncovered::Forgotten
                     && head == d.head_reread
                     && tail == d.tail_recompute
                     && r == recompute
@@ -343,6 +352,11 @@ pub fn default_arms(names: &[String]) -> Vec<Arm> {
     let random = |r: f64| TokenRecompute {
         rule: SelectRule::Random,
         ..TokenRecompute::attention(r)
+    };
+    // The default's choice with the rest projected (the default until 2026-12-07).
+    let projected_rest = TokenRecompute {
+        rest: Rest::Projected,
+        ..TokenRecompute::default_size()
     };
     let all = vec![
         Arm {
@@ -419,42 +433,42 @@ pub fn default_arms(names: &[String]) -> Vec<Arm> {
         // The refill with a deadline: 64 per token, or what reaches the newest token within 8.
         // A choice covering half the cache re-reads all of it (`whole_from`; since 2026-12-06's
         // third session: it covers 21-25% at ~512 tokens and less beyond, so only ~256-token
-        // items can differ, and those were measured again).
+        // items can differ, and those were measured again). The session's default until
+        // 2026-12-07, when the sparse read below replaced the projection of the rest.
         Arm::refilled(
             "sent-r10-m64+refill64-w8",
             h,
             0,
-            Some(TokenRecompute::default_size()),
+            Some(projected_rest),
             (64, 8),
         ),
         // The same refill without the switch's selective recompute: the stall of a size
         // switch is mostly that recompute; the refill re-reads every position anyway.
         Arm::refilled("head4+refill64-w8", h, 0, None, (64, 8)),
-        // The default with the cells it leaves projected forgotten until the refill re-reads
-        // them: the answer's first tokens read only native cells.
+        // The projected default with the cells it leaves projected forgotten until the refill
+        // re-reads them: the answer's first tokens read only native cells.
         Arm::refilled(
             "sent-r10-m64+refill64-w8",
             h,
             0,
-            Some(TokenRecompute::default_size()),
+            Some(projected_rest),
             (64, 8),
         )
         .leaving(Uncovered::Forgotten, "sent-r10-m64-evict+refill64-w8"),
         Arm::transplant("sent-r10-m64", h, 0, Some(sent_floor(0.10, 64)))
             .leaving(Uncovered::Forgotten, "sent-r10-m64-evict"),
-        // No projection at all: the destination reads what the default would re-read (the
-        // sentences the question looks at, the question) natively at their own positions, the
-        // rest left out until the refill reads it.
+        // No projection at all (`Rest::LeftOut`, the session's default since 2026-12-07): the
+        // destination reads what the projected default would re-read (the sentences the
+        // question looks at, the question) natively at their own positions, the rest left out
+        // until the refill reads it.
         Arm::refilled(
-            "sent-r10-m64+refill64-w8",
+            "sparse-r10-m64+refill64-w8",
             h,
             0,
             Some(TokenRecompute::default_size()),
             (64, 8),
-        )
-        .leaving(Uncovered::LeftOut, "sparse-r10-m64+refill64-w8"),
-        Arm::transplant("sent-r10-m64", h, 0, Some(TokenRecompute::default_size()))
-            .leaving(Uncovered::LeftOut, "sparse-r10-m64"),
+        ),
+        Arm::transplant("sparse-r10-m64", h, 0, Some(TokenRecompute::default_size())),
     ];
     if names.is_empty() {
         return all;
@@ -1003,25 +1017,32 @@ pub fn run(
                             let mut covered = ranges.clone();
                             covered.extend([0..h, n_past - tl..n_past]);
                             let left = crate::session::uncovered(n_past, &covered);
-                            let t = if uncovered == Uncovered::LeftOut && tl == 0 {
-                                // The head, then the chosen positions, read natively; nothing
-                                // projected.
-                                let t0 = Instant::now();
-                                dst.ctx.clear();
-                                dst.ctx.decode(&history[..h]).map_err(engine(&dst_name))?;
-                                let done = dst
-                                    .ctx
-                                    .decode_sparse(&spans, n_past)
-                                    .map_err(engine(&dst_name))?;
-                                dst.ctx.decode(&[last]).map_err(engine(&dst_name))?;
-                                migrate::SwitchTimings {
-                                    cost_ms: t0.elapsed().as_secs_f64() * 1e3,
-                                    recomputed: done,
-                                    spans: spans.len(),
-                                    head: h,
-                                    cells: n_past,
-                                    ..migrate::SwitchTimings::default()
-                                }
+                            // As a session decides (`reads_sparse`); an arm of an earlier
+                            // run that named the sparse read in `uncovered` reads so too.
+                            let as_session = SessionOptions {
+                                head_reread: h,
+                                tail_recompute: tl,
+                                token_recompute: recompute,
+                                ..SessionOptions::default()
+                            };
+                            let sparse = uncovered == Uncovered::LeftOut
+                                || crate::session::reads_sparse(
+                                    &as_session,
+                                    kind,
+                                    true,
+                                    &ranges,
+                                    n_past,
+                                );
+                            let t = if sparse {
+                                // Nothing projected: the head, the chosen positions and the
+                                // tail read natively, the session's own path.
+                                migrate::read_sparse(
+                                    &mut dst.ctx,
+                                    reread,
+                                    n_past,
+                                    &[last],
+                                    &src_name,
+                                )?
                             } else if uncovered == Uncovered::Forgotten && tl == 0 {
                                 // As the switch, with the cells left projected forgotten
                                 // between the carry and the first decode.
@@ -1128,6 +1149,18 @@ pub fn resummarise(doc: &mut RecallDoc, items: &[RecallItem]) {
         .filter(|i| doc.answers.iter().any(|a| a.id == i.id))
         .cloned()
         .collect();
+    // The arms as this build defines them (an arm renamed or retired keeps its stored form).
+    let catalogue = default_arms(&[]);
+    for arm in doc
+        .options
+        .size_arms
+        .iter_mut()
+        .chain(doc.options.precision_arms.iter_mut())
+    {
+        if let Some(now) = catalogue.iter().find(|c| c.name == arm.name) {
+            arm.clone_from(now);
+        }
+    }
     doc.rows = summarise(&ran, &doc.answers, &kinds, &doc.options);
 }
 

@@ -357,12 +357,14 @@ fn reread(doc: &RecallDoc, x: &RecallSummary) -> String {
             if head > 0 {
                 parts.push(format!("head {head}"));
             }
-            match uncovered {
-                Uncovered::Projected => {}
-                Uncovered::Forgotten => parts.push("the rest forgotten until re-read".into()),
-                Uncovered::LeftOut => parts.push(
+            let left_out = uncovered == Uncovered::LeftOut
+                || recompute.is_some_and(|r| r.rest == crate::transplant::select::Rest::LeftOut);
+            if left_out {
+                parts.push(
                     "nothing projected: only these read, the rest left out until re-read".into(),
-                ),
+                );
+            } else if uncovered == Uncovered::Forgotten {
+                parts.push("the rest forgotten until re-read".into());
             }
             if tail > 0 {
                 parts.push(format!("tail {tail}"));
