@@ -927,6 +927,8 @@ impl Session {
                         migrate::transplant_staged(st, &from_model, &mut dst.ctx, last)
                             .map(|t| (t, SwitchMethod::Molt))
                     }
+                    // The export was only for putting the source back on a failure, but
+                    // the answer waited for it: it counts.
                     (Some(_), Ok(None)) if sparse => migrate::read_sparse(
                         &mut dst.ctx,
                         self.reread(n_past, anchor.as_deref(), &spans),
@@ -934,7 +936,11 @@ impl Session {
                         &[last],
                         &from_model,
                     )
-                    .map(|t| (t, SwitchMethod::Molt)),
+                    .map(|mut t| {
+                        t.export_ms = export_ms;
+                        t.cost_ms += export_ms;
+                        (t, SwitchMethod::Molt)
+                    }),
                     (Some(p), Ok(None)) => migrate::transplant_exported(
                         &migrate::Exported {
                             blob: &blob,
