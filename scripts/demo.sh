@@ -3,8 +3,8 @@
 # shipped projectors match the local rungs (refit only if they do not), then answer a real
 # prompt under a replayed pressure trace that lands mid-answer: the answer starts on tier0
 # and is carried down the ladder between two tokens, the precision rungs first (q3km, then
-# tier1: the same weights, KV cache mapped per channel), then tier2 (the size route, KV cache
-# projected).
+# tier1: the same weights, KV cache mapped per channel), then tier2 (the size route: the
+# destination reads the positions the question looked at natively, nothing projected).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
