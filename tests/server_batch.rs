@@ -766,8 +766,14 @@ async fn set_aside_then_resumed_on(to: &str, carry_on_resume: bool) -> Value {
         (Some("big"), Some(to))
     );
     let toks = tokens(&ebg);
-    assert_eq!(finish_reason(&ebg), "length");
-    assert_eq!(toks.len(), 160, "it ran to its end");
+    // It runs to its end: its 160 tokens, or the end of text the random tiny model may pick
+    // after the switch (where the switch falls depends on when the cut lands, and so does the
+    // continuation; a full-suite run saw one answer stop early on big-q8).
+    match finish_reason(&ebg) {
+        "length" => assert_eq!(toks.len(), 160, "it ran to its end"),
+        "stop" => assert!(toks.len() > 16 && toks.len() <= 160, "{}", toks.len()),
+        other => panic!("ended by {other}"),
+    }
     assert!(
         toks.iter().enumerate().all(|(i, (k, _))| *k == i as u64),
         "token indices run on without a gap: {toks:?}"
