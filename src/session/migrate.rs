@@ -141,6 +141,16 @@ fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
 
+/// `dst` emptied after a failed step of a switch from `from`, and the error naming both.
+fn cleared(dst: &mut Context, from: &str, source: MigrationError) -> SessionError {
+    dst.clear();
+    SessionError::Migration {
+        from: from.to_string(),
+        to: dst.model().name().to_string(),
+        source,
+    }
+}
+
 fn mig(from: &Context, to: &Context, source: MigrationError) -> SessionError {
     SessionError::Migration {
         from: from.model().name().to_string(),
@@ -678,14 +688,7 @@ pub fn transplant_staged(
         tail,
         timings,
     } = staged;
-    let fail = |dst: &mut Context, source: MigrationError| {
-        dst.clear();
-        SessionError::Migration {
-            from: from.to_string(),
-            to: dst.model().name().to_string(),
-            source,
-        }
-    };
+    let fail = |dst: &mut Context, source: MigrationError| cleared(dst, from, source);
     let t2 = Instant::now();
     if let Err(e) = dst.import_state(&bytes) {
         return Err(fail(dst, MigrationStep::Import.fail(e)));
@@ -847,14 +850,7 @@ pub fn read_sparse(
     then: &[Token],
     from: &str,
 ) -> Result<SwitchTimings, SessionError> {
-    let fail = |dst: &mut Context, source: MigrationError| {
-        dst.clear();
-        SessionError::Migration {
-            from: from.to_string(),
-            to: dst.model().name().to_string(),
-            source,
-        }
-    };
+    let fail = |dst: &mut Context, source: MigrationError| cleared(dst, from, source);
     let Reread {
         head,
         tail,
