@@ -213,7 +213,8 @@ pub enum ArmMethod {
     },
 }
 
-/// What a size switch does with the positions it does not re-read natively.
+/// What a size switch does with the positions it does not re-read natively, besides what the
+/// recompute setting's [`Rest`] says (a sparse read leaves them out).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Uncovered {
@@ -224,11 +225,6 @@ pub enum Uncovered {
     /// choice): the answer attends only to the head, the re-read sentences and the question
     /// until the refill has re-read the rest in place.
     Forgotten,
-    /// Never there: no projection, the destination reads the head and the chosen positions
-    /// natively at their own positions (a prefill of only those parts), the rest left out
-    /// until the refill re-reads it in place. Since 2026-12-07 the session's own
-    /// [`Rest::LeftOut`] (the recompute setting's `rest`); kept so that the runs before read.
-    LeftOut,
 }
 
 impl Uncovered {
@@ -303,15 +299,7 @@ impl Arm {
                 refill_within,
                 uncovered,
             } => {
-                // An earlier run's sparse read named in `uncovered` is the session's `rest`.
-                let r = match (uncovered, r) {
-                    (Uncovered::LeftOut, Some(r)) => Some(TokenRecompute {
-                        rest: Rest::LeftOut,
-                        ..r
-                    }),
-                    _ => r,
-                };
-                uncovered != Uncovered::Forgotten
+                uncovered == Uncovered::Projected
                     && head == d.head_reread
                     && tail == d.tail_recompute
                     && r == recompute
@@ -1017,22 +1005,20 @@ pub fn run(
                             let mut covered = ranges.clone();
                             covered.extend([0..h, n_past - tl..n_past]);
                             let left = crate::session::uncovered(n_past, &covered);
-                            // As a session decides (`reads_sparse`); an arm of an earlier
-                            // run that named the sparse read in `uncovered` reads so too.
+                            // As a session decides.
                             let as_session = SessionOptions {
                                 head_reread: h,
                                 tail_recompute: tl,
                                 token_recompute: recompute,
                                 ..SessionOptions::default()
                             };
-                            let sparse = uncovered == Uncovered::LeftOut
-                                || crate::session::reads_sparse(
-                                    &as_session,
-                                    kind,
-                                    true,
-                                    &ranges,
-                                    n_past,
-                                );
+                            let sparse = crate::session::reads_sparse(
+                                &as_session,
+                                kind,
+                                true,
+                                &ranges,
+                                n_past,
+                            );
                             let t = if sparse {
                                 // Nothing projected: the head, the chosen positions and the
                                 // tail read natively, the session's own path.

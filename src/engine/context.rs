@@ -439,11 +439,11 @@ impl Context {
             });
         }
         let start = self.n_past;
-        let read: usize = spans.iter().map(|s| s.tokens.len()).sum();
         let mut all: Vec<Token> = spans
             .iter()
             .flat_map(|s| s.tokens.iter().copied())
             .collect();
+        let read = all.len();
         let held = all.pop().expect("the last span holds a token");
         if !all.is_empty() {
             self.decode_cache_only(&all)?;

@@ -357,8 +357,8 @@ fn reread(doc: &RecallDoc, x: &RecallSummary) -> String {
             if head > 0 {
                 parts.push(format!("head {head}"));
             }
-            let left_out = uncovered == Uncovered::LeftOut
-                || recompute.is_some_and(|r| r.rest == crate::transplant::select::Rest::LeftOut);
+            let left_out =
+                recompute.is_some_and(|r| r.rest == crate::transplant::select::Rest::LeftOut);
             if left_out {
                 parts.push(
                     "nothing projected: only these read, the rest left out until re-read".into(),
