@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""Append the ~1,800-token recall items' twins to benches/recall/items.jsonl.
+"""Append the recall items' twins to benches/recall/items.jsonl.
 
 A twin is an item with the same context and fact, asked at the other switch point: an item
 asked directly (switch "first") gets a twin whose question asks for a preamble first
 (switch "mid"), and the other way round. Each cell of length x switch point at ~1,800 tokens
-then holds every fact of that length once: 24 items instead of 12, so one item moves a cell's
-recall by 0.04 instead of 0.08. The questions below are hand-written (the ~1,800-token items
-were written beside the generator, so their facts are not in its table).
+then holds every fact of that length once: 24 items instead of 12 at ~1,800 tokens, 12 instead
+of 6 at ~256-1,024, so one item moves a cell's recall by half as much. The ~1,800-token questions
+below are hand-written (those items were written beside the generator, so their facts are not in
+its table); the shorter items' twins take the direct question and the request clause their fact
+has in the generator's table.
 
 Deterministic and idempotent, stdlib only:
 
@@ -21,7 +23,7 @@ import sys
 
 # The generator's mid-question preambles and first-question suffix, in its order.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gen_recall_items import FIRST_SUFFIX, PREAMBLES  # noqa: E402
+from gen_recall_items import FACTS, FIRST_SUFFIX, PREAMBLES  # noqa: E402
 
 # Items asked directly: the request as a clause, for the twin asked after a preamble.
 ASK = {
@@ -57,14 +59,28 @@ ASKED = {
 
 SUFFIX = {"first": "-asked-mid", "mid": "-asked-first"}
 
+# The generator's facts by the slug that ends an item's id ("num-256-middle-gateway-port").
+BY_SLUG = {f["slug"]: f for facts in FACTS.values() for f in facts}
+
+
+def generated_fact(item):
+    """The generator's fact an item of ~256-1,024 tokens was built from."""
+    prefix = f"-{item['length']}-{item['position']}-"
+    slug = item["id"].split(prefix, 1)[1]
+    fact = BY_SLUG[slug]
+    assert fact["expected"] == item["expected"], (item["id"], "fact and item disagree")
+    return fact
+
 
 def twin(item, n_mid):
     """The item asked at the other switch point; `n_mid` picks the preamble."""
+    fact = generated_fact(item) if item["length"] != 1800 else None
     if item["switch"] == "first":
-        question = PREAMBLES[n_mid % len(PREAMBLES)].format(ask=ASK[item["id"]])
+        ask = fact["ask"] if fact else ASK[item["id"]]
+        question = PREAMBLES[n_mid % len(PREAMBLES)].format(ask=ask)
         switch = "mid"
     else:
-        question = ASKED[item["id"]] + FIRST_SUFFIX
+        question = (fact["q"] if fact else ASKED[item["id"]]) + FIRST_SUFFIX
         switch = "first"
     for e in item["expected"]:
         assert e.lower() not in question.lower(), (item["id"], "question leaks", e)
@@ -83,14 +99,16 @@ def main():
     with open(args.items, encoding="utf-8") as f:
         items = [json.loads(line) for line in f if line.strip()]
     ids = {i["id"] for i in items}
-    originals = [i for i in items if i["length"] == 1800 and not i["id"].endswith(tuple(SUFFIX.values()))]
-    missing = sorted({i["id"] for i in originals} - set(ASK) - set(ASKED))
+    originals = [i for i in items if not i["id"].endswith(tuple(SUFFIX.values()))]
+    long = {i["id"] for i in originals if i["length"] == 1800}
+    missing = sorted(long - set(ASK) - set(ASKED))
     if missing:
         sys.exit(f"no twin question written for {', '.join(missing)}")
-    new, n_mid = [], 0
+    # The preambles rotate within each length, so adding a length's twins leaves another's as they were.
+    new, n_mid = [], {}
     for item in originals:
-        t = twin(item, n_mid)
-        n_mid += t["switch"] == "mid"
+        t = twin(item, n_mid.get(item["length"], 0))
+        n_mid[item["length"]] = n_mid.get(item["length"], 0) + (t["switch"] == "mid")
         if t["id"] not in ids:
             new.append(t)
     for t in new:
