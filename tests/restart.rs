@@ -425,7 +425,10 @@ fn wake_through_case(
                 .unwrap()
         };
         let next = ladder.rungs[1].name();
-        let cut = get(home, "resident_mib") - 0.1;
+        // (at the default setup: the loaded rung's cost holds what its speed setup adds)
+        assert_eq!(st["engine"]["current_rung"], home, "{st}");
+        let extra = st["engine"]["setup_extra_mib"].as_f64().unwrap();
+        let cut = get(home, "resident_mib") - extra - 0.1;
         let tokens = (held.tokens.len() + 64) as f64;
         let need = get(next, "resident_mib") + get(next, "kv_bytes_per_token") * tokens / 1048576.0;
         assert!(need + 0.5 < cut, "{rungs:?}");

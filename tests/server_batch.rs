@@ -966,3 +966,97 @@ async fn a_set_aside_past_the_state_bound_parks_the_batch_instead() {
     assert!(matches!(finish, "length" | "stop"), "{finish}");
     srv.shutdown().await;
 }
+
+/// A measurement of `big` saying repack doubles its prefill for 300 MiB more, bound to the
+/// tiny ladder's files the way `bench --speed --tune` writes it.
+fn repack_measured(dir: &std::path::Path) -> molt::speed::Measured {
+    let row = |repack: bool, prefill: f64, load_anon_mib: f64| molt::bench::speed::PeerRow {
+        rung: "big".into(),
+        n_ubatch: 128,
+        repack,
+        prefill_tok_s: prefill,
+        decode_tok_s: 50.0,
+        peer_prefill_tok_s: prefill,
+        peer_decode_tok_s: 50.0,
+        prefill_ratio: 1.0,
+        decode_ratio: 1.0,
+        samples: vec![],
+        reserved_mib: 10.0,
+        load_anon_mib,
+    };
+    let l = common::tiny_ladder();
+    let rows = vec![row(false, 100.0, 1.0), row(true, 200.0, 301.0)];
+    molt::speed::SpeedFile::of(l, 2, &rows).save(dir).unwrap();
+    let (m, refused) = molt::speed::Measured::find(&[dir.to_path_buf()], l);
+    assert!(refused.is_empty(), "{refused:?}");
+    m.expect("the file is found")
+}
+
+/// Both request loops run their rung with the setup the speed policy gives it under the
+/// operator's budget: with room to spare `big` is loaded with repack before the first request
+/// (the status says so and counts repack's memory in what the engine holds); a budget that
+/// holds `big` only without it frees the idle rung, and the next answer loads `big` again
+/// without repack — the same rung, not a smaller one.
+async fn runs_its_rung_as_the_speed_policy_says(parallel: usize) {
+    let _serial = serial().await;
+    let dir = tempfile::tempdir().unwrap();
+    let policy = molt::speed::SpeedPolicy {
+        measured: Some(std::sync::Arc::new(repack_measured(dir.path()))),
+        forced_ubatch: None,
+        forced_repack: None,
+    };
+    let srv = start(move |c| {
+        c.parallel = parallel;
+        c.session.speed = policy;
+    })
+    .await;
+    let addr = srv.addr;
+    let st = status(addr).await;
+    let e = &st["engine"];
+    assert_eq!(e["current_rung"], "big");
+    let setup = e["setup"].as_str().unwrap();
+    assert!(setup.contains("repack on (measured"), "{setup}");
+    let big = e["rungs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == "big")
+        .unwrap();
+    let (weights, full) = (
+        big["weights_mib"].as_f64().unwrap(),
+        big["full_context_mib"].as_f64().unwrap(),
+    );
+    let held_mib = e["modelled_bytes"].as_f64().unwrap() / 1_048_576.0;
+    assert!(
+        // (the status rounds MiB to a tenth)
+        held_mib >= weights + 299.9,
+        "repack's 300 MiB is counted: {held_mib:.1} MiB held, {weights:.1} MiB of weights"
+    );
+
+    // 100 MiB above big with a full window at the default setup (the status's cost of the
+    // loaded rung holds its repack): repack's 300 MiB no longer fits.
+    let budget = full - 300.0 + 100.0;
+    set_budget(addr, json!({"mib": budget})).await;
+    let r = client::post_json(addr, "/v1/chat/completions", &chat(FIRST, 8, false))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let st = status(addr).await;
+    let e = &st["engine"];
+    assert_eq!(e["current_rung"], "big", "the same rung, not a smaller one");
+    let setup = e["setup"].as_str().unwrap();
+    assert!(setup.contains("repack off (measured"), "{setup}");
+    let held_mib = e["modelled_bytes"].as_f64().unwrap() / 1_048_576.0;
+    assert!(held_mib <= budget, "{held_mib:.1} MiB held");
+    srv.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_batch_runs_its_rung_as_the_speed_policy_says_and_counts_what_that_costs() {
+    runs_its_rung_as_the_speed_policy_says(2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_serial_loop_takes_its_rung_s_setup_before_the_first_request() {
+    runs_its_rung_as_the_speed_policy_says(1).await;
+}

@@ -80,6 +80,7 @@ use crate::session::{
     SessionOptions, StopReason, Strategy, SwitchInfo, SwitchMethod, TokenControl, carry_cache,
     logprobs_of, refresh_projected, sentence_ends_of,
 };
+use crate::speed::RungSetup;
 use crate::state::{StateFile, StateMeta, now_unix_ms};
 use crate::transplant::anchor::Anchor;
 use crate::transplant::projector::Projector;
@@ -108,6 +109,10 @@ struct Engine {
     refreshable: bool,
     /// Oldest first.
     kept: Vec<Kept>,
+    /// The micro-batch and repack it was loaded with ([`crate::speed`]), and the memory that
+    /// adds above Molt's default setup: counted in what the rung needs while it is loaded
+    /// ([`Ladders::need_on`]).
+    setup: RungSetup,
 }
 
 /// A finished answer's sequence left in the context, as the one-at-a-time loop keeps its
@@ -531,19 +536,44 @@ struct Ladders {
 }
 
 impl Ladders {
+    /// What rung `rung` needs with `tokens` cells cached, loaded with Molt's default setup
+    /// (a rung loaded with another, see [`Ladders::need_on`]).
     fn need(&self, rung: usize, tokens: u64) -> u64 {
         let c = &self.costs[rung];
         c.resident_bytes() + c.kv_bytes(tokens)
     }
 
-    fn load(&self, rung: usize) -> Result<Engine, SessionError> {
+    /// What the loaded engine needs with `tokens` cells cached: its rung and what its setup
+    /// adds (repacked weights are a copy in anonymous memory beside the mapped file).
+    fn need_on(&self, e: &Engine, tokens: u64) -> u64 {
+        self.need(e.rung, tokens) + e.setup.extra_bytes
+    }
+
+    /// Loads rung `rung` with the setup the speed policy chooses ([`crate::speed`]): within
+    /// what `budget` leaves above the rung with a full window at the default setup, as a
+    /// session's load does; the default when no budget has been read (`None`). The batch is
+    /// what decodes, so it runs with the setup a single answer on that rung would get.
+    fn load(&self, rung: usize, budget: Option<u64>) -> Result<Engine, SessionError> {
         let info = &self.ladder.rungs[rung];
         let wrap = |source| SessionError::Engine {
             rung: info.name().to_string(),
             source,
         };
-        let model = Model::load(&info.path, info.name(), ModelOptions::default()).map_err(wrap)?;
-        let ctx = BatchContext::new(model, self.config, self.slots).map_err(wrap)?;
+        let spare = budget.map(|b| b.saturating_sub(self.need(rung, u64::from(self.config.n_ctx))));
+        let setup = self
+            .opts
+            .speed
+            .choose(info.name(), self.config.n_ubatch, spare);
+        let opts = ModelOptions {
+            mmap: true,
+            repack: setup.setting.repack,
+        };
+        let config = ContextConfig {
+            n_ubatch: setup.setting.n_ubatch,
+            ..self.config
+        };
+        let model = Model::load(&info.path, info.name(), opts).map_err(wrap)?;
+        let ctx = BatchContext::new(model, config, self.slots).map_err(wrap)?;
         Ok(Engine {
             rung,
             ctx,
@@ -551,14 +581,15 @@ impl Ladders {
             sha256: info.sha256.clone(),
             refreshable: self.refreshable(),
             kept: Vec::new(),
+            setup,
         })
     }
 
-    /// Whether `job` joins a batch on `rung` whose other answers reserve `reserved` cells:
+    /// Whether `job` joins the batch on `e` whose other answers reserve `reserved` cells:
     /// the window holds every answer whole, and `budget` the rung with all of them.
-    fn joins(&self, rung: usize, reserved: u64, job: &Job, budget: u64) -> bool {
+    fn joins(&self, e: &Engine, reserved: u64, job: &Job, budget: u64) -> bool {
         let total = reserved + job_cells(job, self.config.n_ctx);
-        total <= u64::from(self.config.n_ctx) && self.need(rung, total) <= budget
+        total <= u64::from(self.config.n_ctx) && self.need_on(e, total) <= budget
     }
 
     fn name(&self, rung: usize) -> &str {
@@ -598,8 +629,14 @@ pub struct BatchOptions {
 }
 
 /// The engine thread's loop with up to `o.slots` answers decoded together; returns when the
-/// queue is closed.
-pub fn run(mut session: Session, shared: &Shared, o: BatchOptions) {
+/// queue is closed. `settled` is told once the first rung is loaded (the server's start waits
+/// for it).
+pub fn run(
+    mut session: Session,
+    shared: &Shared,
+    o: BatchOptions,
+    settled: tokio::sync::oneshot::Sender<()>,
+) {
     let slots = u32::try_from(o.slots.max(1)).unwrap_or(u32::MAX);
     let opts = session.options().clone();
     let ladder = session.ladder().clone();
@@ -629,15 +666,17 @@ pub fn run(mut session: Session, shared: &Shared, o: BatchOptions) {
     drop(session);
     crate::pressure::trim_heap();
     // `None` while a park has released every rung's weights.
-    let mut engine = match l.load(start) {
+    let first_budget = read_budget(shared, &[]).bytes;
+    let mut engine = match l.load(start, Some(first_budget)) {
         Ok(e) => Some(e),
         Err(e) => {
             fail_all_waiting(shared, &ApiError::from_session(&e));
             return;
         }
     };
-    let mut l = l;
     publish_engine(shared, &l, engine.as_ref(), &[]);
+    let _ = settled.send(());
+    let mut l = l;
     let mut tenants: Vec<Tenant> = Vec::new();
     let mut last_budget: Option<u64> = None;
     // The oldest request, waiting for memory (deferred): it goes first once memory allows.
@@ -819,9 +858,7 @@ fn follow_budget_idle(
     let Ok(b) = shared.budget.read(Tick::default()) else {
         return;
     };
-    let held = engine
-        .as_ref()
-        .map_or(0, |e| l.need(e.rung, e.kept_cells()));
+    let held = engine.as_ref().map_or(0, |e| l.need_on(e, e.kept_cells()));
     if held <= b.bytes {
         return;
     }
@@ -902,16 +939,24 @@ fn read_budget(shared: &Shared, tenants: &[Tenant]) -> Budget {
 fn publish_batch(shared: &Shared, l: &Ladders, engine: &Engine, tenants: &[Tenant]) {
     // The policy's usage: the rung with every cached cell, kept or running.
     let cells = engine.kept_cells() + tenants.iter().map(Tenant::holding).sum::<u64>();
-    publish_rung(shared, l, engine.rung, running_ids(tenants), cells);
+    let bytes = l.need_on(engine, cells);
+    publish_rung(shared, l, engine.rung, running_ids(tenants), bytes);
+    let mut e = shared.engine();
+    e.setup = Some(engine.setup.to_string());
+    e.setup_extra_mib = super::worker::to_mib(engine.setup.extra_bytes);
+    // The loaded rung's cost with what its setup adds, as the one-at-a-time loop's status
+    // shows it (its session counts the setup in the rung's measured cost).
+    let extra = Some((engine.rung, engine.setup.extra_bytes));
+    e.rungs = super::worker::rung_statuses(&l.costs, l.config.n_ctx, extra);
 }
 
-/// Publishes rung `rung` loaded with `cells` cached cells counted, answering `running`.
-fn publish_rung(shared: &Shared, l: &Ladders, rung: usize, running: Option<String>, cells: u64) {
+/// Publishes rung `rung` loaded, answering `running`, the policy counting `bytes` for it.
+fn publish_rung(shared: &Shared, l: &Ladders, rung: usize, running: Option<String>, bytes: u64) {
     let mut e = shared.engine();
     e.current_rung = l.name(rung).to_string();
     e.loaded = vec![e.current_rung.clone()];
     e.running = running;
-    e.modelled_bytes = l.need(rung, cells);
+    e.modelled_bytes = bytes;
     e.released = false;
 }
 
@@ -934,6 +979,8 @@ fn publish_engine(shared: &Shared, l: &Ladders, engine: Option<&Engine>, tenants
         None => {
             let mut e = shared.engine();
             e.loaded = Vec::new();
+            e.setup = None;
+            e.setup_extra_mib = 0.0;
             e.running = running_ids(tenants);
             // No rung and no answer: the idle engine released everything
             // (`follow_budget_idle`). A parked batch says what it holds itself
@@ -1274,7 +1321,10 @@ fn start_on_best(
     let mut engine = engine;
     // A rung loaded for nothing is loaded at most once per rung below it.
     for _ in 0..l.costs.len() {
-        if engine.as_ref().is_some_and(|e| e.rung == best) {
+        if engine
+            .as_ref()
+            .is_some_and(|e| e.rung == best && l.need_on(e, total) <= budget)
+        {
             break;
         }
         // Another rung, or none loaded (a park released it).
@@ -1283,7 +1333,7 @@ fn start_on_best(
             e.free(shared);
         }
         publish_loading(shared, l, best, &job.id, total);
-        let e = match l.load(best) {
+        let e = match l.load(best, Some(budget)) {
             Ok(e) => e,
             Err(e) => {
                 let api = ApiError::from_session(&e);
@@ -1297,9 +1347,10 @@ fn start_on_best(
             "fresh_start",
             serde_json::json!({"from": from, "rung": l.name(best), "reason": "the budget picks another rung"}),
         );
-        engine = Some(e);
         let now = read_budget(shared, &[]).bytes.saturating_sub(reserve);
-        if now >= l.need(best, total) {
+        let fits = now >= l.need_on(&e, total);
+        engine = Some(e);
+        if fits {
             break;
         }
         if now < l.need(smallest, total) {
@@ -1319,7 +1370,13 @@ fn start_on_best(
     let Some(mut engine) = engine else {
         return Started::Admitted(Ok(None), None);
     };
-    publish_loading(shared, l, engine.rung, &job.id, total);
+    publish_rung(
+        shared,
+        l,
+        engine.rung,
+        Some(job.id.clone()),
+        l.need_on(&engine, total),
+    );
     let t = admit(shared, &mut engine, l, job);
     publish_batch(shared, l, &engine, t.as_slice());
     Started::Admitted(Ok(Some(engine)), t.map(Box::new))
@@ -1328,7 +1385,7 @@ fn start_on_best(
 /// Publishes the engine loading rung `rung` and reading request `id` onto it: the rung with
 /// the request's whole length counted, as the batch will be.
 fn publish_loading(shared: &Shared, l: &Ladders, rung: usize, id: &str, cells: u64) {
-    publish_rung(shared, l, rung, Some(id.to_string()), cells);
+    publish_rung(shared, l, rung, Some(id.to_string()), l.need(rung, cells));
 }
 
 /// Lets waiting requests join while a sequence is free and the budget holds the current rung
@@ -1346,7 +1403,7 @@ fn join_waiting(
     while tenants.len() < engine.ctx.max_seqs() {
         let budget = read_budget(shared, tenants).bytes.saturating_sub(reserve);
         let reserved: u64 = tenants.iter().map(|t| t.reserved(l.config.n_ctx)).sum();
-        let fits = |j: &Job| l.joins(engine.rung, reserved, j, budget);
+        let fits = |j: &Job| l.joins(engine, reserved, j, budget);
         // The request waiting for memory goes first when it fits; then the waiting ones by
         // class and priority (foreground first), as the one-at-a-time loop takes them.
         let first = held.take_if(|h| fits(&h.job)).map(|h| h.job);
@@ -1404,7 +1461,7 @@ fn fit_rung(
             && let Some(best) =
                 (l.home..l.costs.len()).find(|&i| l.need(i, holding) <= budget.bytes)
         {
-            if best == e.rung {
+            if best == e.rung && l.need_on(e, holding) <= budget.bytes {
                 return Fit::Run;
             }
             return match move_all(l, shared, engine, tenants, best, budget) {
@@ -1416,11 +1473,16 @@ fn fit_rung(
             };
         }
         // Kept caches go first (background first, then the oldest), before any running answer moves.
-        while l.need(e.rung, holding + e.kept_cells()) > budget.bytes && e.let_go_next(shared) {}
-        if l.need(e.rung, holding) <= budget.bytes {
+        while l.need_on(e, holding + e.kept_cells()) > budget.bytes && e.let_go_next(shared) {}
+        if l.need_on(e, holding) <= budget.bytes {
             return Fit::Run;
         }
-        match (e.rung + 1..l.costs.len()).find(|&i| l.need(i, holding) <= budget.bytes) {
+        // A rung loaded with a setup that costs more than the default's (repack) is loaded
+        // again with the setup the budget now holds before the batch moves down a rung.
+        let retune = e.setup.extra_bytes > 0 && l.need(e.rung, holding) <= budget.bytes;
+        match (e.rung + usize::from(!retune)..l.costs.len())
+            .find(|&i| l.need(i, holding) <= budget.bytes)
+        {
             Some(to) => to,
             None => {
                 return match aside::choose(l, shared, e.rung, tenants, aside, budget.bytes) {
@@ -1923,7 +1985,7 @@ fn carry_all(
     moving: Moving,
 ) -> Result<Engine, SessionError> {
     let t_load = Instant::now();
-    let mut dst = l.load(to)?;
+    let mut dst = l.load(to, Some(budget.bytes))?;
     let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
     carry_into(
         l,

@@ -267,6 +267,11 @@ impl Server {
             .clone()
             .unwrap_or_else(|| settings.rungs[0].clone());
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+        // The engine answers nothing until the operator's budget is applied (that needs the
+        // costs the engine measures first): its first rung's setup is chosen under it.
+        let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+        // And the server is started once the engine has its first rung loaded that way.
+        let (settled_tx, settled_rx) = tokio::sync::oneshot::channel::<()>();
         let engine = {
             let shared = Arc::clone(&shared);
             let context = config.context;
@@ -301,10 +306,14 @@ impl Server {
                     session.set_budget_source(Some(Box::new(shared.budget.clone())));
                     worker::publish(&shared, &mut session, None, true);
                     let _ = ready_tx.send(Ok(()));
+                    if go_rx.recv().is_err() {
+                        // The server did not start (its budget was refused).
+                        return;
+                    }
                     if parallel > 1 {
-                        batch::run(session, &shared, batch);
+                        batch::run(session, &shared, batch, settled_tx);
                     } else {
-                        worker::run(session, &shared);
+                        worker::run(session, &shared, settled_tx);
                     }
                 })
                 .map_err(|_| ServerError::EngineGone)?
@@ -314,6 +323,8 @@ impl Server {
             .budget
             .apply_operator(&config.budget, &config.trace_dirs, &shared.trace_refs())
             .map_err(ServerError::Budget)?;
+        go_tx.send(()).map_err(|_| ServerError::EngineGone)?;
+        settled_rx.await.map_err(|_| ServerError::EngineGone)?;
         shared.recorder.service(
             "",
             "started",

@@ -310,6 +310,13 @@ pub struct EngineStatus {
     pub current_rung: String,
     /// Rungs loaded now.
     pub loaded: Vec<String>,
+    /// The micro-batch and repack the current rung runs with, and why ([`crate::speed`]);
+    /// `None` while no rung is loaded.
+    pub setup: Option<String>,
+    /// What that setup costs above Molt's default, MiB (repacked weights, a larger compute
+    /// buffer): part of the current rung's cost in `rungs`; the rung loaded again with the
+    /// default costs that much less.
+    pub setup_extra_mib: f64,
     /// The request being answered.
     pub running: Option<String>,
     /// The policy's cost of each rung.
@@ -508,7 +515,7 @@ impl Deferral {
     }
 }
 
-fn to_mib(bytes: u64) -> f64 {
+pub(super) fn to_mib(bytes: u64) -> f64 {
     #[allow(clippy::cast_precision_loss)]
     let m = bytes as f64 / f64::from(1 << 20);
     (m * 10.0).round() / 10.0
@@ -552,18 +559,12 @@ pub fn publish(shared: &Shared, session: &mut Session, running: Option<String>, 
     let footprint = to_mib(session.measured_footprint());
     let mut e = shared.engine();
     e.current_rung = session.current_rung().to_string();
+    let setup = session.rung_setup(session.current_index());
+    e.setup = setup.map(|s| s.to_string());
+    e.setup_extra_mib = to_mib(setup.map_or(0, |s| s.extra_bytes));
     e.loaded = loaded;
     e.running = running;
-    e.rungs = costs
-        .iter()
-        .map(|c| RungStatus {
-            name: c.name.clone(),
-            weights_mib: to_mib(c.weights_bytes),
-            resident_mib: to_mib(c.resident_bytes()),
-            kv_bytes_per_token: c.kv_bytes_per_token,
-            full_context_mib: to_mib(c.resident_bytes() + c.kv_bytes(u64::from(n_ctx))),
-        })
-        .collect();
+    e.rungs = rung_statuses(&costs, n_ctx, None);
     if let Some(r) = route_status {
         e.routes = r;
     }
@@ -578,6 +579,30 @@ pub fn publish(shared: &Shared, session: &mut Session, running: Option<String>, 
     e.n_ctx = n_ctx;
     e.n_threads = n_threads;
     e.costs = costs;
+}
+
+/// The status's cost of each rung, `extra` (rung, bytes) added to one: what the setup it is
+/// loaded with costs above the default, when the costs do not hold it.
+pub(super) fn rung_statuses(
+    costs: &[RungCost],
+    n_ctx: u32,
+    extra: Option<(usize, u64)>,
+) -> Vec<RungStatus> {
+    costs
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let more = extra.filter(|&(r, _)| r == i).map_or(0, |(_, b)| b);
+            let resident = c.resident_bytes() + more;
+            RungStatus {
+                name: c.name.clone(),
+                weights_mib: to_mib(c.weights_bytes),
+                resident_mib: to_mib(resident),
+                kv_bytes_per_token: c.kv_bytes_per_token,
+                full_context_mib: to_mib(resident + c.kv_bytes(u64::from(n_ctx))),
+            }
+        })
+        .collect()
 }
 
 /// Loads and frees every rung but the current one, one at a time, so that each rung's context
@@ -596,12 +621,15 @@ pub fn measure_rungs(session: &mut Session) -> Result<(), crate::session::Sessio
     Ok(())
 }
 
-/// The engine thread's loop: answers jobs until the queue is closed.
-pub fn run(mut session: Session, shared: &Shared) {
+/// The engine thread's loop: answers jobs until the queue is closed. `settled` is told once
+/// the first rung has its speed setup (the server's start waits for it).
+pub fn run(mut session: Session, shared: &Shared, settled: tokio::sync::oneshot::Sender<()>) {
     let cancel = session.cancel_handle();
     let _ = shared.session_cancel.set(Arc::clone(&cancel));
     // Whether the cache holds cells projected by a transplant in an earlier answer.
     let mut projected = false;
+    retune_at_start(&mut session, shared);
+    let _ = settled.send(());
     loop {
         let mut job = match shared.queue.next(IDLE_POLL) {
             Next::Job(job) => job,
@@ -628,6 +656,33 @@ pub fn run(mut session: Session, shared: &Shared) {
         shared
             .conversations
             .hibernate_live(&mut session, &id, &shared.recorder);
+    }
+}
+
+/// The rung was loaded before any budget was read: under the operator's, it is loaded again
+/// when the speed policy chooses another setup for it ([`crate::speed`]), as `chat` and
+/// `generate` do before their first prompt — before the first request, which otherwise waited
+/// for that reload (a `molt-serial` TTFT of 2,145 ms at one stream in a `serve_concurrency`
+/// run, tier0 repacked on its first answer). A failed load leaves the rung unloaded; the first
+/// answer loads it.
+fn retune_at_start(session: &mut Session, shared: &Shared) {
+    let Ok(b) = shared.budget.read(Tick::default()) else {
+        return;
+    };
+    match session.retune_with(b.bytes) {
+        Ok(Some(setup)) => {
+            shared.recorder.service(
+                "",
+                "retuned",
+                serde_json::json!({"rung": session.current_rung(), "setup": setup.to_string()}),
+            );
+            publish(shared, session, None, false);
+        }
+        Ok(None) => {}
+        Err(e) => eprintln!(
+            "molt serve: cannot load {} with its speed setup: {e}",
+            session.current_rung()
+        ),
     }
 }
 
@@ -786,10 +841,33 @@ fn choose_start(
         .budget
         .read(Tick::default())
         .map_or(super::budget::UNLIMITED_BYTES, |b| b.bytes);
-    let costs = session.rung_costs();
-    let best = (session.home_index()..costs.len())
-        .find(|&i| costs[i].resident_bytes() + costs[i].kv_bytes(total) <= budget)
-        .unwrap_or(costs.len() - 1);
+    let home = session.home_index();
+    let best_of = |costs: &[crate::sched::RungCost]| {
+        (home..costs.len())
+            .find(|&i| costs[i].resident_bytes() + costs[i].kv_bytes(total) <= budget)
+            .unwrap_or(costs.len() - 1)
+    };
+    let mut best = best_of(&session.rung_costs());
+    // The current rung loaded with a setup that costs more than the default (repack) and no
+    // longer held with it: loaded again with the setup the budget holds, before the request is
+    // moved to a smaller rung for it.
+    let current = session.current_index();
+    if best > current
+        && session
+            .rung_setup(current)
+            .is_some_and(|s| s.extra_bytes > 0)
+    {
+        session.reset();
+        *projected = false;
+        if let Some(setup) = session.retune_with(budget)? {
+            shared.recorder.service(
+                &job.id,
+                "retuned",
+                serde_json::json!({"rung": session.current_rung(), "setup": setup.to_string()}),
+            );
+            best = best_of(&session.rung_costs());
+        }
+    }
     let from = session.current_rung().to_string();
     let moved = best != session.current_index();
     if moved || *projected {

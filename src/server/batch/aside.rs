@@ -157,8 +157,7 @@ pub(super) fn make_room(
         .filter(|&(i, _)| i != victim)
         .map(|(_, t)| t.reserved(n_ctx))
         .sum();
-    let fits =
-        |j: &super::Job| !is_background_job(j) && l.joins(engine.rung, reserved, j, budget.bytes);
+    let fits = |j: &super::Job| !is_background_job(j) && l.joins(engine, reserved, j, budget.bytes);
     let job = shared.queue.take_best(fits)?;
     set_aside(
         shared,
@@ -626,7 +625,7 @@ pub(super) fn resume(
                 let cells: u64 = tenants.iter().map(Tenant::holding).sum::<u64>()
                     + one[0].holding()
                     + e.kept_cells();
-                while l.need(e.rung, cells) > budget.bytes && e.let_go_next(shared) {}
+                while l.need_on(e, cells) > budget.bytes && e.let_go_next(shared) {}
                 let t0 = Instant::now();
                 carry_into(
                     l,
