@@ -484,10 +484,18 @@ fn chain(
             let mut switch: Option<SwitchInfo> = None;
             let mut refill_at: Option<usize> = None;
             // A Molt switch down a size route is followed by a refill (when the session's
-            // options say so): its tokens are not the destination's gap, and the leg goes on
-            // until `itl_tokens` of the destination's own follow it.
+            // options say so) of what it did not read natively — projected cells, or the
+            // positions a sparse read left out; none when it read the whole cache: the
+            // refill's tokens are not the destination's gap, and the leg goes on until
+            // `itl_tokens` of the destination's own follow it. (Counting a switch that read
+            // everything as refilling kept its leg going to `max_tokens`: a run's ~128-token
+            // chain reached ~1,150-1,680 tokens.)
             let refills = |w: &SwitchInfo| {
-                w.method == SwitchMethod::Molt && refills_on(session_kind(ladder, from, to))
+                let t = &w.timings;
+                let native = t.head + t.recomputed + t.tail;
+                w.method == SwitchMethod::Molt
+                    && refills_on(session_kind(ladder, from, to))
+                    && t.cells > native
             };
             session.generate_with(&prompt, &leg, &mut no_end, &mut |e| match e {
                 Event::Token {
