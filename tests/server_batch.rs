@@ -970,22 +970,11 @@ async fn a_set_aside_past_the_state_bound_parks_the_batch_instead() {
 /// A measurement of `big` saying repack doubles its prefill for 300 MiB more, bound to the
 /// tiny ladder's files the way `bench --speed --tune` writes it.
 fn repack_measured(dir: &std::path::Path) -> molt::speed::Measured {
-    let row = |repack: bool, prefill: f64, load_anon_mib: f64| molt::bench::speed::PeerRow {
-        rung: "big".into(),
-        n_ubatch: 128,
-        repack,
-        prefill_tok_s: prefill,
-        decode_tok_s: 50.0,
-        peer_prefill_tok_s: prefill,
-        peer_decode_tok_s: 50.0,
-        prefill_ratio: 1.0,
-        decode_ratio: 1.0,
-        samples: vec![],
-        reserved_mib: 10.0,
-        load_anon_mib,
-    };
     let l = common::tiny_ladder();
-    let rows = vec![row(false, 100.0, 1.0), row(true, 200.0, 301.0)];
+    let rows = vec![
+        common::speed_row("big", false, 100.0, 1.0),
+        common::speed_row("big", true, 200.0, 301.0),
+    ];
     molt::speed::SpeedFile::of(l, 2, &rows).save(dir).unwrap();
     let (m, refused) = molt::speed::Measured::find(&[dir.to_path_buf()], l);
     assert!(refused.is_empty(), "{refused:?}");

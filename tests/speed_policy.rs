@@ -17,20 +17,7 @@ const MIB: u64 = 1 << 20;
 const REPACK_EXTRA_MIB: f64 = 300.0;
 
 fn row(rung: &str, repack: bool, prefill: f64, load_anon_mib: f64) -> PeerRow {
-    PeerRow {
-        rung: rung.into(),
-        n_ubatch: 128,
-        repack,
-        prefill_tok_s: prefill,
-        decode_tok_s: 50.0,
-        peer_prefill_tok_s: prefill,
-        peer_decode_tok_s: 50.0,
-        prefill_ratio: 1.0,
-        decode_ratio: 1.0,
-        samples: vec![],
-        reserved_mib: 10.0,
-        load_anon_mib,
-    }
+    common::speed_row(rung, repack, prefill, load_anon_mib)
 }
 
 /// A measurement of `big` saying repack doubles its prefill for `REPACK_EXTRA_MIB`, written

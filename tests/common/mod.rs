@@ -261,3 +261,27 @@ pub fn kv_rows_at(blob: &[u8], pos: i32) -> Vec<f32> {
         .flat_map(|l| l.k.row(i).to_vec().into_iter().chain(l.v.row(i).to_vec()))
         .collect()
 }
+
+/// A row of a speed measurement (`bench --speed --tune`) of `rung` at micro-batch 128: its
+/// prefill rate and the anonymous memory its load took, the other figures fixed.
+pub fn speed_row(
+    rung: &str,
+    repack: bool,
+    prefill: f64,
+    load_anon_mib: f64,
+) -> molt::bench::speed::PeerRow {
+    molt::bench::speed::PeerRow {
+        rung: rung.into(),
+        n_ubatch: 128,
+        repack,
+        prefill_tok_s: prefill,
+        decode_tok_s: 50.0,
+        peer_prefill_tok_s: prefill,
+        peer_decode_tok_s: 50.0,
+        prefill_ratio: 1.0,
+        decode_ratio: 1.0,
+        samples: vec![],
+        reserved_mib: 10.0,
+        load_anon_mib,
+    }
+}
