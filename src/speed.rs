@@ -350,6 +350,10 @@ impl std::fmt::Display for RungSetup {
         match (self.source, self.spare_bytes) {
             (SetupSource::Default, _) => write!(f, "default")?,
             (SetupSource::Forced, _) => write!(f, "forced by --ubatch / MOLT_REPACK")?,
+            // A budget of a pebibyte or more is no budget (the server's "unlimited").
+            (SetupSource::Measured, Some(spare)) if spare >= 1 << 49 => {
+                write!(f, "measured: fastest, no budget")?
+            }
             (SetupSource::Measured, Some(spare)) => {
                 write!(f, "measured: fastest within {} MiB spare", spare >> 20)?
             }

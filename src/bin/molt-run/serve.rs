@@ -256,6 +256,9 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
                 r.name, r.resident_mib, r.kv_bytes_per_token, r.full_context_mib
             );
         }
+        if let Some(setup) = &st.setup {
+            eprintln!("  {} runs with {setup}", st.current_rung);
+        }
         let missing: Vec<_> = st.routes.iter().filter(|r| !r.ready).collect();
         if missing.is_empty() {
             eprintln!("  every migration route has a projector");
