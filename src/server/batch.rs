@@ -1327,8 +1327,14 @@ fn start_on_best(
         {
             break;
         }
-        // Another rung, or none loaded (a park released it).
+        // Another rung, none loaded (a park released it), or the same rung whose setup (a
+        // repacked copy) the budget no longer holds.
         let from = engine.as_ref().map(|e| l.name(e.rung).to_string());
+        let reason = if engine.as_ref().is_some_and(|e| e.rung == best) {
+            "the budget no longer holds the rung's speed setup"
+        } else {
+            "the budget picks another rung"
+        };
         if let Some(e) = engine.take() {
             e.free(shared);
         }
@@ -1345,7 +1351,7 @@ fn start_on_best(
         shared.recorder.service(
             &job.id,
             "fresh_start",
-            serde_json::json!({"from": from, "rung": l.name(best), "reason": "the budget picks another rung"}),
+            serde_json::json!({"from": from, "rung": l.name(best), "reason": reason}),
         );
         let now = read_budget(shared, &[]).bytes.saturating_sub(reserve);
         let fits = now >= l.need_on(&e, total);
