@@ -669,21 +669,33 @@ fn retune_at_start(session: &mut Session, shared: &Shared) {
     let Ok(b) = shared.budget.read(Tick::default()) else {
         return;
     };
-    match session.retune_with(b.bytes) {
-        Ok(Some(setup)) => {
-            shared.recorder.service(
-                "",
-                "retuned",
-                serde_json::json!({"rung": session.current_rung(), "setup": setup.to_string()}),
-            );
-            publish(shared, session, None, false);
-        }
-        Ok(None) => {}
+    match retune(session, shared, "", b.bytes) {
+        Ok(true) => publish(shared, session, None, false),
+        Ok(false) => {}
         Err(e) => eprintln!(
             "molt serve: cannot load {} with its speed setup: {e}",
             session.current_rung()
         ),
     }
+}
+
+/// [`Session::retune_with`] under `budget`, recorded (for request `id`, empty at start) when
+/// the rung was loaded again. Whether it was.
+fn retune(
+    session: &mut Session,
+    shared: &Shared,
+    id: &str,
+    budget: u64,
+) -> Result<bool, crate::session::SessionError> {
+    let Some(setup) = session.retune_with(budget)? else {
+        return Ok(false);
+    };
+    shared.recorder.service(
+        id,
+        "retuned",
+        serde_json::json!({"rung": session.current_rung(), "setup": setup.to_string()}),
+    );
+    Ok(true)
 }
 
 /// What an idle engine does between jobs (and while a job waits for memory): when the budget no
@@ -859,12 +871,7 @@ fn choose_start(
     {
         session.reset();
         *projected = false;
-        if let Some(setup) = session.retune_with(budget)? {
-            shared.recorder.service(
-                &job.id,
-                "retuned",
-                serde_json::json!({"rung": session.current_rung(), "setup": setup.to_string()}),
-            );
+        if retune(session, shared, &job.id, budget)? {
             best = best_of(&session.rung_costs());
         }
     }
