@@ -257,7 +257,8 @@ fn a_refill_that_caught_up_continues_as_the_native_cache_does() {
     live.decode(&[last]).unwrap();
     let mut out = vec![last];
     let (ms, done_at) =
-        molt::bench::recall::continue_refilling(&mut live, history, 0, &mut out, 40, 8).unwrap();
+        molt::bench::recall::continue_refilling(&mut live, history, 0, &mut out, 40, 8, None)
+            .unwrap();
     let k = done_at.expect("caught up inside 40 tokens");
     assert!(ms > 0.0);
     // Seven new history tokens a step (eight read, one more written): a few steps.

@@ -206,6 +206,10 @@ pub enum ArmMethod {
         /// fixed chunk; runs before 2026-12-06's second session had none).
         #[serde(default)]
         refill_within: usize,
+        /// The refill's pace, as [`SessionOptions::refill_pace`] (0: unpaced, the chunk and
+        /// deadline alone; every run before 2026-12-07's second session).
+        #[serde(default, skip_serializing_if = "is_unpaced")]
+        refill_pace: f64,
         /// What happens to the positions the switch does not re-read
         /// ([`Uncovered::Projected`] unless the arm says otherwise).
         #[serde(default, skip_serializing_if = "Uncovered::is_projected")]
@@ -225,6 +229,10 @@ pub enum Uncovered {
     /// choice): the answer attends only to the head, the re-read sentences and the question
     /// until the refill has re-read the rest in place.
     Forgotten,
+}
+
+fn is_unpaced(f: &f64) -> bool {
+    *f <= 1.0
 }
 
 impl Uncovered {
@@ -265,9 +273,19 @@ impl Arm {
                 recompute,
                 refill,
                 refill_within,
+                refill_pace: 0.0,
                 uncovered: Uncovered::Projected,
             },
         }
+    }
+
+    /// This arm, named `name`, with its refill paced at `factor` ([`SessionOptions::refill_pace`]).
+    fn paced(mut self, factor: f64, name: &str) -> Self {
+        if let ArmMethod::Transplant { refill_pace, .. } = &mut self.method {
+            *refill_pace = factor;
+        }
+        self.name = name.into();
+        self
     }
 
     /// This arm, named `name`, doing `with` to the positions it does not re-read.
@@ -285,11 +303,12 @@ impl Arm {
         let d = SessionOptions::default();
         let refills = d.refills(kind);
         let recompute = d.token_recompute.filter(|_| kind == RouteKind::Size);
-        let (refill_chunk, within) = if refills {
-            (d.refill_chunk, d.refill_within)
+        let (refill_chunk, within, pace) = if refills {
+            (d.refill_chunk, d.refill_within, d.refill_pace)
         } else {
-            (0, 0)
+            (0, 0, 0.0)
         };
+        let pace = if is_unpaced(&pace) { 0.0 } else { pace };
         match self.method {
             ArmMethod::Transplant {
                 head,
@@ -297,6 +316,7 @@ impl Arm {
                 recompute: r,
                 refill,
                 refill_within,
+                refill_pace,
                 uncovered,
             } => {
                 uncovered == Uncovered::Projected
@@ -304,7 +324,7 @@ impl Arm {
                     && tail == d.tail_recompute
                     && r == recompute
                     && refill == refill_chunk
-                    && (refill == 0 || refill_within == within)
+                    && (refill == 0 || (refill_within == within && refill_pace == pace))
             }
             _ => false,
         }
@@ -456,6 +476,16 @@ pub fn default_arms(names: &[String]) -> Vec<Arm> {
             Some(TokenRecompute::default_size()),
             (64, 8),
         ),
+        // The same, its refill paced to three of the destination's own gaps a token (the
+        // session's default since 2026-12-07's second session).
+        Arm::refilled(
+            "sparse-r10-m64+refill64-w8",
+            h,
+            0,
+            Some(TokenRecompute::default_size()),
+            (64, 8),
+        )
+        .paced(3.0, "sparse-r10-m64+refill64-w8-p3"),
         Arm::transplant("sparse-r10-m64", h, 0, Some(TokenRecompute::default_size())),
     ];
     if names.is_empty() {
@@ -700,6 +730,7 @@ pub fn continue_refilling(
     out: &mut Vec<Token>,
     max: usize,
     chunk: usize,
+    mut pace: Option<crate::session::RefillPace>,
 ) -> Result<(f64, Option<usize>), BenchError> {
     let name = ctx.model().name().to_string();
     let mut full: Vec<Token> = history.to_vec();
@@ -719,11 +750,25 @@ pub fn continue_refilling(
         let n_past = ctx.n_past().min(full.len());
         match next {
             Some(a) if a < n_past => {
+                let step = pace.map_or(chunk, |p| p.positions(chunk));
                 let t0 = Instant::now();
+                if step == 0 {
+                    // As the session's paced refill: the rung's own gap timed first.
+                    ctx.decode(&[t]).map_err(engine(&name))?;
+                    if let Some(p) = pace.as_mut() {
+                        p.observe(0, t0.elapsed().as_secs_f64() * 1e3);
+                    }
+                    full.push(t);
+                    continue;
+                }
                 // As the session's refill reads it.
-                let end = crate::session::reread_then_decode(ctx, &full, a, chunk, t)
+                let end = crate::session::reread_then_decode(ctx, &full, a, step, t)
                     .map_err(engine(&name))?;
-                ms += t0.elapsed().as_secs_f64() * 1e3;
+                let step_ms = t0.elapsed().as_secs_f64() * 1e3;
+                ms += step_ms;
+                if let Some(p) = pace.as_mut() {
+                    p.observe(end - a, step_ms);
+                }
                 next = Some(end);
                 if end >= n_past {
                     next = None;
@@ -943,6 +988,7 @@ pub fn run(
                             recompute,
                             refill,
                             refill_within,
+                            refill_pace,
                             uncovered,
                         } => {
                             let last = *read.before.last().expect("switch after a token");
@@ -1070,6 +1116,8 @@ pub fn run(
                                         refill_within,
                                         history.len() - h,
                                     ),
+                                    (!is_unpaced(&refill_pace))
+                                        .then(|| crate::session::RefillPace::new(refill_pace)),
                                 )?);
                             } else {
                                 continue_greedy(&mut dst.ctx, &mut out, max, &dst_name)?;
@@ -1376,11 +1424,12 @@ mod tests {
         assert_eq!(prec.len(), 1, "one default on precision routes");
         assert!(matches!(
             size[0].method,
-            ArmMethod::Transplant { head, recompute, refill, refill_within, .. }
+            ArmMethod::Transplant { head, recompute, refill, refill_within, refill_pace, .. }
                 if head == d.head_reread
                     && recompute == d.token_recompute
                     && refill == d.refill_chunk
                     && refill_within == d.refill_within
+                    && refill_pace == d.refill_pace
         ));
         assert!(matches!(
             prec[0].method,

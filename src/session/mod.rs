@@ -34,8 +34,8 @@ pub use events::{
 };
 pub use levers::chat_pinned_prefix;
 pub use options::{
-    DEFAULT_HEAD_REREAD, DEFAULT_REFILL_CHUNK, DEFAULT_REFILL_WITHIN, GenerateOptions, Prompt,
-    SessionOptions, Strategy, refill_step,
+    DEFAULT_HEAD_REREAD, DEFAULT_REFILL_CHUNK, DEFAULT_REFILL_PACE, DEFAULT_REFILL_WITHIN,
+    GenerateOptions, Prompt, SessionOptions, Strategy, refill_step,
 };
 pub use prepare::{CATCH_UP_STEP, SHADOW_STEP};
 pub use rest::IdleMove;
@@ -45,6 +45,7 @@ pub use switch::SwitchMethod;
 // What the batched server's switch and prompt read share with the session's (`src/server/batch.rs`).
 pub(crate) use native::{minus as uncovered, refresh as refresh_projected, sentence_ends_of};
 pub(crate) use refill::reread_then_decode;
+pub use refill::{PACE_PLAIN_TOKENS, RefillPace};
 pub(crate) use switch::{CachedState, CarryRoute, carry_cache, reads_sparse, recompute_ranges};
 
 use crate::engine::{ChatMessage, ContextConfig, Sampler, Token, Utf8Stream, softmax};

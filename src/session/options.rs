@@ -126,6 +126,11 @@ pub struct SessionOptions {
     /// before 64 per token reach the end (25 tokens), and what it states is then read over
     /// projected cells. [`DEFAULT_REFILL_WITHIN`] by default; 0: no deadline.
     pub refill_within: usize,
+    /// The refill's pace, as a multiple of the rung's own gap between two tokens: each token
+    /// carries as many positions as keep its gap within this (timed on the rung after the
+    /// switch, [`super::refill::RefillPace`]), never more than [`Self::refill_step`] gives.
+    /// [`DEFAULT_REFILL_PACE`] by default; 1 or less: unpaced, [`Self::refill_step`] a token.
+    pub refill_pace: f64,
     /// Refill after a precision route's switch too (off: the projection keeps the facts there,
     /// at a fortieth of a re-prefill's cost).
     pub refill_precision: bool,
@@ -214,6 +219,12 @@ pub const DEFAULT_REFILL_CHUNK: usize = 64;
 /// for each of 9 at ~1,800 on 2 cores, where 64 a token spreads the same work over 25).
 pub const DEFAULT_REFILL_WITHIN: usize = 8;
 
+/// The refill's pace ([`SessionOptions::refill_pace`]): no token behind a switch waits more
+/// than three of the rung's own gaps for the refill, the yardstick the stall benchmark holds a
+/// switch's own gap to. Unpaced, a size switch at ~1,200 tokens was followed by nine tokens
+/// ~1.1 s apart on tier2 (own gap ~25 ms) on 2 cores: the answer stopped for ten seconds.
+pub const DEFAULT_REFILL_PACE: f64 = 3.0;
+
 impl SessionOptions {
     /// Whether a Molt switch over a route of `kind` is followed by a refill.
     #[must_use]
@@ -259,6 +270,7 @@ impl Default for SessionOptions {
             head_reread: DEFAULT_HEAD_REREAD,
             refill_chunk: DEFAULT_REFILL_CHUNK,
             refill_within: DEFAULT_REFILL_WITHIN,
+            refill_pace: DEFAULT_REFILL_PACE,
             refill_precision: false,
             token_recompute: Some(TokenRecompute::default_size()),
             park_deadline: None,

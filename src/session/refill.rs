@@ -7,10 +7,17 @@
 //! only until the refill reaches the newest token, after which every cell is what a re-prefill
 //! would have built. The compute is a re-prefill's, spread over the next tokens.
 //!
-//! The chunk is [`refill_chunk`](super::SessionOptions::refill_chunk) positions, or more when
-//! that is what it takes to reach the newest token within
-//! [`refill_within`](super::SessionOptions::refill_within) tokens: a one-sentence
-//! answer after a switch at ~1,800 tokens would otherwise end before the refill does.
+//! Paced ([`refill_pace`](super::SessionOptions::refill_pace), the default): each token carries
+//! as many positions as keep its gap within that many times the rung's own gap — a token
+//! decoded alone, timed on the rung after the switch — by the cost per position the steps
+//! before it measured ([`RefillPace`]). Unpaced, the chunk is
+//! [`refill_chunk`](super::SessionOptions::refill_chunk) positions, or more when that is what it
+//! takes to reach the newest token within [`refill_within`](super::SessionOptions::refill_within)
+//! tokens (that rule stays the pace's ceiling). Unpaced, the answer crawled behind a size switch
+//! at ~1,200 tokens: nine tokens ~1.1 s apart on tier2, whose own gap is ~25 ms
+//! (`results/switch_stall.json`, 2026-12-07); paced, the same re-read is spread over more tokens
+//! that each wait at most ~3 gaps, and what an answer ends before is read at its end
+//! ([`Session::fill_holes`]).
 //!
 //! In place: the chunk at positions `next..next + chunk` is re-read in the live context
 //! ([`crate::engine::Context::recompute_spans_then_decode`]), attending to the cells before it
@@ -40,6 +47,77 @@ pub(super) struct Refill {
     step: usize,
     /// Time of the batches that carried a chunk, ms (their tokens' decodes included).
     ms: f64,
+    /// The pace that sizes each chunk by time (none: `step` every token).
+    pace: Option<RefillPace>,
+}
+
+/// Tokens decoded alone after a switch before a paced refill reads anything: the fastest of
+/// them is the rung's own gap (the first can still share the cores with the source's freeing).
+pub const PACE_PLAIN_TOKENS: usize = 2;
+
+/// A refill paced by time (pure: the session feeds it what it measures): how many positions
+/// the next token carries so that its decode stays within `factor` times a token decoded
+/// alone on the rung. The cost of a position is learnt from the steps taken (a running mean,
+/// the newest step weighing half); until one was taken it is guessed at a third of a token's
+/// gap (tier2 on 2 cores: ~19 ms a token, 4-7 ms a position in batches of 4-16).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RefillPace {
+    factor: f64,
+    /// Tokens decoded alone so far, and the fastest of them, ms.
+    plain: usize,
+    base_ms: Option<f64>,
+    /// Learnt cost of one position carried in a token's batch, ms.
+    per_position_ms: Option<f64>,
+}
+
+impl RefillPace {
+    /// A pace allowing each token `factor` times the rung's own gap (> 1).
+    #[must_use]
+    pub fn new(factor: f64) -> Self {
+        Self {
+            factor,
+            plain: 0,
+            base_ms: None,
+            per_position_ms: None,
+        }
+    }
+
+    /// Positions the next token carries, at most `cap` (the unpaced rule's step): 0 while the
+    /// rung's own gap is being timed, else at least 1.
+    #[must_use]
+    pub fn positions(&self, cap: usize) -> usize {
+        let Some(base) = self.base_ms.filter(|_| self.plain >= PACE_PLAIN_TOKENS) else {
+            return 0;
+        };
+        let per = self.per_position_ms.unwrap_or(base / 3.0).max(1e-3);
+        let room = (self.factor - 1.0).max(0.0) * base;
+        // Truncation to whole positions is the point.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let n = (room / per).floor() as usize;
+        n.clamp(1, cap.max(1))
+    }
+
+    /// Records a decode of `ms` that carried `positions` (0: the token alone).
+    pub fn observe(&mut self, positions: usize, ms: f64) {
+        if !ms.is_finite() || ms < 0.0 {
+            return;
+        }
+        if positions == 0 {
+            self.plain += 1;
+            self.base_ms = Some(self.base_ms.map_or(ms, |b| b.min(ms)));
+            return;
+        }
+        let base = self.base_ms.unwrap_or(0.0);
+        #[allow(clippy::cast_precision_loss)]
+        let per = ((ms - base) / positions as f64).max(1e-3);
+        self.per_position_ms = Some(self.per_position_ms.map_or(per, |p| 0.5 * (p + per)));
+    }
+
+    /// The rung's own gap as timed, ms.
+    #[must_use]
+    pub fn base_ms(&self) -> Option<f64> {
+        self.base_ms
+    }
 }
 
 impl Session {
@@ -55,12 +133,14 @@ impl Session {
         // The head re-read is the destination's own (its anchor and the first token): native
         // already.
         let next = self.opts.head_reread.min(self.history.len());
+        let pace = (self.opts.refill_pace > 1.0).then(|| RefillPace::new(self.opts.refill_pace));
         self.refill = on.then_some(Refill {
             rung: self.current,
             next,
             done: 0,
             step: self.opts.refill_step(self.history.len() - next),
             ms: 0.0,
+            pace,
         });
     }
 
@@ -96,14 +176,28 @@ impl Session {
             self.refill_done(&r, at_token, "refill", sink);
             return Ok(());
         }
+        let step = r.pace.map_or(r.step, |p| p.positions(r.step));
         let t0 = Instant::now();
         let live = self.rungs[r.rung]
             .as_mut()
             .expect("the live rung is loaded");
-        let result = reread_then_decode(&mut live.ctx, &self.history, r.next, r.step, tok);
-        r.ms += t0.elapsed().as_secs_f64() * 1e3;
+        if step == 0 {
+            // A paced refill times the rung's own gap first.
+            let result = live.ctx.decode(&[tok]).map_err(engine);
+            if let Some(p) = r.pace.as_mut() {
+                p.observe(0, t0.elapsed().as_secs_f64() * 1e3);
+            }
+            self.refill = Some(r);
+            return result;
+        }
+        let result = reread_then_decode(&mut live.ctx, &self.history, r.next, step, tok);
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        r.ms += ms;
         match result {
             Ok(end) => {
+                if let Some(p) = r.pace.as_mut() {
+                    p.observe(end - r.next, ms);
+                }
                 r.done += end - r.next;
                 r.next = end;
                 // What is re-read is no longer projected.
@@ -234,4 +328,44 @@ pub(crate) fn reread_then_decode(
         ctx.recompute_spans_then_decode(&[span], &[tok])?;
     }
     Ok(end)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{PACE_PLAIN_TOKENS, RefillPace};
+
+    #[test]
+    fn a_paced_refill_times_the_rung_alone_then_keeps_each_gap_within_its_factor() {
+        let mut p = RefillPace::new(3.0);
+        // Nothing is read until the rung's own gap is timed; the fastest plain token counts
+        // (the first shares the cores with the source being freed).
+        assert_eq!(p.positions(64), 0);
+        p.observe(0, 55.0);
+        assert_eq!(p.positions(64), 0);
+        for _ in 1..PACE_PLAIN_TOKENS {
+            p.observe(0, 20.0);
+        }
+        assert_eq!(p.base_ms(), Some(20.0));
+        // Guessed: a position at a third of a token, two tokens of room: six positions.
+        assert_eq!(p.positions(64), 6);
+        // Measured: 6 positions made a 68 ms gap, 8 ms a position: 40 ms of room holds 5.
+        p.observe(6, 68.0);
+        assert_eq!(p.positions(64), 5);
+        // Cheaper steps raise it (a running mean: 8 then 2 ms a position give 5, so 8).
+        p.observe(5, 30.0);
+        assert_eq!(p.positions(64), 8);
+        // Never more than the unpaced rule's step, never fewer than one.
+        assert_eq!(p.positions(4), 4);
+        p.observe(1, 500.0);
+        assert_eq!(p.positions(64), 1);
+    }
+
+    #[test]
+    fn a_pace_ignores_readings_that_are_not_times() {
+        let mut p = RefillPace::new(3.0);
+        p.observe(0, f64::NAN);
+        p.observe(0, -1.0);
+        assert_eq!(p.base_ms(), None);
+        assert_eq!(p.positions(64), 0);
+    }
 }

@@ -351,6 +351,7 @@ fn reread(doc: &RecallDoc, x: &RecallSummary) -> String {
             recompute,
             refill,
             refill_within,
+            refill_pace,
             uncovered,
         } => {
             let mut parts = Vec::new();
@@ -393,8 +394,15 @@ fn reread(doc: &RecallDoc, x: &RecallSummary) -> String {
                 } else {
                     String::new()
                 };
+                let paced = if refill_pace > 1.0 {
+                    format!(
+                        ", paced: no token waits more than {refill_pace:.0} of the rung's own gaps"
+                    )
+                } else {
+                    String::new()
+                };
                 parts.push(format!(
-                    "then all behind the answer, {refill} positions a step{deadline}{}",
+                    "then all behind the answer, {refill} positions a step{deadline}{paced}{}",
                     spread
                         .get(spread.len() / 2)
                         .map_or_else(String::new, |m| format!(

@@ -295,6 +295,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         pace_file: molt::session::pace::default_pace_file(),
         refill_chunk: a.refill.chunk,
         refill_within: a.refill.within,
+        refill_pace: a.refill.pace,
         ..SessionOptions::default()
     };
     let mut session = Session::with_options(ladder, config, &start, opts)?;

@@ -51,6 +51,11 @@ pub struct RefillArgs {
     /// otherwise written over projected cells). 0: no deadline.
     #[arg(long = "refill-within", value_name = "T", default_value_t = molt::session::DEFAULT_REFILL_WITHIN)]
     pub within: usize,
+    /// The refill's pace: each token carries as many positions as keep its gap within F times
+    /// the rung's own gap (timed after the switch), never more than --refill and
+    /// --refill-within give. 1 or less: unpaced.
+    #[arg(long = "refill-pace", value_name = "F", default_value_t = molt::session::DEFAULT_REFILL_PACE)]
+    pub pace: f64,
 }
 
 /// `--cache-type` values.

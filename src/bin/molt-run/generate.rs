@@ -211,6 +211,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         head_reread: a.head_reread,
         refill_chunk: a.refill.chunk,
         refill_within: a.refill.within,
+        refill_pace: a.refill.pace,
         token_recompute: token_recompute(a)?,
         ..SessionOptions::default()
     };

@@ -220,6 +220,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
             measure_seam: a.measure_seam,
             refill_chunk: a.refill.chunk,
             refill_within: a.refill.within,
+            refill_pace: a.refill.pace,
             park_deadline: (a.park_deadline_s > 0).then(|| Duration::from_secs(a.park_deadline_s)),
             ..SessionOptions::default()
         },
