@@ -48,6 +48,12 @@ pub const UP_WAIT_TOKENS: usize = 1024;
 /// on the real ladder).
 pub const WAIT_ROOM_PER_LEG: usize = 384;
 
+/// Tokens after a switch that a leg watches a paced refill for: its gaps are measured until it
+/// is done or this many tokens have passed; the answer's end reads the rest (its `fill` lever
+/// counts in [`StallRow::lost_ms_median`]). The legs are chained into one conversation, and a
+/// refill paced to ~3 gaps a token takes ~100-200 tokens to re-read ~1,200 positions.
+pub const REFILL_WATCH_TOKENS: usize = 24;
+
 /// The page-cache state of the destination's file before a switch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -180,9 +186,24 @@ pub struct StallRow {
     /// re-read the history in the batches of its tokens (none: no refill ran).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub refill_gap_ms_median: Option<f64>,
-    /// The tokens after the switch the refill took (median; none: no refill ran).
+    /// The tokens after the switch the refill took (median; none: no refill ran, or none was
+    /// done within [`REFILL_WATCH_TOKENS`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub refill_tokens_median: Option<f64>,
+    /// The longest gap while the refill ran (the worst repetition; none: no refill ran).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refill_gap_ms_max: Option<f64>,
+    /// Everything the switch cost the answer beyond the destination's own gaps (median over
+    /// repetitions), ms: the stall less one gap, each watched refill gap less one gap, and the
+    /// answer's end reading what the refill had not (`fill`). What a user waits for in all,
+    /// where `stall_ms` is only the first wait. 0 in files written before this field.
+    #[serde(default)]
+    pub lost_ms_median: f64,
+    /// Where `itl_ms_median` comes from: `after` (the destination's gaps after the switch, or
+    /// after its refill) or `as-source` (the refill outlasted the watch: the rung's gaps
+    /// before the switches leaving it, same run, same length).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub itl_from: String,
 }
 
 impl StallRow {
@@ -247,6 +268,9 @@ struct Sample {
     /// batches of its tokens (none: no refill), and the answer token it was done by.
     refill_gaps_ms: Vec<f64>,
     refill_at: Option<usize>,
+    /// What the answer's end read of the positions the refill had not reached when the leg
+    /// stopped ([`crate::session::Session`]'s fill), ms.
+    fill_ms: f64,
     /// The source's gaps before the switch (while a shadow or a load ran, for the prepared
     /// switches).
     source_itl_ms: Vec<f64>,
@@ -483,6 +507,7 @@ fn chain(
             let mut latencies: Vec<(usize, f64)> = Vec::new();
             let mut switch: Option<SwitchInfo> = None;
             let mut refill_at: Option<usize> = None;
+            let mut fill_ms = 0.0;
             // A Molt switch down a size route is followed by a refill (when the session's
             // options say so) of what it did not read natively — projected cells, or the
             // positions a sparse read left out; none when it read the whole cache: the
@@ -502,7 +527,9 @@ fn chain(
                     index, latency_ms, ..
                 } => {
                     latencies.push((*index, *latency_ms));
-                    // The destination's tokens are in: the leg has what it measures.
+                    // The destination's tokens are in: the leg has what it measures. A paced
+                    // refill is watched for `REFILL_WATCH_TOKENS` tokens at most; what it has
+                    // not read then is read at the answer's end (its `fill` lever is counted).
                     let from = switch.as_ref().map(|w| {
                         if refills(w) {
                             refill_at.unwrap_or(usize::MAX)
@@ -510,7 +537,11 @@ fn chain(
                             w.at_token
                         }
                     });
-                    if from.is_some_and(|a| *index >= a.saturating_add(opts.itl_tokens)) {
+                    let watched = switch
+                        .as_ref()
+                        .is_some_and(|w| refills(w) && *index >= w.at_token + REFILL_WATCH_TOKENS);
+                    if watched || from.is_some_and(|a| *index >= a.saturating_add(opts.itl_tokens))
+                    {
                         stop.store(true, std::sync::atomic::Ordering::SeqCst);
                     }
                 }
@@ -518,6 +549,7 @@ fn chain(
                 Event::Lever(l) if l.lever.starts_with("refill") => {
                     refill_at = Some(l.at_token);
                 }
+                Event::Lever(l) if l.lever.starts_with("fill") => fill_ms += l.cost_ms,
                 _ => {}
             })?;
             prompt = Prompt::Text(String::new());
@@ -540,17 +572,24 @@ fn chain(
                 stall_ms,
                 next_gap_ms: gap(at + 1),
                 // The destination's own gaps: after the refill, when one ran.
-                itl_ms: latencies
-                    .iter()
-                    .filter(|(i, _)| *i > refill_at.unwrap_or(at))
-                    .map(|&(_, l)| l)
-                    .collect(),
+                itl_ms: if refills(&info) && refill_at.is_none() {
+                    Vec::new()
+                } else {
+                    latencies
+                        .iter()
+                        .filter(|(i, _)| *i > refill_at.unwrap_or(at))
+                        .map(|&(_, l)| l)
+                        .collect()
+                },
+                // The gaps while the refill ran: until it was done, or until the leg stopped
+                // watching it.
                 refill_gaps_ms: latencies
                     .iter()
-                    .filter(|(i, _)| *i > at && refill_at.is_some_and(|k| *i <= k))
+                    .filter(|(i, _)| *i > at && refills(&info) && refill_at.is_none_or(|k| *i <= k))
                     .map(|&(_, l)| l)
                     .collect(),
                 refill_at: refill_at.map(|k| k - at),
+                fill_ms,
                 // The leg's first token follows the previous leg's end, not a gap.
                 source_itl_ms: latencies
                     .iter()
@@ -629,6 +668,14 @@ fn parts(s: &Sample) -> BTreeMap<String, f64> {
 }
 
 fn rows(ladder: &Ladder, samples: &[Sample]) -> Vec<StallRow> {
+    // Each rung's own gaps as the source of a leg, by length and page-cache state.
+    let mut own: BTreeMap<(usize, usize, u8), Vec<f64>> = BTreeMap::new();
+    for s in samples {
+        let c = u8::from(s.cache == CacheState::Cold);
+        own.entry((s.length, s.from, c))
+            .or_default()
+            .extend(s.source_itl_ms.iter().copied());
+    }
     let mut groups: BTreeMap<(usize, usize, usize, u8), Vec<&Sample>> = BTreeMap::new();
     for s in samples {
         let c = u8::from(s.cache == CacheState::Cold);
@@ -652,7 +699,29 @@ fn rows(ladder: &Ladder, samples: &[Sample]) -> Vec<StallRow> {
                 let v: Vec<f64> = all.iter().filter_map(|m| m.get(key).copied()).collect();
                 parts_ms.insert(key.clone(), median(&v));
             }
-            let itl: Vec<f64> = g.iter().flat_map(|s| s.itl_ms.iter().copied()).collect();
+            let mut itl: Vec<f64> = g.iter().flat_map(|s| s.itl_ms.iter().copied()).collect();
+            let itl_from = if itl.is_empty() {
+                let c = u8::from(first.cache == CacheState::Cold);
+                itl = own
+                    .get(&(first.length, first.to, c))
+                    .cloned()
+                    .unwrap_or_default();
+                "as-source"
+            } else {
+                "after"
+            };
+            let itl_median = median(&itl);
+            let lost: Vec<f64> = g
+                .iter()
+                .map(|s| {
+                    (s.stall_ms - itl_median).max(0.0)
+                        + s.refill_gaps_ms
+                            .iter()
+                            .map(|l| (l - itl_median).max(0.0))
+                            .sum::<f64>()
+                        + s.fill_ms
+                })
+                .collect();
             let ctx: Vec<f64> = g.iter().map(|s| s.context_tokens as f64).collect();
             let standby: Vec<f64> = g
                 .iter()
@@ -675,7 +744,7 @@ fn rows(ladder: &Ladder, samples: &[Sample]) -> Vec<StallRow> {
                 cache: first.cache,
                 stall_ms: Spread::of(&stalls),
                 parts_ms,
-                itl_ms_median: median(&itl),
+                itl_ms_median: itl_median,
                 standby_rss_mib: median(&standby),
                 from_standby: g.iter().filter(|s| s.info.timings.from_standby).count() as f64
                     / g.len() as f64,
@@ -703,6 +772,12 @@ fn rows(ladder: &Ladder, samples: &[Sample]) -> Vec<StallRow> {
                         .collect();
                     (!v.is_empty()).then(|| median(&v))
                 },
+                refill_gap_ms_max: g
+                    .iter()
+                    .flat_map(|s| s.refill_gaps_ms.iter().copied())
+                    .reduce(f64::max),
+                lost_ms_median: median(&lost),
+                itl_from: itl_from.into(),
             }
         })
         .collect()

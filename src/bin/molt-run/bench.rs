@@ -537,7 +537,7 @@ fn run_stall(g: &GlobalArgs, a: &Args) -> Result<()> {
         .flat_map(|(k, rows)| rows.iter().map(move |r| (k, r)))
     {
         eprintln!(
-            "{setup:>6} {:>12} {:>4} ~{:>4} {:<4} stall {:>7.1} ms [{:.1}–{:.1}]  itl {:>6.1} ms  ratio {:>5.1}  source itl {:>6.1} ms  standby {:>5.1} MiB",
+            "{setup:>6} {:>12} {:>4} ~{:>4} {:<4} stall {:>7.1} ms [{:.1}–{:.1}]  itl {:>6.1} ms  ratio {:>5.1}  source itl {:>6.1} ms  standby {:>5.1} MiB  lost {:>7.1} ms{}",
             r.route,
             r.direction,
             r.context_tokens,
@@ -549,6 +549,11 @@ fn run_stall(g: &GlobalArgs, a: &Args) -> Result<()> {
             r.stall_ms.median / r.itl_ms_median,
             r.source_itl_ms_median,
             r.standby_rss_mib,
+            r.lost_ms_median,
+            r.refill_gap_ms_max.map_or_else(String::new, |m| format!(
+                "  refill gaps {:.1} ms median, {m:.1} max",
+                r.refill_gap_ms_median.unwrap_or(f64::NAN)
+            )),
         );
     }
     write_result(&a.out_dir, "switch_stall.json", &doc)
