@@ -472,3 +472,81 @@ fn a_standby_rung_reads_the_conversations_head_after_an_answer_and_a_switch_down
         );
     }
 }
+
+#[test]
+fn a_standby_rung_waits_hot_while_the_budget_holds_its_pages_and_is_cooled_before_it_is_dropped() {
+    // Rung costs and mappings are measured from the process: one test at a time.
+    let _serial = common::events::one_at_a_time();
+    let l = common::tiny_ladder();
+    let n = l.rungs.len();
+    let opts = SessionOptions {
+        observe_footprint: false,
+        projector_dirs: vec![common::tiny_projectors().clone()],
+        ..SessionOptions::default()
+    };
+    let mut s = Session::with_options(l.clone(), common::cfg(), l.rungs[0].name(), opts).unwrap();
+    // No budget read: every standby rung waits hot, its pages mapped and counted.
+    let below: Vec<bool> = (0..n).map(|i| i > 0).collect();
+    assert_eq!(s.on_standby_hot(), below);
+    let hot = s.standby_bytes();
+    let pages: u64 = (1..n)
+        .map(|i| resident_bytes_of_mapping(&l.rungs[i].path).unwrap_or(0))
+        .sum();
+    assert!(pages > 0, "a hot rung's pages are mapped");
+    assert!(
+        hot >= pages,
+        "standby {hot} B counts its {pages} B of pages"
+    );
+    // A budget that holds the home rung and the standby rungs cold, not hot: they are cooled,
+    // not dropped, and their pages leave the process.
+    let tokens = 40;
+    let cold_room = s.modelled_now(tokens) - pages / 2;
+    s.set_budget_source(Some(Box::new(FixedBudget::new(cold_room))));
+    s.generate(
+        &Prompt::Text(TEXT.into()),
+        &GenerateOptions {
+            max_tokens: 2,
+            ..GenerateOptions::default()
+        },
+        &mut |_| {},
+    )
+    .unwrap();
+    assert!(
+        s.on_standby().iter().skip(1).any(|b| *b),
+        "cooled, not dropped: {:?}",
+        s.on_standby()
+    );
+    for i in 1..n {
+        if s.on_standby()[i] && !s.on_standby_hot()[i] {
+            assert_eq!(
+                resident_bytes_of_mapping(&l.rungs[i].path).unwrap_or(0),
+                0,
+                "a cooled rung's pages are released"
+            );
+        }
+    }
+    assert!(s.on_standby_hot().iter().any(|h| !h));
+    assert!(s.standby_bytes() < hot);
+    let used = s.history().len() as u64 + 1;
+    assert!(s.modelled_now(used) <= cold_room);
+    // A switch down onto a hot rung maps nothing.
+    let mut fresh = Session::with_options(
+        l.clone(),
+        common::cfg(),
+        l.rungs[0].name(),
+        SessionOptions {
+            projector_dirs: vec![common::tiny_projectors().clone()],
+            ..SessionOptions::default()
+        },
+    )
+    .unwrap();
+    assert!(fresh.on_standby_hot()[n - 1]);
+    let down = forced(&mut fresh, TEXT, 2, n - 1);
+    assert!(down.timings.from_standby, "{down:?}");
+    assert_eq!(
+        down.timings.load_ms, 0.0,
+        "nothing mapped at the switch: {down:?}"
+    );
+    // The source's model is held until the answer ends, then freed.
+    assert_eq!(fresh.held_model_bytes(), 0);
+}

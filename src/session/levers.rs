@@ -119,7 +119,11 @@ impl Session {
         } else {
             c.resident_bytes()
         };
-        weights + c.kv_bytes(tokens) + self.standby_bytes() + self.preparing_bytes(tokens)
+        weights
+            + c.kv_bytes(tokens)
+            + self.standby_bytes()
+            + self.preparing_bytes(tokens)
+            + self.held_bytes()
     }
 
     /// Raises the current rung's anonymous cost to what the process shows (see
@@ -138,7 +142,8 @@ impl Session {
             .filter(|&i| i != self.current && self.rungs[i].is_some())
             .map(|i| self.context_bytes[i].unwrap_or(0))
             .sum::<u64>()
-            + self.standby_bytes();
+            + self.standby_bytes()
+            + self.held_bytes();
         let mine = anon
             .saturating_sub(self.anon_base)
             .saturating_sub(others)
@@ -214,6 +219,7 @@ impl Session {
     ) -> Result<LeverInfo, SessionError> {
         let t0 = Instant::now();
         self.drop_refill();
+        self.free_held_models(true);
         let rss_before = rss();
         let from = self.current;
         // Export before anything is freed: if llama.cpp refuses, the session stays as it was.

@@ -59,6 +59,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+/// A llama.cpp model a switch let go of, held until the answer ends ([`Session::reap_rungs`]).
+struct HeldModel {
+    /// Dropping the last reference frees the model.
+    #[allow(dead_code)]
+    model: std::sync::Arc<crate::engine::Model>,
+    /// What it holds, measured at its load ([`LiveRung::model_bytes`]).
+    bytes: u64,
+}
+
 /// A ladder with loaded rungs and one conversation.
 pub struct Session {
     ladder: Ladder,
@@ -150,6 +159,8 @@ pub struct Session {
     shadow_skipped: Option<usize>,
     /// Rungs a switch let go of, being freed off the answer's path ([`Session::reap`]).
     reapers: Vec<std::thread::JoinHandle<()>>,
+    /// Models of rungs let go during the answer, freed when it ends ([`Session::reap_rungs`]).
+    held_models: Vec<HeldModel>,
 }
 
 impl Session {
@@ -212,6 +223,7 @@ impl Session {
             pace_note: None,
             shadow_skipped: None,
             reapers: Vec::new(),
+            held_models: Vec::new(),
             context_bytes: vec![None; n],
             measured_extra: vec![0; n],
             default_context_bytes: vec![None; n],
@@ -405,6 +417,7 @@ impl Session {
         }
         self.abandon_prepare(0, "the session is released", &mut |_| {});
         self.drop_refill();
+        self.free_held_models(true);
         let held = self.rungs.iter().any(Option::is_some)
             || self.standby.iter().any(Option::is_some)
             || self.parked.is_some();
@@ -885,6 +898,8 @@ impl Session {
         if !killed {
             self.fill_holes(out_tokens.len(), sink);
         }
+        // The models of the rungs the answer's switches let go of go now, off its path.
+        self.free_held_models(false);
         let tail = stream.finish();
         if !stopped_by_control {
             text.push_str(&control.finish(tail));

@@ -153,6 +153,12 @@ pub struct SessionOptions {
     /// holds them beside the current rung. On by default; off, every switch loads its
     /// destination on the spot.
     pub standby: bool,
+    /// Keep a standby rung's weight pages mapped while the budget last read holds them beside
+    /// everything else (no budget: always), counted in full; released first when it no longer
+    /// does. A switch down onto a hot rung maps nothing (35-85 ms of the gap on the real
+    /// ladder, 2 cores). On by default; off, standby rungs always wait with their pages
+    /// released.
+    pub standby_hot: bool,
     /// Prepare a switch up in the background ([`super::prepare`]): when the policy moves up to
     /// a rung that is neither loaded nor on standby, load it on a thread of its own while the
     /// answer goes on on the current rung, and switch at the first token after the load
@@ -275,6 +281,7 @@ impl Default for SessionOptions {
             token_recompute: Some(TokenRecompute::default_size()),
             park_deadline: None,
             standby: true,
+            standby_hot: true,
             prepare_up: true,
             forced_up_waits: false,
             prepare_down: true,

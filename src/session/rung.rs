@@ -44,6 +44,11 @@ pub struct LiveRung {
     pub parts: LoadParts,
     /// The micro-batch and repack it was loaded with, and why ([`crate::speed`]).
     pub setup: RungSetup,
+    /// The part of `context_bytes` llama.cpp's model itself holds (its tensor and tokenizer
+    /// tables; repacked weights too, when repacked), measured as the change of `RssAnon` over
+    /// the model's load: what a model kept after its context is freed still holds
+    /// ([`super::Session::reap_rungs`]).
+    pub model_bytes: u64,
 }
 
 /// Where a rung's load time went, ms: the parts of [`LiveRung::load`].
@@ -112,6 +117,7 @@ impl LiveRung {
         };
         let model = Model::load(&info.path, info.name(), opts).map_err(wrap)?;
         let t_model = Instant::now();
+        let model_bytes = process_anon_rss_bytes().unwrap_or(0).saturating_sub(before);
         let mut ctx = Context::new(model, config).map_err(wrap)?;
         let t_context = Instant::now();
         if known_context_bytes.is_none() {
@@ -143,6 +149,7 @@ impl LiveRung {
                 },
             },
             setup,
+            model_bytes,
         })
     }
 
@@ -197,17 +204,21 @@ fn ms_between(a: Instant, b: Instant) -> f64 {
     b.duration_since(a).as_secs_f64() * 1e3
 }
 
-/// A rung loaded ahead and waiting: its model and context exist (loaded, warmed up, cleared),
-/// its weight pages are released from this process (see [`crate::pressure::pages`]). Taking it
-/// live maps the pages back in one call; nothing else of [`LiveRung::load`] is repeated.
+/// A rung loaded ahead and waiting: its model and context exist (loaded, warmed up, cleared).
+/// Cold, its weight pages are released from this process (see [`crate::pressure::pages`]), and
+/// taking it live maps them back in one call; hot ([`StandbyRung::from_live_hot`], while the
+/// budget holds them), they stay mapped and count in full, and taking it live costs nothing.
+/// Nothing else of [`LiveRung::load`] is repeated.
 pub struct StandbyRung {
     live: LiveRung,
     /// What it holds in this process while waiting, measured: the anonymous memory its load
-    /// added (context buffers, tokenizer tables, repacked weights if any) plus the weight
-    /// pages still resident after the release (0 unless the release failed).
+    /// added (context buffers, tokenizer tables, repacked weights if any) plus its weight
+    /// pages resident (cold: 0 unless the release failed; hot: all of them).
     pub rss_bytes: u64,
     /// The conversation's head read natively on this rung ([`StandbyRung::read_head`]).
     head: Option<Arc<Anchor>>,
+    /// Its weight pages are kept mapped.
+    hot: bool,
 }
 
 impl StandbyRung {
@@ -234,7 +245,40 @@ impl StandbyRung {
             live,
             rss_bytes,
             head: None,
+            hot: false,
         }
+    }
+
+    /// Puts a loaded rung on standby hot: its cache cleared, every weight page mapped (what
+    /// its warm-up did not touch is mapped now) and counted in `rss_bytes`. A switch down onto
+    /// it then maps nothing: that took 35-85 ms of a switch's gap on the real ladder, on the
+    /// cores the first token needs (`results/switch_stall.json`, 2026-12-07).
+    pub fn from_live_hot(mut live: LiveRung) -> Self {
+        live.ctx.clear();
+        populate(&live.info.path);
+        let rss_bytes = live.context_bytes + live.weights_resident();
+        Self {
+            live,
+            rss_bytes,
+            head: None,
+            hot: true,
+        }
+    }
+
+    /// Whether its weight pages are kept mapped.
+    pub fn is_hot(&self) -> bool {
+        self.hot
+    }
+
+    /// Releases a hot rung's weight pages (it stays on standby, cold); `rss_bytes` measured
+    /// again. Nothing happens to a cold one.
+    pub fn cool(&mut self) {
+        if !self.hot {
+            return;
+        }
+        let _ = crate::pressure::pages::release_mapping(&self.live.info.path);
+        self.rss_bytes = self.live.context_bytes + self.live.weights_resident();
+        self.hot = false;
     }
 
     /// Reads `head` — the conversation's first tokens, the part of the history a switch's
@@ -264,7 +308,9 @@ impl StandbyRung {
             .and_then(|()| ctx.export_state())
             .map_err(engine);
         ctx.clear();
-        let _ = crate::pressure::pages::release_mapping(&self.live.info.path);
+        if !self.hot {
+            let _ = crate::pressure::pages::release_mapping(&self.live.info.path);
+        }
         let info = &self.live.info;
         self.head = Some(Arc::new(Anchor {
             rung: info.name().to_string(),
@@ -299,8 +345,11 @@ impl StandbyRung {
     }
 
     /// Takes the rung live: maps its weight pages back in (from the page cache when warm,
-    /// else from disk). Returns it with the time that took, ms.
+    /// else from disk; nothing when hot). Returns it with the time that took, ms.
     pub fn activate(self) -> (LiveRung, f64) {
+        if self.hot {
+            return (self.live, 0.0);
+        }
         let ms = populate(&self.live.info.path);
         (self.live, ms)
     }

@@ -9,18 +9,38 @@
 //!   tokens), if the budget last read holds the rung's measured cost beside everything else.
 //! - **What counts**: a standby rung's measured cost ([`StandbyRung::rss_bytes`]) is part of
 //!   the session's modelled footprint, and of what the process's own numbers show.
+//! - **Hot or cold** ([`SessionOptions::standby_hot`](super::SessionOptions::standby_hot)): a
+//!   standby rung keeps its weight pages mapped — and counts them — when the budget last read
+//!   holds them beside everything else (or there is none); otherwise they are released and a
+//!   switch onto it maps them back (35-85 ms of the switch's gap on the real ladder).
 //! - **The conversation's head**: after an answer, each standby rung reads the history's
 //!   first tokens (the head a switch re-reads) and keeps their cells, so a switch down onto
 //!   it splices the whole head in with the projection instead of decoding part of it at the
 //!   switch ([`StandbyRung::read_head`]).
-//! - **First given up**: before the policy would have to move because of them, standby rungs
-//!   are dropped, smallest rung first (the next switch down most likely goes one rung down),
+//! - **First given up**: before the policy would have to move because of them, hot standby
+//!   rungs are cooled (their pages released), then standby rungs are dropped, smallest rung
+//!   first (the next switch down most likely goes one rung down),
 //!   until the current rung and the rest fit the budget. The policy itself decides on the
 //!   rungs alone: a switch never happens to keep a standby rung.
 
 use std::sync::Arc;
 
 use super::{LiveRung, Session, StandbyRung};
+
+/// Rungs whose models a session holds ([`Session::reap_rungs`]): dropped on the reaper's
+/// thread, their contexts go, then their weight pages leave this process's page tables (the
+/// held model keeps its mapping, with nothing of it resident).
+struct RungContexts(Vec<LiveRung>);
+
+impl Drop for RungContexts {
+    fn drop(&mut self) {
+        let paths: Vec<std::path::PathBuf> = self.0.iter().map(|r| r.info.path.clone()).collect();
+        self.0.clear();
+        for p in paths {
+            let _ = crate::pressure::pages::release_mapping(&p);
+        }
+    }
+}
 use crate::transplant::anchor::Anchor;
 
 impl Session {
@@ -32,6 +52,20 @@ impl Session {
     /// Which rungs are on standby.
     pub fn on_standby(&self) -> Vec<bool> {
         self.standby.iter().map(Option::is_some).collect()
+    }
+
+    /// Which rungs are on standby hot, their weight pages mapped ([`StandbyRung::is_hot`]).
+    pub fn on_standby_hot(&self) -> Vec<bool> {
+        self.standby
+            .iter()
+            .map(|s| s.as_ref().is_some_and(StandbyRung::is_hot))
+            .collect()
+    }
+
+    /// What the models of rungs let go during the answer still hold, bytes (0 between
+    /// answers: [`Session::free_held_models`]).
+    pub fn held_model_bytes(&self) -> u64 {
+        self.held_bytes()
     }
 
     /// Takes rung `index` off standby, live, with the time its pages took to map back.
@@ -53,7 +87,23 @@ impl Session {
         if let Some(seen) = self.context_bytes[index] {
             live.context_bytes = live.context_bytes.max(seen);
         }
-        self.standby[index] = Some(StandbyRung::from_live(live));
+        let hot = self.holds_hot(live.context_bytes + live.weights_resident());
+        self.standby[index] = Some(if hot {
+            StandbyRung::from_live_hot(live)
+        } else {
+            StandbyRung::from_live(live)
+        });
+    }
+
+    /// Whether a standby rung costing `bytes` with its weight pages mapped may wait hot: hot
+    /// standby is on and the budget last read holds it beside everything else (no budget
+    /// read: it does).
+    fn holds_hot(&self, bytes: u64) -> bool {
+        let tokens = self.history.len() as u64 + 1;
+        self.opts.standby_hot
+            && self
+                .last_budget
+                .is_none_or(|b| self.modelled_now(tokens) + bytes <= b)
     }
 
     /// Frees a rung a switch let go of on a thread of its own, so that the destination's first
@@ -78,6 +128,45 @@ impl Session {
         }
     }
 
+    /// Frees rungs a switch let go of, as [`Session::reap`] does, except their llama.cpp models:
+    /// their contexts (KV cache, compute buffers) are freed and their weight pages released
+    /// from this process on the reaper's thread at once, the models themselves (a few MiB of
+    /// tensor and tokenizer tables, [`LiveRung::model_bytes`], counted in the modelled
+    /// footprint meanwhile) are held until the answer ends ([`Session::free_held_models`]).
+    /// Freeing a model's tables took 35-49 ms of a core at a switch down on the real ladder,
+    /// beside a first decode that wants both cores (`results/switch_stall.json`'s
+    /// `first_decode` at ~2× the destination's gap).
+    pub(super) fn reap_rungs(&mut self, rungs: Vec<LiveRung>) {
+        if rungs.is_empty() {
+            return;
+        }
+        for r in &rungs {
+            self.held_models.push(super::HeldModel {
+                model: Arc::clone(r.ctx.model()),
+                bytes: r.model_bytes,
+            });
+        }
+        self.reap(RungContexts(rungs));
+    }
+
+    /// What the models [`Session::reap_rungs`] holds still hold, bytes.
+    pub(super) fn held_bytes(&self) -> u64 {
+        self.held_models.iter().map(|h| h.bytes).sum()
+    }
+
+    /// Frees the models [`Session::reap_rungs`] held, on the reaper's thread (`wait`: and
+    /// waits for it). Called when the answer ends, and at once when the budget no longer
+    /// holds them.
+    pub(super) fn free_held_models(&mut self, wait: bool) {
+        if !self.held_models.is_empty() {
+            let held = std::mem::take(&mut self.held_models);
+            self.reap(held);
+        }
+        if wait {
+            self.join_reaper();
+        }
+    }
+
     /// Waits until every rung [`Session::reap`] frees is gone.
     pub(super) fn join_reaper(&mut self) {
         for h in self.reapers.drain(..) {
@@ -89,12 +178,30 @@ impl Session {
     /// and, with a budget, as many as it takes (smallest rung first) for the current rung's
     /// modelled footprint and the rest to fit it. Returns whether any was dropped.
     pub(super) fn settle_standby(&mut self, budget: Option<u64>) -> bool {
+        self.settle_standby_with(budget, false)
+    }
+
+    /// [`Session::settle_standby`] at a switch, between two tokens of an answer: the models of
+    /// the rungs dropped are held until the answer ends ([`Session::reap_rungs`]) — freeing
+    /// one beside the next token's decode put ~60-80 ms into that gap.
+    pub(super) fn settle_standby_in_answer(&mut self, budget: Option<u64>) -> bool {
+        self.settle_standby_with(budget, true)
+    }
+
+    fn settle_standby_with(&mut self, budget: Option<u64>, hold: bool) -> bool {
         let mut dropped: Vec<StandbyRung> = Vec::new();
         for i in 0..=self.current.min(self.standby.len().saturating_sub(1)) {
             dropped.extend(self.standby[i].take());
         }
         if let Some(b) = budget {
             let tokens = self.history.len() as u64 + 1;
+            // Hot ones are cooled first, smallest rung first: their pages go, the rungs stay.
+            while self.modelled_now(tokens) > b {
+                let Some(s) = self.standby.iter_mut().rev().flatten().find(|s| s.is_hot()) else {
+                    break;
+                };
+                s.cool();
+            }
             while self.standby.iter().any(Option::is_some) && self.modelled_now(tokens) > b {
                 if let Some(slot) = self.standby.iter_mut().rev().find(|s| s.is_some()) {
                     dropped.extend(slot.take());
@@ -104,7 +211,9 @@ impl Session {
         // Freed off the answer's path, as a switch's source is: two standby rungs dropped after
         // a switch down from tier0 took 240 ms of the gap before the destination's first token.
         let any = !dropped.is_empty();
-        if any {
+        if any && hold {
+            self.reap_rungs(dropped.into_iter().map(StandbyRung::into_live).collect());
+        } else if any {
             self.reap(dropped);
         }
         any
@@ -139,7 +248,13 @@ impl Session {
             {
                 self.record_load(i, &live);
                 self.arm_hidden_tap(i, &mut live.ctx);
-                self.standby[i] = Some(StandbyRung::from_live(live));
+                let weights = self.rung_costs()[i].resident_bytes();
+                let hot = self.holds_hot(live.context_bytes + weights);
+                self.standby[i] = Some(if hot {
+                    StandbyRung::from_live_hot(live)
+                } else {
+                    StandbyRung::from_live(live)
+                });
             }
         }
         if let Some(b) = self.last_budget {

@@ -511,7 +511,7 @@ impl Session {
         }
         // The standby rungs the budget no longer holds beside the destination go too.
         let standby_before = self.standby_bytes();
-        self.settle_standby(budget.map(|b| b.bytes));
+        self.settle_standby_in_answer(budget.map(|b| b.bytes));
         let dropped = standby_before.saturating_sub(self.standby_bytes());
         // Down, what the switch let go of is gone before the answer goes on when the budget
         // does not hold it still being freed: the source (a shed-first switch's is already
@@ -526,6 +526,11 @@ impl Session {
         if to > from && (source_retired || over) {
             self.join_reaper();
             crate::pressure::trim_heap();
+        }
+        // The models of the rungs let go are held until the answer ends, unless the budget
+        // does not hold them.
+        if budget.is_some_and(|b| self.modelled_now(tokens) > b.bytes) {
+            self.free_held_models(true);
         }
         // What the destination's cache holds that is not its own: absent cells stay absent
         // through a later projection, until something reads them.
@@ -571,7 +576,7 @@ impl Session {
         // re-reads the whole history, as when a shadow's source went first.
         let freed_early = source_live && to > from && !self.opts.keep_source;
         if freed_early && let Some(src) = self.rungs[from].take() {
-            self.reap(src);
+            self.reap_rungs(vec![src]);
         }
         let source_live = source_live && !freed_early;
         let Some(dst) = self.rungs[to].as_mut() else {
@@ -834,7 +839,7 @@ impl Session {
         // the destination ([`migrate::stage`]); a destination that must be loaded is loaded
         // only once the source is gone, so the process never holds both rungs' memory (a
         // standby one maps its pages back meanwhile, below).
-        self.reap(src);
+        self.reap_rungs(vec![src]);
         let sparse = projector.is_some() && self.reads_sparse(from, to, &ranges, n_past);
         let stageable =
             !sparse && topk.is_none() && self.standby.get(to).is_some_and(Option::is_some);
@@ -860,7 +865,8 @@ impl Session {
             self.standby.get_mut(to).and_then(Option::take)
         };
         let (staged, activate_ms) = std::thread::scope(|scope| {
-            let populating = standby_rung.as_ref().map(|r| {
+            // A hot one has its pages mapped already.
+            let populating = standby_rung.as_ref().filter(|r| !r.is_hot()).map(|r| {
                 let path = r.path().to_path_buf();
                 scope.spawn(move || super::rung::populate(&path))
             });
