@@ -48,7 +48,7 @@ pub(super) fn section(doc: &StallDoc, figures: &FigureSet, figures_rel: &str) ->
     let _ = writeln!(s, "\n## The stall at a switch\n");
     let _ = writeln!(
         s,
-        "From `switch_stall.json` (`molt-run --threads {} bench --stall`): the gap between the last token on the source and the first on the destination, everything included, for every route of the ladder at two context lengths, {} repetitions; the destination's page cache warm (its file read through before the leg) or cold (dropped with `posix_fadvise(DONTNEED)`; `cached` says how much of the file another process's mapping kept in the cache anyway). *Before*: the destination is loaded at the switch (llama.cpp's load with its mapping populated, a context with a full-window KV buffer, and a warm-up decode the first time the rung loads in the session, to measure its footprint). *After*: the rungs below the current one wait on standby — loaded ahead, their weight pages released from this process — and a switch down only maps the pages back; a switch up's destination loads on a thread of its own while the source goes on decoding, and the switch waits for it (`prepared_in_background`, not part of the stall). Every rung's context window: {} tokens. The context: {}. Machine: {}.\n",
+        "From `switch_stall.json` (`molt-run --threads {} bench --stall`): the gap between the last token on the source and the first on the destination, everything included, for every route of the ladder at two context lengths, {} repetitions; the destination's page cache warm (its file read through before the leg) or cold (dropped with `posix_fadvise(DONTNEED)`; `cached` says how much of the file another process's mapping kept in the cache anyway). *Before*: the destination is loaded at the switch (llama.cpp's load with its mapping populated, a context with a full-window KV buffer, and a warm-up decode the first time the rung loads in the session, to measure its footprint). *After*: the rungs below the current one wait on standby — loaded ahead; hot (their weight pages kept mapped and counted, `standby held`) while the budget holds them, which it always does here (no budget), else their pages released — and a switch down only maps back what is not mapped; a switch up's destination loads on a thread of its own while the source goes on decoding, and the switch waits for it (`prepared_in_background`, not part of the stall). Every rung's context window: {} tokens. The context: {}. Machine: {}.\n",
         doc.threads,
         doc.reps,
         doc.n_ctx,
@@ -61,9 +61,9 @@ pub(super) fn section(doc: &StallDoc, figures: &FigureSet, figures_rel: &str) ->
     );
     let _ = writeln!(
         s,
-        "| route | dir | context | cache | cached | stall before, ms | stall after, ms [min–max] | dst ITL, ms | after / ITL | refill after: tokens × gap ms | standby held, MiB | largest parts after, ms |"
+        "| route | dir | context | cache | cached | stall before, ms | stall after, ms [min–max] | dst ITL, ms | after / ITL | refill after: tokens × gap ms (longest) | lost in all, ms | standby held, MiB | largest parts after, ms |"
     );
-    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let mut rows: Vec<&StallRow> = doc.rows.iter().collect();
     rows.sort_by(|a, b| {
         (
@@ -83,7 +83,7 @@ pub(super) fn section(doc: &StallDoc, figures: &FigureSet, figures_rel: &str) ->
         let before = doc.before_rows.iter().find(|b| b.same_cell(r));
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {:.0}% | {} | {:.0} [{:.0}–{:.0}] | {:.0} | {:.1} | {} | {:.0} | {} |",
+            "| {} | {} | {} | {} | {:.0}% | {} | {:.0} [{:.0}–{:.0}] | {:.0}{} | {:.1} | {} | {} | {:.0} | {} |",
             r.route.replace("->", " → "),
             r.direction,
             r.context_tokens,
@@ -94,15 +94,35 @@ pub(super) fn section(doc: &StallDoc, figures: &FigureSet, figures_rel: &str) ->
             r.stall_ms.min,
             r.stall_ms.max,
             r.itl_ms_median,
+            if r.itl_from == "as-source" { "*" } else { "" },
             r.stall_ms.median / r.itl_ms_median,
-            match (r.refill_tokens_median, r.refill_gap_ms_median) {
-                (Some(n), Some(g)) => format!("{n:.0} × {g:.0}"),
+            match (
+                r.refill_tokens_median,
+                r.refill_gap_ms_median,
+                r.refill_gap_ms_max,
+            ) {
+                (Some(n), Some(g), Some(m)) => format!("{n:.0} × {g:.0} ({m:.0})"),
+                (None, Some(g), Some(m)) => format!(
+                    "> {} × {g:.0} ({m:.0})",
+                    crate::bench::stall::REFILL_WATCH_TOKENS
+                ),
+                (Some(n), Some(g), None) => format!("{n:.0} × {g:.0}"),
                 _ => "–".to_string(),
+            },
+            if r.lost_ms_median > 0.0 {
+                format!("{:.0}", r.lost_ms_median)
+            } else {
+                "–".to_string()
             },
             r.standby_rss_mib,
             top_parts(r, 3),
         );
     }
+    let _ = writeln!(
+        s,
+        "\n*Lost in all*: what the switch cost the answer beyond the destination's own gaps — the stall, each gap while a refill re-read the history in the batches of the next tokens, and what the answer's end read of the positions the refill had not reached (the legs watch a refill for {} tokens). A re-prefill's is its stall less one gap. ITL marked * is the destination's own gap as the source of the run's other legs at that length: its refill outlasted the watch.",
+        crate::bench::stall::REFILL_WATCH_TOKENS
+    );
     let down_warm: Vec<&&StallRow> = rows
         .iter()
         .filter(|r| r.direction == "down" && r.cache == CacheState::Warm)
