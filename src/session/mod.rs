@@ -898,8 +898,9 @@ impl Session {
         if !killed {
             self.fill_holes(out_tokens.len(), sink);
         }
-        // The models of the rungs the answer's switches let go of go now, off its path.
-        self.free_held_models(false);
+        // The models of the rungs the answer's switches let go of go now, after its last token
+        // (waited for: the next answer's first tokens must not share the cores with them).
+        self.free_held_models(true);
         let tail = stream.finish();
         if !stopped_by_control {
             text.push_str(&control.finish(tail));

@@ -265,6 +265,27 @@ impl StandbyRung {
         }
     }
 
+    /// Puts a rung that was just decoding on standby hot without touching its pages or
+    /// reading this process's maps: every weight page is mapped already, so `weights_bytes`
+    /// (the file's tensor bytes) stands for them until [`StandbyRung::measure`] reads them
+    /// after the answer. The source of a switch up is retired this way before the switch's
+    /// token is shown: populating and measuring it put 50-120 ms into that gap.
+    pub fn from_live_hot_unmeasured(mut live: LiveRung, weights_bytes: u64) -> Self {
+        live.ctx.clear();
+        let rss_bytes = live.context_bytes + weights_bytes;
+        Self {
+            live,
+            rss_bytes,
+            head: None,
+            hot: true,
+        }
+    }
+
+    /// Measures what it holds again (its context and its resident weight pages).
+    pub fn measure(&mut self) {
+        self.rss_bytes = self.live.context_bytes + self.live.weights_resident();
+    }
+
     /// Whether its weight pages are kept mapped.
     pub fn is_hot(&self) -> bool {
         self.hot

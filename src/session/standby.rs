@@ -87,9 +87,12 @@ impl Session {
         if let Some(seen) = self.context_bytes[index] {
             live.context_bytes = live.context_bytes.max(seen);
         }
-        let hot = self.holds_hot(live.context_bytes + live.weights_resident());
+        // A rung that was decoding has every weight page mapped: counted as the file's tensor
+        // bytes until measured after the answer.
+        let weights = self.rung_costs()[index].weights_bytes;
+        let hot = self.holds_hot(live.context_bytes + weights);
         self.standby[index] = Some(if hot {
-            StandbyRung::from_live_hot(live)
+            StandbyRung::from_live_hot_unmeasured(live, weights)
         } else {
             StandbyRung::from_live(live)
         });
@@ -228,6 +231,10 @@ impl Session {
         if !self.opts.standby || self.is_parked() {
             return;
         }
+        // What a rung retired during the answer holds, measured now.
+        for s in self.standby.iter_mut().flatten() {
+            s.measure();
+        }
         let tokens = self.history.len() as u64 + 1;
         for i in self.current + 1..self.ladder.rungs.len() {
             if self.standby[i].is_some() || self.rungs[i].is_some() {
@@ -248,7 +255,7 @@ impl Session {
             {
                 self.record_load(i, &live);
                 self.arm_hidden_tap(i, &mut live.ctx);
-                let weights = self.rung_costs()[i].resident_bytes();
+                let weights = self.rung_costs()[i].weights_bytes;
                 let hot = self.holds_hot(live.context_bytes + weights);
                 self.standby[i] = Some(if hot {
                     StandbyRung::from_live_hot(live)
