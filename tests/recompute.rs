@@ -297,18 +297,21 @@ fn a_refill_that_caught_up_continues_as_the_native_cache_does() {
 /// switch starts none, and `refill_chunk: 0` turns it off.
 #[test]
 fn a_size_switch_refills_the_history_in_place_and_then_answers_as_the_native_cache_does() {
-    let run = |to: usize, chunk: usize, within: usize| {
+    let paced = |to: usize, chunk: usize, within: usize, pace: f64| {
         // A twentieth by position: on this short text the default's choice covers most of the
         // cache and the switch re-reads all of it, leaving nothing to refill (the test below).
         let opts = SessionOptions {
             refill_chunk: chunk,
             refill_within: within,
+            refill_pace: pace,
             token_recompute: Some(TokenRecompute::attention(0.05)),
             ..SessionOptions::default()
         };
         let (g, levers, s) = common::events::forced_switch(opts, TEXT, 2, to);
         (g, levers, s.history().to_vec())
     };
+    // The chunk and deadline rules, unpaced (a pace of 1).
+    let run = |to: usize, chunk: usize, within: usize| paced(to, chunk, within, 1.0);
     assert_eq!(
         SessionOptions::default().refill_chunk,
         molt::session::DEFAULT_REFILL_CHUNK
@@ -354,6 +357,31 @@ fn a_size_switch_refills_the_history_in_place_and_then_answers_as_the_native_cac
         "{:?}",
         r3[0]
     );
+    // Paced (the default): the tokens right after the switch are decoded alone (the rung's own
+    // gap timed), then the refill re-reads the same positions, never more than 8 a step, and
+    // from then on the answer is the native cache's.
+    let (gp, leversp, historyp) = paced(2, 8, 0, molt::session::DEFAULT_REFILL_PACE);
+    let rp: Vec<_> = leversp
+        .iter()
+        .filter(|x| x.lever.starts_with("refill"))
+        .collect();
+    assert!(rp.len() <= 1, "{leversp:?}");
+    // How fast it goes depends on this machine's timings; where it ends, it has re-read every
+    // position after the head once, no sooner than the plain tokens and eight a step allow.
+    if let Some(r) = rp.first().filter(|r| r.lever == "refill") {
+        let promptp = historyp.len() - (gp.tokens.len() - 1);
+        let kp = r.at_token;
+        assert_eq!(r.tokens, promptp + kp - 1 - head, "{r:?}");
+        assert!(
+            kp >= 2 + molt::session::PACE_PLAIN_TOKENS + (k - 2),
+            "no more than eight a step, after the plain tokens (refilled before token {kp})"
+        );
+        assert_eq!(
+            native_continuation(&historyp, &gp.tokens, kp),
+            gp.tokens,
+            "after the paced refill the answer is the native cache's"
+        );
+    }
     // A precision route keeps its facts without one; off, none either.
     let (_, precision, _) = run(1, 8, 0);
     assert!(

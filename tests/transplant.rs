@@ -768,8 +768,9 @@ fn background_refill_takes_over_with_the_native_cache() {
     let run = |refill: usize| {
         let opts = SessionOptions {
             refill_chunk: refill,
-            // A fixed chunk: 32 a token, whatever the history's length.
+            // A fixed chunk: 32 a token, whatever the history's length, unpaced.
             refill_within: 0,
+            refill_pace: 1.0,
             // The projection alone: the default token recompute re-reads whole sentences, at
             // least 64 positions, which on this short text is nearly all of it.
             token_recompute: None,
