@@ -26,6 +26,7 @@
 use std::sync::Arc;
 
 use super::{LiveRung, Session, StandbyRung};
+use crate::transplant::anchor::Anchor;
 
 /// Rungs whose models a session holds ([`Session::reap_rungs`]): dropped on the reaper's
 /// thread, their contexts go, then their weight pages leave this process's page tables (the
@@ -41,7 +42,6 @@ impl Drop for RungContexts {
         }
     }
 }
-use crate::transplant::anchor::Anchor;
 
 impl Session {
     /// What the standby rungs hold, measured.
