@@ -550,3 +550,42 @@ fn a_standby_rung_waits_hot_while_the_budget_holds_its_pages_and_is_cooled_befor
     // The source's model is held until the answer ends, then freed.
     assert_eq!(fresh.held_model_bytes(), 0);
 }
+
+#[test]
+fn a_budget_source_attached_cools_standby_until_it_is_read_and_room_heats_it_again() {
+    // Mappings are read from the process: one test at a time.
+    let _serial = common::events::one_at_a_time();
+    let l = common::tiny_ladder();
+    let n = l.rungs.len();
+    let mut s = session(true);
+    assert!(s.on_standby_hot().iter().skip(1).all(|h| *h));
+    // A source not read yet: nothing waits hot (its first reading could be below them).
+    s.set_budget_source(Some(Box::new(FixedBudget::new(u64::MAX / 4))));
+    assert!(
+        s.on_standby_hot().iter().all(|h| !h),
+        "{:?}",
+        s.on_standby_hot()
+    );
+    for i in 1..n {
+        assert_eq!(
+            resident_bytes_of_mapping(&l.rungs[i].path).unwrap_or(0),
+            0,
+            "rung {i}'s pages released"
+        );
+    }
+    // Read, and holding them all: after the answer they are hot again.
+    s.generate(
+        &Prompt::Text(TEXT.into()),
+        &GenerateOptions {
+            max_tokens: 2,
+            ..GenerateOptions::default()
+        },
+        &mut |_| {},
+    )
+    .unwrap();
+    assert!(
+        s.on_standby_hot().iter().skip(1).all(|h| *h),
+        "{:?}",
+        s.on_standby_hot()
+    );
+}

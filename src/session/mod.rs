@@ -304,6 +304,11 @@ impl Session {
 
     /// Replaces the budget source (`None`: no budget, never switch).
     pub fn set_budget_source(&mut self, source: Option<Box<dyn BudgetSource + Send>>) {
+        // Until the new source is read, standby rungs wait cold: a first reading below what they
+        // hold hot would be overshot at the first token (by ~2 GiB in the conditions run).
+        if source.is_some() {
+            self.cool_standby();
+        }
         self.budget = source;
         self.last_budget = None;
         self.trend.clear();

@@ -281,6 +281,16 @@ impl StandbyRung {
         }
     }
 
+    /// Makes a cold rung hot: its pages mapped back and counted. Nothing happens to a hot one.
+    pub fn heat(&mut self) {
+        if self.hot {
+            return;
+        }
+        populate(&self.live.info.path);
+        self.hot = true;
+        self.measure();
+    }
+
     /// Measures what it holds again (its context and its resident weight pages).
     pub fn measure(&mut self) {
         self.rss_bytes = self.live.context_bytes + self.live.weights_resident();

@@ -103,10 +103,20 @@ impl Session {
     /// read: it does).
     fn holds_hot(&self, bytes: u64) -> bool {
         let tokens = self.history.len() as u64 + 1;
-        self.opts.standby_hot
-            && self
-                .last_budget
-                .is_none_or(|b| self.modelled_now(tokens) + bytes <= b)
+        // A budget source not read yet holds nothing: the first reading could be below.
+        let holds = match (&self.budget, self.last_budget) {
+            (None, _) => true,
+            (Some(_), None) => false,
+            (Some(_), Some(b)) => self.modelled_now(tokens) + bytes <= b,
+        };
+        self.opts.standby_hot && holds
+    }
+
+    /// Cools every hot standby rung (a budget source was attached and has not been read).
+    pub(super) fn cool_standby(&mut self) {
+        for s in self.standby.iter_mut().flatten() {
+            s.cool();
+        }
     }
 
     /// Frees a rung a switch let go of on a thread of its own, so that the destination's first
@@ -231,9 +241,19 @@ impl Session {
         if !self.opts.standby || self.is_parked() {
             return;
         }
-        // What a rung retired during the answer holds, measured now.
+        // What a rung retired during the answer holds, measured now; a cold one the budget
+        // holds hot again is heated (its pages mapped back, off the answer's path).
         for s in self.standby.iter_mut().flatten() {
             s.measure();
+        }
+        for i in self.current + 1..self.standby.len() {
+            let weights = self.rung_costs()[i].weights_bytes;
+            let heat = self.standby[i]
+                .as_ref()
+                .is_some_and(|s| !s.is_hot() && self.holds_hot(weights));
+            if heat && let Some(s) = self.standby[i].as_mut() {
+                s.heat();
+            }
         }
         let tokens = self.history.len() as u64 + 1;
         for i in self.current + 1..self.ladder.rungs.len() {
