@@ -26,6 +26,19 @@ fn session(standby: bool) -> Session {
     Session::with_options(l.clone(), common::cfg(), l.rungs[0].name(), opts).unwrap()
 }
 
+/// One answer of at most `max_tokens` to `TEXT`, its events ignored.
+fn answer(s: &mut Session, max_tokens: usize) {
+    s.generate(
+        &Prompt::Text(TEXT.into()),
+        &GenerateOptions {
+            max_tokens,
+            ..GenerateOptions::default()
+        },
+        &mut |_| {},
+    )
+    .unwrap();
+}
+
 /// One answer with a switch forced before token `at`; returns the switch.
 fn forced(s: &mut Session, prompt: &str, at: usize, to: usize) -> SwitchInfo {
     let mut switch = None;
@@ -502,15 +515,7 @@ fn a_standby_rung_waits_hot_while_the_budget_holds_its_pages_and_is_cooled_befor
     let tokens = 40;
     let cold_room = s.modelled_now(tokens) - pages / 2;
     s.set_budget_source(Some(Box::new(FixedBudget::new(cold_room))));
-    s.generate(
-        &Prompt::Text(TEXT.into()),
-        &GenerateOptions {
-            max_tokens: 2,
-            ..GenerateOptions::default()
-        },
-        &mut |_| {},
-    )
-    .unwrap();
+    answer(&mut s, 2);
     assert!(
         s.on_standby().iter().skip(1).any(|b| *b),
         "cooled, not dropped: {:?}",
@@ -530,16 +535,7 @@ fn a_standby_rung_waits_hot_while_the_budget_holds_its_pages_and_is_cooled_befor
     let used = s.history().len() as u64 + 1;
     assert!(s.modelled_now(used) <= cold_room);
     // A switch down onto a hot rung maps nothing.
-    let mut fresh = Session::with_options(
-        l.clone(),
-        common::cfg(),
-        l.rungs[0].name(),
-        SessionOptions {
-            projector_dirs: vec![common::tiny_projectors().clone()],
-            ..SessionOptions::default()
-        },
-    )
-    .unwrap();
+    let mut fresh = session(true);
     assert!(fresh.on_standby_hot()[n - 1]);
     let down = forced(&mut fresh, TEXT, 2, n - 1);
     assert!(down.timings.from_standby, "{down:?}");
@@ -574,15 +570,7 @@ fn a_budget_source_attached_cools_standby_until_it_is_read_and_room_heats_it_aga
         );
     }
     // Read, and holding them all: after the answer they are hot again.
-    s.generate(
-        &Prompt::Text(TEXT.into()),
-        &GenerateOptions {
-            max_tokens: 2,
-            ..GenerateOptions::default()
-        },
-        &mut |_| {},
-    )
-    .unwrap();
+    answer(&mut s, 2);
     assert!(
         s.on_standby_hot().iter().skip(1).all(|h| *h),
         "{:?}",

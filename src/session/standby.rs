@@ -246,8 +246,9 @@ impl Session {
         for s in self.standby.iter_mut().flatten() {
             s.measure();
         }
-        for i in self.current + 1..self.standby.len() {
-            let weights = self.rung_costs()[i].weights_bytes;
+        let costs = self.rung_costs();
+        for (i, cost) in costs.iter().enumerate().skip(self.current + 1) {
+            let weights = cost.weights_bytes;
             let heat = self.standby[i]
                 .as_ref()
                 .is_some_and(|s| !s.is_hot() && self.holds_hot(weights));
