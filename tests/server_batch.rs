@@ -555,6 +555,24 @@ struct Cut {
     efg: Vec<(Instant, Value)>,
 }
 
+/// The shortest time between two tokens on the set-aside tests' servers. The tiny rungs
+/// decode a token in ~0.2 ms: unpaced, the 16-token foreground answer ended (~5 ms) before the
+/// budget cut posted after its first token reached the engine, and a set-aside answer resumed
+/// (the foreground one ended) before the test could look at its file — both seen on CI.
+const SCENE_PACE: Duration = Duration::from_millis(10);
+
+/// The set-aside tests' server: [`batched_with_state_and`], paced by [`SCENE_PACE`].
+async fn scene_server(
+    dir: &std::path::Path,
+    edit: impl FnOnce(&mut molt::server::ServerConfig) + Send + 'static,
+) -> harness::Running {
+    batched_with_state_and(dir, move |c| {
+        c.token_pace = Some(SCENE_PACE);
+        edit(c);
+    })
+    .await
+}
+
 async fn both_running_then_cut(addr: SocketAddr, background: &Value, fg_max: u64) -> Cut {
     let cut = fg_alone_cut(addr, fg_max).await;
     let mut bg = open(addr, background).await;
@@ -616,7 +634,7 @@ fn of_kind<'a>(events: &'a [(Instant, Value)], kind: &str) -> Vec<&'a Value> {
 async fn a_background_answer_is_set_aside_so_the_foreground_one_goes_on() {
     let _serial = serial().await;
     let dir = tempfile::tempdir().unwrap();
-    let srv = batched_with_state(dir.path()).await;
+    let srv = scene_server(dir.path(), |_| {}).await;
     let addr = srv.addr;
     let background = background_request();
     let want_bg = alone(addr, &background).await;
@@ -714,7 +732,7 @@ async fn set_aside_then_resumed_on(to: &str, carry_on_resume: bool) -> Value {
     // would cover most of this short conversation and re-read all of it, leaving nothing for
     // a refill to show.
     let projection_only = to == "small";
-    let srv = batched_with_state_and(dir.path(), move |c| {
+    let srv = scene_server(dir.path(), move |c| {
         c.carry_on_resume = carry_on_resume;
         if projection_only {
             c.session.token_recompute = None;
@@ -835,7 +853,7 @@ async fn a_set_aside_answer_resumed_on_a_lower_precision_is_carried() {
 async fn without_set_aside_the_same_cut_parks_the_whole_batch() {
     let _serial = serial().await;
     let dir = tempfile::tempdir().unwrap();
-    let srv = batched_with_state_and(dir.path(), |c| c.set_aside = false).await;
+    let srv = scene_server(dir.path(), |c| c.set_aside = false).await;
     let addr = srv.addr;
     let Cut {
         mut bg,
@@ -862,7 +880,7 @@ async fn without_set_aside_the_same_cut_parks_the_whole_batch() {
 async fn a_set_aside_cache_that_cannot_be_read_back_is_re_read() {
     let _serial = serial().await;
     let dir = tempfile::tempdir().unwrap();
-    let srv = batched_with_state(dir.path()).await;
+    let srv = scene_server(dir.path(), |_| {}).await;
     let addr = srv.addr;
     let Cut {
         mut bg,
@@ -943,7 +961,7 @@ async fn a_foreground_request_takes_a_background_answers_sequence() {
 async fn a_set_aside_past_the_state_bound_parks_the_batch_instead() {
     let _serial = serial().await;
     let dir = tempfile::tempdir().unwrap();
-    let srv = batched_with_state_and(dir.path(), |c| c.state_max_mib = 0).await;
+    let srv = scene_server(dir.path(), |c| c.state_max_mib = 0).await;
     let addr = srv.addr;
     let Cut {
         mut bg,
