@@ -256,9 +256,16 @@ fn a_refill_that_caught_up_continues_as_the_native_cache_does() {
     live.decode(&other).unwrap();
     live.decode(&[last]).unwrap();
     let mut out = vec![last];
-    let (ms, done_at) =
-        molt::bench::recall::continue_refilling(&mut live, history, 0, &mut out, 40, 8, None)
-            .unwrap();
+    let (ms, done_at) = molt::bench::recall::continue_refilling(
+        &mut live,
+        history,
+        (Default::default(), 0),
+        &mut out,
+        40,
+        8,
+        None,
+    )
+    .unwrap();
     let k = done_at.expect("caught up inside 40 tokens");
     assert!(ms > 0.0);
     // Seven new history tokens a step (eight read, one more written): a few steps.
@@ -443,6 +450,23 @@ fn a_sparse_read_holds_only_its_spans_and_a_refill_over_its_holes_is_native() {
         let d = max_abs(&layer0_key(&stream, pos), &layer0_key(&native_stream, pos));
         assert!(d < 2e-2, "layer 0 key at {pos}: {d}");
     }
+    // A piece read into a hole out of order (no cell right before it), as a hurried switch's
+    // reading does: read after the last cell before it, then moved to its own positions; an
+    // export right after it (no decode since) holds its keys rotated for where it stands —
+    // layer 0's keys match a native prefill's there.
+    let mut holed = Context::new(ctx.model().clone(), common::cfg_long()).unwrap();
+    holed.import_state(&blob).unwrap();
+    assert_eq!(
+        holed.recompute_spans(&Span::of(&toks, &[18..22])).unwrap(),
+        4
+    );
+    let moved = holed.export_state().unwrap();
+    let (_, moved) = KvSnapshot::parse_single_stream(&moved).unwrap();
+    assert!(moved.positions().contains(&18) && moved.positions().contains(&21));
+    for pos in [18, 21] {
+        let d = max_abs(&layer0_key(&moved, pos), &layer0_key(&native_stream, pos));
+        assert!(d < 2e-2, "layer 0 key at {pos} read into a hole: {d}");
+    }
     // Out of order, or a lone last token apart from the rest: refused, the cache as it was.
     assert!(ctx.decode_sparse(&Span::of(&toks, &[2..3]), &[]).is_err());
     let mut other = Context::new(ctx.model().clone(), common::cfg_long()).unwrap();
@@ -534,6 +558,72 @@ fn a_default_size_switch_reads_sparsely_and_leaves_a_whole_native_cache() {
     assert!(g0.switches[0].timings.sparse);
     assert_eq!(g0.tokens[..2], g.tokens[..2]);
     assert!(levers0.iter().all(|x| x.lever != "refill"), "{levers0:?}");
+    let fills: Vec<_> = levers0.iter().filter(|x| x.lever == "fill").collect();
+    assert_eq!(fills.len(), 1, "{levers0:?}");
+    assert_eq!(fills[0].at_token, g0.tokens.len());
+    assert_eq!(fills[0].tokens, left_out, "{:?}", fills[0]);
+    assert_eq!(s0.projected_positions(), 0);
+}
+
+/// A hurried size switch (`SessionOptions::hurry`) reads only the head and the newest
+/// positions before its first token; the positions the switch chose are read behind the
+/// answer, then the refill's pass, and from the token after it the answer is what a native
+/// cache of the same text gives. With the refill's pass off, the chosen positions are still
+/// read behind the answer, and what the switch did not choose is read when the answer ends
+/// (a `fill` lever, as many positions as the unhurried switch left out): the cache the answer
+/// leaves holds every position, natively.
+#[test]
+fn a_hurried_size_switch_reads_the_newest_positions_first_and_the_rest_behind_the_answer() {
+    let long = [TEXT; 4].join(" ");
+    let head = molt::session::DEFAULT_HEAD_REREAD;
+    let run = |chunk: usize, hurry: usize| {
+        let opts = SessionOptions {
+            refill_chunk: chunk,
+            // Unpaced: how many positions each token carries does not hang on timings.
+            refill_pace: 1.0,
+            hurry,
+            ..SessionOptions::default()
+        };
+        common::events::forced_switch(opts, &long, 2, 2)
+    };
+    let (g_whole, _, _) = run(0, 0);
+    let whole = &g_whole.switches[0].timings;
+    let left_out = whole.cells - head - whole.recomputed;
+
+    let (g, levers, s) = run(molt::session::DEFAULT_REFILL_CHUNK, 8);
+    let t = &g.switches[0].timings;
+    assert!(t.sparse, "{t:?}");
+    assert_eq!(
+        t.recomputed, 8,
+        "only the newest positions before the token: {t:?}"
+    );
+    let refills: Vec<_> = levers.iter().filter(|x| x.lever == "refill").collect();
+    assert_eq!(refills.len(), 1, "{levers:?}");
+    let r = refills[0];
+    let k = r.at_token;
+    let prompt = s.history().len() - (g.tokens.len() - 1);
+    // The chosen positions, then every position after the head once more.
+    assert_eq!(
+        r.tokens,
+        (whole.recomputed - 8) + (prompt + k - 1 - head),
+        "{r:?}"
+    );
+    assert_eq!(s.projected_positions(), 0);
+    assert_eq!(
+        native_continuation(s.history(), &g.tokens, k),
+        g.tokens,
+        "after the refill the answer is the native cache's"
+    );
+
+    let (g0, levers0, s0) = run(0, 8);
+    assert_eq!(g0.switches[0].timings.recomputed, 8);
+    let chosen: Vec<_> = levers0.iter().filter(|x| x.lever == "refill").collect();
+    assert_eq!(
+        chosen.len(),
+        1,
+        "the chosen positions read behind the answer: {levers0:?}"
+    );
+    assert_eq!(chosen[0].tokens, whole.recomputed - 8, "{:?}", chosen[0]);
     let fills: Vec<_> = levers0.iter().filter(|x| x.lever == "fill").collect();
     assert_eq!(fills.len(), 1, "{levers0:?}");
     assert_eq!(fills[0].at_token, g0.tokens.len());

@@ -89,6 +89,11 @@ pub struct Context {
     /// decode (import, shed) restarts the rows at `n_past`, so a row is always the state a
     /// decode of this context computed at that position.
     hidden_start: usize,
+    /// Cells a recompute read into a hole were moved to their positions after their batch
+    /// ([`Context::recompute_spans`]) and llama.cpp re-rotates their keys at the next
+    /// `llama_decode`: until then an exported state would carry keys rotated for the wrong
+    /// positions, so an export decodes something first ([`Context::export_state`]).
+    shift_pending: std::cell::Cell<bool>,
 }
 
 // SAFETY: a llama_context is used from one thread at a time (all mutation takes &mut self);
@@ -233,6 +238,7 @@ impl Context {
             config,
             n_vocab,
             n_past: 0,
+            shift_pending: std::cell::Cell::new(false),
             reserved_bytes,
             tap,
             hidden_start: 0,
@@ -771,24 +777,48 @@ impl Context {
         let n_i32 = conv(n)?;
         // SAFETY: live context; memory handle for the sequence operations below.
         let mem = unsafe { llama_cpp_sys_2::llama_get_memory(self.ptr.as_ptr()) };
+        // Where each piece is read: at its own positions when a cell precedes it, else right
+        // after the last cell before it (llama.cpp wants a sequence to go on from its last
+        // position; a piece in a hole a sparse read left has none before it) and moved to its
+        // own positions after the batch, as a sparse read moves its spans.
+        let mut read_at = Vec::with_capacity(group.len());
         for (i, &(start, _)) in group.iter().enumerate() {
             let sid = conv(i + 1)?;
             // SAFETY: live context; a scratch sequence id below n_seq_max shares sequence 0's
-            // cells of positions [0, start) (unified cache: a tag on the cells).
-            unsafe {
+            // cells of positions [0, start) (unified cache: a tag on the cells); the position
+            // query reads them.
+            let last = unsafe {
                 llama_cpp_sys_2::llama_memory_seq_rm(mem, sid, -1, -1);
                 llama_cpp_sys_2::llama_memory_seq_cp(mem, SEQ, sid, 0, conv(start)?);
+                llama_cpp_sys_2::llama_memory_seq_pos_max(mem, sid)
+            };
+            read_at.push(usize::try_from(last + 1).map_or(start, |at| at.min(start)));
+        }
+        if read_at
+            .iter()
+            .zip(group)
+            .any(|(&at, &(start, _))| at != start)
+        {
+            // SAFETY: live context; read-only query.
+            let can = unsafe { llama_cpp_sys_2::llama_memory_can_shift(mem) };
+            if !can {
+                return Err(EngineError::Shed {
+                    pinned: self.n_past,
+                    n: 0,
+                    n_past: self.n_past,
+                    detail: "this cache cannot move positions (a recompute into a hole)".into(),
+                });
             }
         }
         // SAFETY: allocates a batch for n tokens, one sequence id each; freed below.
         let batch = unsafe { llama_cpp_sys_2::llama_batch_init(n_i32, 0, 1) };
         let mut k = 0usize;
-        for (i, &(start, tokens)) in group.iter().enumerate() {
+        for (i, &(_, tokens)) in group.iter().enumerate() {
             for (j, &t) in tokens.iter().enumerate() {
                 // SAFETY: k < n entries; seq_id[k] points to an array of 1 seq id.
                 unsafe {
                     *batch.token.add(k) = t;
-                    *batch.pos.add(k) = conv(start + j)?;
+                    *batch.pos.add(k) = conv(read_at[i] + j)?;
                     *batch.n_seq_id.add(k) = 1;
                     *(*batch.seq_id.add(k)) = conv(i + 1)?;
                     *batch.logits.add(k) = 0;
@@ -825,8 +855,18 @@ impl Context {
                 detail: recent_llama_errors(),
             });
         }
+        self.shift_pending.set(false);
         for (i, &(start, tokens)) in group.iter().enumerate() {
             let (sid, p0, p1) = (conv(i + 1)?, conv(start)?, conv(start + tokens.len())?);
+            if read_at[i] != start {
+                let (a0, a1) = (conv(read_at[i])?, conv(read_at[i] + tokens.len())?);
+                // SAFETY: live context on a cache that can shift (checked above); the scratch
+                // sequence's cells of [a0, a1) are the ones this batch wrote (the cells it
+                // shares with sequence 0 all lie before a0), moved to [p0, p1). Their keys are
+                // re-rotated at the next decode.
+                unsafe { llama_cpp_sys_2::llama_memory_seq_add(mem, sid, a0, a1, p0 - a0) };
+                self.shift_pending.set(true);
+            }
             // SAFETY: live context; sequence 0 lets go of its old cells of [p0, p1) (freed, no
             // other sequence holds them), takes the scratch sequence's new cells of the same
             // positions, and the scratch sequence is dropped.
@@ -942,6 +982,7 @@ impl Context {
                     detail: recent_llama_errors(),
                 });
             }
+            self.shift_pending.set(false);
             self.n_past += part.len();
         }
         if let Some(t) = &self.tap {
@@ -1007,6 +1048,7 @@ impl Context {
                     detail: recent_llama_errors(),
                 });
             }
+            self.shift_pending.set(false);
             self.n_past += part.len();
             if all {
                 for i in 0..part.len() {
@@ -1040,11 +1082,50 @@ impl Context {
         self.logits_at(-1)
     }
 
+    /// Has llama.cpp re-rotate the keys of cells a recompute moved ([`Self::shift_pending`]),
+    /// which it does at the start of a decode: one token decoded without outputs in an empty
+    /// scratch sequence, then dropped. Sequence 0, its logits and `n_past` are untouched.
+    fn apply_moves(&self) -> Result<(), EngineError> {
+        if !self.shift_pending.get() {
+            return Ok(());
+        }
+        // SAFETY: live context; scratch sequence 1 (below n_seq_max) is emptied, a one-token
+        // batch at its position 0 asks for no output, and the sequence is emptied again.
+        let rc = unsafe {
+            let mem = llama_cpp_sys_2::llama_get_memory(self.ptr.as_ptr());
+            llama_cpp_sys_2::llama_memory_seq_rm(mem, 1, -1, -1);
+            let batch = llama_cpp_sys_2::llama_batch_init(1, 0, 1);
+            *batch.token = 0;
+            *batch.pos = 0;
+            *batch.n_seq_id = 1;
+            *(*batch.seq_id) = 1;
+            *batch.logits = 0;
+            let mut b = batch;
+            b.n_tokens = 1;
+            let rc = llama_cpp_sys_2::llama_decode(self.ptr.as_ptr(), b);
+            llama_cpp_sys_2::llama_batch_free(batch);
+            llama_cpp_sys_2::llama_memory_seq_rm(mem, 1, -1, -1);
+            rc
+        };
+        if rc != 0 {
+            return Err(EngineError::State {
+                op: "export",
+                detail: format!(
+                    "moved keys could not be re-rotated before the export (decode {rc}): {}",
+                    recent_llama_errors()
+                ),
+            });
+        }
+        self.shift_pending.set(false);
+        Ok(())
+    }
+
     /// Exports sequence 0's state (cell positions + K/V of every layer) as llama.cpp's blob.
     ///
     /// # Errors
     /// [`EngineError::State`] if llama.cpp writes a different size than it announced.
     pub fn export_state(&self) -> Result<Vec<u8>, EngineError> {
+        self.apply_moves()?;
         let flags = 0;
         // SAFETY: live context; size query has no side effects.
         let size =

@@ -34,8 +34,8 @@ pub use events::{
 };
 pub use levers::chat_pinned_prefix;
 pub use options::{
-    DEFAULT_HEAD_REREAD, DEFAULT_REFILL_CHUNK, DEFAULT_REFILL_PACE, DEFAULT_REFILL_WITHIN,
-    GenerateOptions, Prompt, SessionOptions, Strategy, refill_step,
+    DEFAULT_HEAD_REREAD, DEFAULT_HURRY, DEFAULT_REFILL_CHUNK, DEFAULT_REFILL_PACE,
+    DEFAULT_REFILL_WITHIN, GenerateOptions, Prompt, SessionOptions, Strategy, refill_step,
 };
 pub use prepare::{CATCH_UP_STEP, SHADOW_STEP};
 pub use rest::IdleMove;
@@ -44,8 +44,8 @@ pub use shadow::TREND_WINDOW;
 pub use switch::SwitchMethod;
 // What the batched server's switch and prompt read share with the session's (`src/server/batch.rs`).
 pub(crate) use native::{minus as uncovered, refresh as refresh_projected, sentence_ends_of};
-pub(crate) use refill::reread_then_decode;
-pub use refill::{PACE_PLAIN_TOKENS, RefillPace};
+pub use refill::{PACE_PLAIN_TOKENS, RefillPace, hurry_split};
+pub(crate) use refill::{read_ranges_then_decode, reread_then_decode, take_chunk};
 pub(crate) use switch::{CachedState, CarryRoute, carry_cache, reads_sparse, recompute_ranges};
 
 use crate::engine::{ChatMessage, ContextConfig, Sampler, Token, Utf8Stream, softmax};
@@ -115,6 +115,9 @@ pub struct Session {
     anon_base: u64,
     /// A background refill in progress ([`SessionOptions::refill_chunk`]).
     refill: Option<refill::Refill>,
+    /// What the last switch, hurried ([`SessionOptions::hurry`]), left to read after its first
+    /// token, in reading order: taken by the refill it starts.
+    hurried: Vec<Range<usize>>,
     /// The attention mass the last prompt's final tokens gave each cached position (when
     /// [`SessionOptions::token_recompute`] selects by attention); positions after it (the
     /// answer's) count as 0.
@@ -243,6 +246,7 @@ impl Session {
             stall_ms: 0.0,
             anon_base,
             refill: None,
+            hurried: Vec::new(),
             observed: None,
             projected: Vec::new(),
             holes: false,

@@ -131,6 +131,16 @@ pub struct SessionOptions {
     /// switch, [`super::refill::RefillPace`]), never more than [`Self::refill_step`] gives.
     /// [`DEFAULT_REFILL_PACE`] by default; 1 or less: unpaced, [`Self::refill_step`] a token.
     pub refill_pace: f64,
+    /// Hurried sparse read: a size switch that reads sparsely
+    /// ([`crate::transplant::select::Rest::LeftOut`]) reads only the head and the newest `n`
+    /// positions before its first token, and leaves the positions it chose (the question, the
+    /// answer so far, then the sentences the question looked at most) to be read after it,
+    /// paced as the refill, before the refill's own pass ([`super::refill::hurry_split`]). The
+    /// gap at the switch becomes a token's with a few positions, where the whole sparse read
+    /// took 420-750 ms on tier2 at ~300-1,600 tokens (`results/switch_stall.json`); the first
+    /// tokens after it see little of the context. 0: off, the whole sparse read before the
+    /// first token.
+    pub hurry: usize,
     /// Refill after a precision route's switch too (off: the projection keeps the facts there,
     /// at a fortieth of a re-prefill's cost).
     pub refill_precision: bool,
@@ -231,6 +241,10 @@ pub const DEFAULT_REFILL_WITHIN: usize = 8;
 /// ~1.1 s apart on tier2 (own gap ~25 ms) on 2 cores: the answer stopped for ten seconds.
 pub const DEFAULT_REFILL_PACE: f64 = 3.0;
 
+/// Positions a hurried size switch reads before its first token ([`SessionOptions::hurry`]);
+/// 0: not hurried.
+pub const DEFAULT_HURRY: usize = 0;
+
 impl SessionOptions {
     /// Whether a Molt switch over a route of `kind` is followed by a refill.
     #[must_use]
@@ -277,6 +291,7 @@ impl Default for SessionOptions {
             refill_chunk: DEFAULT_REFILL_CHUNK,
             refill_within: DEFAULT_REFILL_WITHIN,
             refill_pace: DEFAULT_REFILL_PACE,
+            hurry: DEFAULT_HURRY,
             refill_precision: false,
             token_recompute: Some(TokenRecompute::default_size()),
             park_deadline: None,

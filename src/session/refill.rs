@@ -28,6 +28,8 @@
 //! take-over. Failures are never fatal: the refill is dropped,
 //! said as a lever, and the answer goes on from the cache as it stands.
 
+use std::collections::VecDeque;
+use std::ops::Range;
 use std::time::Instant;
 
 use crate::engine::{Context, EngineError, Span, Token};
@@ -49,6 +51,12 @@ pub(super) struct Refill {
     ms: f64,
     /// The pace that sizes each chunk by time (none: `step` every token).
     pace: Option<RefillPace>,
+    /// Positions a hurried switch left for after its first token, most wanted first
+    /// ([`hurry_split`]): read, paced as the rest, before the refill's pass from the head.
+    first: VecDeque<Range<usize>>,
+    /// Whether the pass from the head runs after `first` (off: the refill reads `first` only,
+    /// and what it leaves absent stays so until [`Session::fill_holes`]).
+    pass: bool,
 }
 
 /// Tokens decoded alone after a switch before a paced refill reads anything: the fastest of
@@ -63,6 +71,8 @@ pub const PACE_PLAIN_TOKENS: usize = 2;
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RefillPace {
     factor: f64,
+    /// Tokens timed alone before anything is read ([`PACE_PLAIN_TOKENS`] unless told).
+    plain_wanted: usize,
     /// Tokens decoded alone so far, and the fastest of them, ms.
     plain: usize,
     base_ms: Option<f64>,
@@ -76,17 +86,26 @@ impl RefillPace {
     pub fn new(factor: f64) -> Self {
         Self {
             factor,
+            plain_wanted: PACE_PLAIN_TOKENS,
             plain: 0,
             base_ms: None,
             per_position_ms: None,
         }
     }
 
+    /// This pace, timing `n` tokens alone (at least one) before it reads: a hurried switch's
+    /// first token carried almost nothing of the context, so the wait is kept short.
+    #[must_use]
+    pub fn timing(mut self, n: usize) -> Self {
+        self.plain_wanted = n.max(1);
+        self
+    }
+
     /// Positions the next token carries, at most `cap` (the unpaced rule's step): 0 while the
     /// rung's own gap is being timed, else at least 1.
     #[must_use]
     pub fn positions(&self, cap: usize) -> usize {
-        let Some(base) = self.base_ms.filter(|_| self.plain >= PACE_PLAIN_TOKENS) else {
+        let Some(base) = self.base_ms.filter(|_| self.plain >= self.plain_wanted) else {
             return 0;
         };
         let per = self.per_position_ms.unwrap_or(base / 3.0).max(1e-3);
@@ -128,19 +147,40 @@ impl Session {
     /// [`SessionOptions::refill_chunk`]: super::SessionOptions::refill_chunk
     /// [`SessionOptions::refill_precision`]: super::SessionOptions::refill_precision
     pub(super) fn start_refill(&mut self, kind: RouteKind) {
+        // What a hurried switch left for after its first token is read whether or not the
+        // refill's own pass runs.
+        let first: VecDeque<Range<usize>> = std::mem::take(&mut self.hurried).into();
+        let refills = self.opts.refills(kind);
         // Nothing projected (the switch re-read the whole cache): nothing to refill.
-        let on = self.opts.refills(kind) && !self.projected.is_empty();
+        let on = (refills || !first.is_empty()) && !self.projected.is_empty();
         // The head re-read is the destination's own (its anchor and the first token): native
-        // already.
-        let next = self.opts.head_reread.min(self.history.len());
-        let pace = (self.opts.refill_pace > 1.0).then(|| RefillPace::new(self.opts.refill_pace));
+        // already. Without the refill's pass, only `first` is read (the pass never starts).
+        let head = self.opts.head_reread.min(self.history.len());
+        let (next, pass_cells) = if refills {
+            (head, self.history.len() - head)
+        } else {
+            (usize::MAX, 0)
+        };
+        let cells = pass_cells + first.iter().map(ExactSizeIterator::len).sum::<usize>();
+        let step = self.opts.refill_step(cells).max(if refills {
+            0
+        } else {
+            super::DEFAULT_REFILL_CHUNK
+        });
+        let pace = (self.opts.refill_pace > 1.0).then(|| {
+            let p = RefillPace::new(self.opts.refill_pace);
+            // After a hurried switch the answer runs on little of its context: one token timed.
+            if first.is_empty() { p } else { p.timing(1) }
+        });
         self.refill = on.then_some(Refill {
             rung: self.current,
             next,
             done: 0,
-            step: self.opts.refill_step(self.history.len() - next),
+            step,
             ms: 0.0,
             pace,
+            first,
+            pass: refills,
         });
     }
 
@@ -171,7 +211,7 @@ impl Session {
             return self.live().ctx.decode(&[tok]).map_err(engine);
         };
         let n_past = self.live().ctx.n_past().min(self.history.len());
-        if r.next >= n_past {
+        if r.first.is_empty() && r.next >= n_past {
             self.live().ctx.decode(&[tok]).map_err(engine)?;
             self.refill_done(&r, at_token, "refill", sink);
             return Ok(());
@@ -190,22 +230,34 @@ impl Session {
             self.refill = Some(r);
             return result;
         }
-        let result = reread_then_decode(&mut live.ctx, &self.history, r.next, step, tok);
+        // What a hurried switch left comes first, then the pass from the head.
+        let chunk = (!r.first.is_empty()).then(|| take_chunk(&mut r.first, step, n_past));
+        let result = match &chunk {
+            Some(ranges) => read_ranges_then_decode(&mut live.ctx, &self.history, ranges, tok),
+            None => reread_then_decode(&mut live.ctx, &self.history, r.next, step, tok)
+                .map(|end| end - r.next),
+        };
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         r.ms += ms;
         match result {
-            Ok(end) => {
+            Ok(read) => {
                 if let Some(p) = r.pace.as_mut() {
-                    p.observe(end - r.next, ms);
+                    p.observe(read, ms);
                 }
-                r.done += end - r.next;
-                r.next = end;
-                // What is re-read is no longer projected.
-                self.projected.retain(|p| p.end > end);
-                if let Some(p) = self.projected.first_mut() {
-                    p.start = p.start.max(end);
+                r.done += read;
+                if let Some(ranges) = &chunk {
+                    // Read out of order: what it read is no longer absent.
+                    self.projected = subtract(&self.projected, ranges);
+                } else {
+                    let end = r.next + read;
+                    r.next = end;
+                    // What is re-read is no longer projected.
+                    self.projected.retain(|p| p.end > end);
+                    if let Some(p) = self.projected.first_mut() {
+                        p.start = p.start.max(end);
+                    }
                 }
-                if end >= n_past {
+                if r.first.is_empty() && r.next >= n_past {
                     self.refill_done(&r, at_token, "refill", sink);
                 } else {
                     self.refill = Some(r);
@@ -283,7 +335,7 @@ impl Session {
         what: &str,
         sink: &mut dyn FnMut(&Event),
     ) {
-        if what == "refill" {
+        if what == "refill" && r.pass {
             self.projected.clear();
         }
         let info = LeverInfo::refill(
@@ -330,9 +382,177 @@ pub(crate) fn reread_then_decode(
     Ok(end)
 }
 
+/// Pieces of a chunk one batch carries at most: [`Context::recompute_spans_then_decode`]
+/// reads up to seven spans in one `llama_decode`.
+const CHUNK_SPANS: usize = 7;
+
+/// The split of a hurried sparse read ([`super::SessionOptions::hurry`]) over a cache of
+/// `n_past` cells whose head ends at `lo`: the newest `keep` positions (at least two, the
+/// sparse read's last piece), read before the first token, and what else `ranges` (the
+/// positions the switch chose, in order) holds, in the order they are read after it — the
+/// newest piece first (the question and the answer so far: what the next tokens go on from),
+/// then the others by the highest attention mass `scores` gives a position in them (the
+/// sentences the question looked at most). `None` when there is nothing to hurry.
+#[must_use]
+pub fn hurry_split(
+    ranges: &[Range<usize>],
+    n_past: usize,
+    lo: usize,
+    keep: usize,
+    scores: &[f32],
+) -> Option<(Range<usize>, Vec<Range<usize>>)> {
+    if keep == 0 {
+        return None;
+    }
+    let start = n_past.saturating_sub(keep.max(2)).max(lo);
+    if n_past < start + 2 {
+        return None;
+    }
+    let mut later: Vec<Range<usize>> = ranges
+        .iter()
+        .map(|r| r.start..r.end.min(start))
+        .filter(|r| !r.is_empty())
+        .collect();
+    let newest = later.pop_if(|r| r.end == start);
+    let mass = |r: &Range<usize>| {
+        r.clone()
+            .map(|p| scores.get(p).copied().unwrap_or(0.0))
+            .fold(f32::MIN, f32::max)
+    };
+    // Highest mass first; ties keep position order (stable sort).
+    later.sort_by(|a, b| mass(b).total_cmp(&mass(a)));
+    Some((start..n_past, newest.into_iter().chain(later).collect()))
+}
+
+/// Takes the next `step` positions (at least one) from the front of `first`, below `n_past`,
+/// in at most [`CHUNK_SPANS`] pieces: the chunk a token carries, in position order with
+/// touching pieces merged (as [`Context::recompute_spans_then_decode`] wants them).
+pub(crate) fn take_chunk(
+    first: &mut VecDeque<Range<usize>>,
+    step: usize,
+    n_past: usize,
+) -> Vec<Range<usize>> {
+    let mut taken: Vec<Range<usize>> = Vec::new();
+    let mut left = step.max(1);
+    while left > 0 {
+        let Some(r) = first.pop_front() else { break };
+        let r = r.start..r.end.min(n_past);
+        if r.is_empty() {
+            continue;
+        }
+        if !taken.is_empty() && merged(taken.iter().cloned().chain([r.clone()])).len() > CHUNK_SPANS
+        {
+            first.push_front(r);
+            break;
+        }
+        let take = r.len().min(left);
+        taken.push(r.start..r.start + take);
+        if take < r.len() {
+            first.push_front(r.start + take..r.end);
+        }
+        left -= take;
+    }
+    merged(taken.into_iter())
+}
+
+/// `spans` in position order, those that touch or overlap merged.
+fn merged(spans: impl Iterator<Item = Range<usize>>) -> Vec<Range<usize>> {
+    let mut v: Vec<Range<usize>> = spans.filter(|r| !r.is_empty()).collect();
+    v.sort_by_key(|r| r.start);
+    let mut out: Vec<Range<usize>> = Vec::with_capacity(v.len());
+    for r in v {
+        match out.last_mut() {
+            Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
+            _ => out.push(r),
+        }
+    }
+    out
+}
+
+/// The positions of `spans` (ordered, disjoint) not in `cut`, ordered.
+fn subtract(spans: &[Range<usize>], cut: &[Range<usize>]) -> Vec<Range<usize>> {
+    let mut out = Vec::with_capacity(spans.len());
+    for s in spans {
+        let mut pieces = vec![s.clone()];
+        for c in cut {
+            pieces = pieces
+                .into_iter()
+                .flat_map(|p| [p.start..p.end.min(c.start), p.start.max(c.end)..p.end])
+                .filter(|p| !p.is_empty())
+                .collect();
+        }
+        out.extend(pieces);
+    }
+    out
+}
+
+/// One step of a hurried switch's reading on `ctx`, whose cache holds `history[..n_past]`:
+/// re-reads `ranges` (ordered, apart, below the newest cell) in place and decodes `tok` in the
+/// same `llama_decode` when they fit one. Returns the positions read.
+///
+/// # Errors
+/// The engine's (sequence 0 is then as it was before the failed batch).
+pub(crate) fn read_ranges_then_decode(
+    ctx: &mut Context,
+    history: &[Token],
+    ranges: &[Range<usize>],
+    tok: Token,
+) -> Result<usize, EngineError> {
+    let spans = Span::of(history, ranges);
+    ctx.recompute_spans_then_decode(&spans, &[tok])
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{PACE_PLAIN_TOKENS, RefillPace};
+    use std::collections::VecDeque;
+
+    use super::{PACE_PLAIN_TOKENS, RefillPace, hurry_split, subtract, take_chunk};
+
+    #[test]
+    fn a_hurried_read_keeps_the_newest_positions_and_orders_the_rest() {
+        // Chosen: two sentences and the question with the answer so far (90..120).
+        let ranges = [10..20, 40..50, 90..120];
+        let mut scores = vec![0.0_f32; 120];
+        scores[15] = 0.2;
+        scores[45] = 0.9;
+        let (now, later) = hurry_split(&ranges, 120, 4, 8, &scores).unwrap();
+        assert_eq!(now, 112..120);
+        // The newest piece first, then by the mass the question gave them.
+        assert_eq!(later, vec![90..112, 40..50, 10..20]);
+        // Off, or nothing to hurry past the head.
+        assert_eq!(hurry_split(&ranges, 120, 4, 0, &scores), None);
+        assert_eq!(hurry_split(&[], 5, 4, 8, &[]), None);
+        // At least two positions (the sparse read's last piece), never into the head.
+        assert_eq!(hurry_split(&[], 120, 4, 1, &[]).unwrap().0, 118..120);
+        assert_eq!(hurry_split(&[], 10, 4, 8, &[]).unwrap(), (4..10, vec![]));
+    }
+
+    #[test]
+    fn a_chunk_takes_the_front_in_position_order_within_seven_pieces() {
+        let mut q: VecDeque<_> = vec![90..112, 40..50, 10..20].into();
+        assert_eq!(take_chunk(&mut q, 16, 120), vec![90..106]);
+        // The rest of the first piece and the start of the next, in position order.
+        assert_eq!(take_chunk(&mut q, 10, 120), vec![40..44, 106..112]);
+        assert_eq!(take_chunk(&mut q, 100, 120), vec![10..20, 44..50]);
+        assert!(q.is_empty());
+        assert!(take_chunk(&mut q, 8, 120).is_empty());
+        // Touching pieces merge; never past the newest cell; eight pieces apart go as seven.
+        let mut q: VecDeque<_> = vec![5..8, 0..5, 100..130].into();
+        assert_eq!(take_chunk(&mut q, 64, 110), vec![0..8, 100..110]);
+        let mut q: VecDeque<_> = (0..8).map(|i| i * 10..i * 10 + 2).collect();
+        assert_eq!(take_chunk(&mut q, 64, 100).len(), 7);
+        assert_eq!(q, VecDeque::from(vec![70..72]));
+    }
+
+    #[test]
+    fn subtracting_leaves_what_was_not_read() {
+        assert_eq!(
+            subtract(&[4..40, 50..60], &[10..20, 38..55]),
+            vec![4..10, 20..38, 55..60]
+        );
+        assert_eq!(subtract(&[4..40], &[]), vec![4..40]);
+        assert!(subtract(&[4..40], &[0..100]).is_empty());
+    }
 
     #[test]
     fn a_paced_refill_times_the_rung_alone_then_keeps_each_gap_within_its_factor() {

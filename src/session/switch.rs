@@ -339,6 +339,20 @@ impl Session {
         reads_sparse(&self.opts, kind, self.observed.is_some(), ranges, n_past)
     }
 
+    /// What a sparse read of `ranges` over `n_past` cells reads before its first token, and
+    /// what it leaves for after it, in reading order, when it is hurried
+    /// ([`SessionOptions::hurry`](super::SessionOptions::hurry)): see
+    /// [`super::refill::hurry_split`]. `None`: the whole read before the token.
+    fn hurry_split(
+        &self,
+        ranges: &[Range<usize>],
+        n_past: usize,
+    ) -> Option<(Range<usize>, Vec<Range<usize>>)> {
+        let lo = self.opts.head_reread.min(n_past);
+        let scores = self.observed.as_deref().unwrap_or(&[]);
+        super::refill::hurry_split(ranges, n_past, lo, self.opts.hurry, scores)
+    }
+
     /// The destination's anchor for a head re-read (none when the head re-read is off or no
     /// anchor is shipped): the conversation's own head when the destination read it on
     /// standby, else the shipped anchor of the template's opening; a damaged or foreign anchor
@@ -422,6 +436,7 @@ impl Session {
         budget: Option<Budget>,
     ) -> Result<SwitchInfo, SessionError> {
         let from = self.current;
+        self.hurried.clear();
         let tokens = self.history.len() as u64 + 1;
         let both = self.modelled_footprint(from, tokens) + self.modelled_footprint(to, tokens);
         let no_room_up = to < from && budget.is_some_and(|b| both > b.bytes);
@@ -715,6 +730,8 @@ impl Session {
         };
         let mut src = self.rungs[from].take().expect("current rung is loaded");
         let mut dst = self.rungs[to].take().expect("destination just loaded");
+        let mut read_ranges = ranges.clone();
+        let mut hurried = Vec::new();
         let result = match &projector {
             None => migrate::reprefill(&src.ctx, &mut dst.ctx, &self.history, last)
                 .map(|t| (t, self.reread_method())),
@@ -725,10 +742,18 @@ impl Session {
                 });
                 let anchor = self.anchor_for(to, &mut note);
                 let rc = topk.as_ref().map(|t| self.recompute_for(to, t));
-                let spans = Span::of(&self.history, &ranges);
                 let n_past = src.ctx.n_past();
+                let sparse = self.reads_sparse(from, to, &ranges, n_past);
+                // Hurried: the newest positions before the token, the rest read after it.
+                if let Some((now, later)) =
+                    sparse.then(|| self.hurry_split(&ranges, n_past)).flatten()
+                {
+                    hurried = later;
+                    read_ranges = vec![now];
+                }
+                let spans = Span::of(&self.history, &read_ranges);
                 let reread = self.reread(n_past, anchor.as_deref(), &spans);
-                if self.reads_sparse(from, to, &ranges, n_past) {
+                if sparse {
                     migrate::read_sparse(&mut dst.ctx, reread, n_past, &[last], src.model().name())
                 } else {
                     migrate::transplant_with(&src.ctx, &mut dst.ctx, p, rc.as_ref(), reread, last)
@@ -760,6 +785,7 @@ impl Session {
         };
         let from_name = src.name().to_string();
         self.rungs[to] = Some(dst);
+        self.hurried = hurried;
         let retired = if self.opts.keep_source {
             src.ctx.clear();
             self.rungs[from] = Some(src);
@@ -774,11 +800,35 @@ impl Session {
             note,
             load_ms,
             seam,
-            spans: ranges,
+            spans: read_ranges,
             load_parts,
             from_standby,
             retired,
         })
+    }
+
+    /// The source of a failed switch whose state was not exported (a sparse read needs none),
+    /// loaded again with `config` and `setup` and its cache rebuilt by reading the history's
+    /// `n_past` tokens: nothing of the answer is lost, only the time of a re-read.
+    fn reread_source(
+        &self,
+        from: usize,
+        config: ContextConfig,
+        setup: crate::speed::RungSetup,
+        n_past: usize,
+    ) -> Result<LiveRung, SessionError> {
+        let info = &self.ladder.rungs[from];
+        let mut live = LiveRung::load_with(info, config, setup)?;
+        let n = n_past.min(self.history.len());
+        if n > 0 {
+            live.ctx
+                .decode_cache_only(&self.history[..n])
+                .map_err(|source| SessionError::Engine {
+                    rung: info.name().to_string(),
+                    source,
+                })?;
+        }
+        Ok(live)
     }
 
     /// The shed-first switch, for moving down under pressure: export the source's sequence
@@ -812,15 +862,23 @@ impl Session {
         let from_name = src.name().to_string();
         let from_model = src.model().name().to_string();
         let n_past = src.ctx.n_past();
-        let blob = match src.ctx.export_state() {
-            Ok(b) => b,
-            Err(e) => {
-                self.rungs[from] = Some(src);
-                return Err(SessionError::Migration {
-                    from: from_name,
-                    to: self.ladder.rungs[to].name().to_string(),
-                    source: MigrationStep::Export.fail(e),
-                });
+        let sparse = projector.is_some() && self.reads_sparse(from, to, &ranges, n_past);
+        // A sparse read takes nothing from the source's cache: its state is not exported (it
+        // was only for putting the source back on a failure, and the answer waited 8-95 ms
+        // for it at ~300-1,600 tokens); on a failure the source reads the history again.
+        let blob = if sparse {
+            None
+        } else {
+            match src.ctx.export_state() {
+                Ok(b) => Some(b),
+                Err(e) => {
+                    self.rungs[from] = Some(src);
+                    return Err(SessionError::Migration {
+                        from: from_name,
+                        to: self.ladder.rungs[to].name().to_string(),
+                        source: MigrationStep::Export.fail(e),
+                    });
+                }
             }
         };
         let export_ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -840,7 +898,15 @@ impl Session {
         // only once the source is gone, so the process never holds both rungs' memory (a
         // standby one maps its pages back meanwhile, below).
         self.reap_rungs(vec![src]);
-        let sparse = projector.is_some() && self.reads_sparse(from, to, &ranges, n_past);
+        // Hurried: the newest positions before the token, the rest read after it.
+        let hurried = if sparse {
+            self.hurry_split(&ranges, n_past)
+        } else {
+            None
+        };
+        let read_ranges = hurried
+            .as_ref()
+            .map_or_else(|| ranges.clone(), |(now, _)| vec![now.clone()]);
         let stageable =
             !sparse && topk.is_none() && self.standby.get(to).is_some_and(Option::is_some);
         let anchor = match &projector {
@@ -871,7 +937,7 @@ impl Session {
                 scope.spawn(move || super::rung::populate(&path))
             });
             let staged = match &projector {
-                Some(p) if stageable => {
+                Some(p) if stageable && blob.is_some() => {
                     let reread = reread(
                         &self.opts,
                         &history,
@@ -881,7 +947,7 @@ impl Session {
                     );
                     migrate::stage(
                         &migrate::Exported {
-                            blob: &blob,
+                            blob: blob.as_deref().unwrap_or_default(),
                             n_past,
                             from: &from_model,
                             export_ms,
@@ -924,7 +990,7 @@ impl Session {
                     self.arm_hidden_tap(to, &mut dst.ctx);
                 }
                 let rc = topk.as_ref().map(|t| self.recompute_for(to, t));
-                let spans = Span::of(&self.history, &ranges);
+                let spans = Span::of(&self.history, &read_ranges);
                 // The load is reported apart (both strategies pay it): the switch's own cost
                 // is the export plus everything after the load.
                 let r = match (&projector, staged) {
@@ -933,8 +999,6 @@ impl Session {
                         migrate::transplant_staged(st, &from_model, &mut dst.ctx, last)
                             .map(|t| (t, SwitchMethod::Molt))
                     }
-                    // The export was only for putting the source back on a failure, but
-                    // the answer waited for it: it counts.
                     (Some(_), Ok(None)) if sparse => migrate::read_sparse(
                         &mut dst.ctx,
                         self.reread(n_past, anchor.as_deref(), &spans),
@@ -942,14 +1006,10 @@ impl Session {
                         &[last],
                         &from_model,
                     )
-                    .map(|mut t| {
-                        t.export_ms = export_ms;
-                        t.cost_ms += export_ms;
-                        (t, SwitchMethod::Molt)
-                    }),
+                    .map(|t| (t, SwitchMethod::Molt)),
                     (Some(p), Ok(None)) => migrate::transplant_exported(
                         &migrate::Exported {
-                            blob: &blob,
+                            blob: blob.as_deref().unwrap_or_default(),
                             n_past,
                             from: &from_model,
                             export_ms,
@@ -981,6 +1041,7 @@ impl Session {
         match carried {
             Ok((timings, method, dst, load_ms, load_parts, from_standby)) => {
                 self.rungs[to] = Some(dst);
+                self.hurried = hurried.map(|(_, later)| later).unwrap_or_default();
                 Ok(SwitchOutcome {
                     from_name,
                     timings,
@@ -988,24 +1049,28 @@ impl Session {
                     note: note.take(),
                     load_ms,
                     seam: None,
-                    spans: ranges,
+                    spans: read_ranges,
                     load_parts,
                     from_standby,
                     retired: None,
                 })
             }
             Err(e) => {
-                // Put the source back exactly as it was (its first mapping is gone: the reaper
-                // was joined above): its exported state is a parked rung.
-                let restored = ParkedRung {
-                    info: self.ladder.rungs[from].clone(),
-                    config: src_config,
-                    setup: src_setup,
-                    blob,
-                    n_past,
-                    park_ms: 0.0,
-                }
-                .resume();
+                // Put the source back as it was (its first mapping is gone: the reaper was
+                // joined above): its exported state is a parked rung; not exported (a sparse
+                // read), it reads the history again.
+                let restored = match blob {
+                    Some(blob) => ParkedRung {
+                        info: self.ladder.rungs[from].clone(),
+                        config: src_config,
+                        setup: src_setup,
+                        blob,
+                        n_past,
+                        park_ms: 0.0,
+                    }
+                    .resume(),
+                    None => self.reread_source(from, src_config, src_setup, n_past),
+                };
                 match restored {
                     Ok(live) => {
                         self.rungs[from] = Some(live);

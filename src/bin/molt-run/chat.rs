@@ -296,6 +296,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         refill_chunk: a.refill.chunk,
         refill_within: a.refill.within,
         refill_pace: a.refill.pace,
+        hurry: a.refill.hurry,
         ..SessionOptions::default()
     };
     let mut session = Session::with_options(ladder, config, &start, opts)?;

@@ -56,6 +56,11 @@ pub struct RefillArgs {
     /// --refill-within give. 1 or less: unpaced.
     #[arg(long = "refill-pace", value_name = "F", default_value_t = molt::session::DEFAULT_REFILL_PACE)]
     pub pace: f64,
+    /// Hurried switch: a size switch reads only the newest N positions before its first token
+    /// and the positions it chose (the question, the answer so far, the sentences the question
+    /// looked at) after it, paced as the refill. 0: the whole sparse read before the token.
+    #[arg(long = "hurry", value_name = "N", default_value_t = molt::session::DEFAULT_HURRY)]
+    pub hurry: usize,
 }
 
 /// `--cache-type` values.

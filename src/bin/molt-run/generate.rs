@@ -212,6 +212,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         refill_chunk: a.refill.chunk,
         refill_within: a.refill.within,
         refill_pace: a.refill.pace,
+        hurry: a.refill.hurry,
         token_recompute: token_recompute(a)?,
         ..SessionOptions::default()
     };

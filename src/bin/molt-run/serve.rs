@@ -221,6 +221,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
             refill_chunk: a.refill.chunk,
             refill_within: a.refill.within,
             refill_pace: a.refill.pace,
+            hurry: a.refill.hurry,
             park_deadline: (a.park_deadline_s > 0).then(|| Duration::from_secs(a.park_deadline_s)),
             ..SessionOptions::default()
         },
