@@ -17,7 +17,8 @@
 //! Main items: [`RecallItem`] / [`read_items`], [`Arm`] / [`default_arms`], [`run`] →
 //! [`RecallDoc`] (`results/recall.json`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
+use std::ops::Range;
 use std::path::Path;
 use std::time::Instant;
 
@@ -210,6 +211,11 @@ pub enum ArmMethod {
         /// deadline alone; every run before 2026-12-07's second session).
         #[serde(default, skip_serializing_if = "is_unpaced")]
         refill_pace: f64,
+        /// A hurried sparse read, as [`SessionOptions::hurry`]: the newest positions read
+        /// before the first token, the rest of the chosen ones after it (0: the whole read
+        /// before; every run before 2026-12-07's third session).
+        #[serde(default, skip_serializing_if = "is_none")]
+        hurry: usize,
         /// What happens to the positions the switch does not re-read
         /// ([`Uncovered::Projected`] unless the arm says otherwise).
         #[serde(default, skip_serializing_if = "Uncovered::is_projected")]
@@ -229,6 +235,11 @@ pub enum Uncovered {
     /// choice): the answer attends only to the head, the re-read sentences and the question
     /// until the refill has re-read the rest in place.
     Forgotten,
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's signature
+fn is_none(n: &usize) -> bool {
+    *n == 0
 }
 
 fn is_unpaced(f: &f64) -> bool {
@@ -274,6 +285,7 @@ impl Arm {
                 refill,
                 refill_within,
                 refill_pace: 0.0,
+                hurry: 0,
                 uncovered: Uncovered::Projected,
             },
         }
@@ -283,6 +295,15 @@ impl Arm {
     fn paced(mut self, factor: f64, name: &str) -> Self {
         if let ArmMethod::Transplant { refill_pace, .. } = &mut self.method {
             *refill_pace = factor;
+        }
+        self.name = name.into();
+        self
+    }
+
+    /// This arm, named `name`, its sparse read hurried ([`SessionOptions::hurry`]).
+    fn hurried(mut self, keep: usize, name: &str) -> Self {
+        if let ArmMethod::Transplant { hurry, .. } = &mut self.method {
+            *hurry = keep;
         }
         self.name = name.into();
         self
@@ -317,9 +338,11 @@ impl Arm {
                 refill,
                 refill_within,
                 refill_pace,
+                hurry,
                 uncovered,
             } => {
                 uncovered == Uncovered::Projected
+                    && hurry == if r.is_some() { d.hurry } else { 0 }
                     && head == d.head_reread
                     && tail == d.tail_recompute
                     && r == recompute
@@ -486,6 +509,17 @@ pub fn default_arms(names: &[String]) -> Vec<Arm> {
             (64, 8),
         )
         .paced(3.0, "sparse-r10-m64+refill64-w8-p3"),
+        // The same, hurried: the newest 8 positions read before the first token, the chosen
+        // ones after it, paced, before the refill's pass.
+        Arm::refilled(
+            "sparse-r10-m64+refill64-w8",
+            h,
+            0,
+            Some(TokenRecompute::default_size()),
+            (64, 8),
+        )
+        .paced(3.0, "sparse-r10-m64+refill64-w8-p3")
+        .hurried(8, "sparse-r10-m64+refill64-w8-p3-h8"),
         Arm::transplant("sparse-r10-m64", h, 0, Some(TokenRecompute::default_size())),
     ];
     if names.is_empty() {
@@ -726,7 +760,7 @@ fn continue_greedy(
 pub fn continue_refilling(
     ctx: &mut Context,
     history: &[Token],
-    from: usize,
+    (mut first, from): (VecDeque<Range<usize>>, usize),
     out: &mut Vec<Token>,
     max: usize,
     chunk: usize,
@@ -749,7 +783,7 @@ pub fn continue_refilling(
         }
         let n_past = ctx.n_past().min(full.len());
         match next {
-            Some(a) if a < n_past => {
+            Some(a) if a < n_past || !first.is_empty() => {
                 let step = pace.map_or(chunk, |p| p.positions(chunk));
                 let t0 = Instant::now();
                 if step == 0 {
@@ -761,16 +795,23 @@ pub fn continue_refilling(
                     full.push(t);
                     continue;
                 }
-                // As the session's refill reads it.
-                let end = crate::session::reread_then_decode(ctx, &full, a, step, t)
-                    .map_err(engine(&name))?;
+                // As the session's refill reads it: a hurried switch's positions first.
+                let read = if first.is_empty() {
+                    let end = crate::session::reread_then_decode(ctx, &full, a, step, t)
+                        .map_err(engine(&name))?;
+                    next = Some(end);
+                    end - a
+                } else {
+                    let ranges = crate::session::take_chunk(&mut first, step, n_past);
+                    crate::session::read_ranges_then_decode(ctx, &full, &ranges, t)
+                        .map_err(engine(&name))?
+                };
                 let step_ms = t0.elapsed().as_secs_f64() * 1e3;
                 ms += step_ms;
                 if let Some(p) = pace.as_mut() {
-                    p.observe(end - a, step_ms);
+                    p.observe(read, step_ms);
                 }
-                next = Some(end);
-                if end >= n_past {
+                if first.is_empty() && next.is_some_and(|e| e >= n_past) {
                     next = None;
                     done_at = Some(out.len());
                 }
@@ -989,6 +1030,7 @@ pub fn run(
                             refill,
                             refill_within,
                             refill_pace,
+                            hurry,
                             uncovered,
                         } => {
                             let last = *read.before.last().expect("switch after a token");
@@ -1034,7 +1076,28 @@ pub fn run(
                                 .filter(|r| r.end <= window_at)
                                 .map(|r| src.ctx.model().detokenize(&history[r.clone()]))
                                 .collect();
-                            let spans = Span::of(&history, &ranges);
+                            // Hurried as a session hurries a sparse read: the newest
+                            // positions before the first token, the rest after it.
+                            let hurried = if crate::session::reads_sparse(
+                                &SessionOptions {
+                                    head_reread: h,
+                                    tail_recompute: tl,
+                                    token_recompute: recompute,
+                                    ..SessionOptions::default()
+                                },
+                                kind,
+                                true,
+                                &ranges,
+                                n_past,
+                            ) {
+                                crate::session::hurry_split(&ranges, n_past, h, hurry, &read.mass)
+                            } else {
+                                None
+                            };
+                            let read_ranges = hurried
+                                .as_ref()
+                                .map_or_else(|| ranges.clone(), |(now, _)| vec![now.clone()]);
+                            let spans = Span::of(&history, &read_ranges);
                             let exported = Exported {
                                 blob: &read.blob,
                                 n_past,
@@ -1105,19 +1168,21 @@ pub fn run(
                             let mut out = read.before.clone();
                             // As a session: no refill when the switch re-read every position.
                             if refill > 0 && !left.is_empty() {
+                                let first = hurried.map(|(_, later)| later).unwrap_or_default();
+                                let cells = history.len() - h
+                                    + first.iter().map(ExactSizeIterator::len).sum::<usize>();
+                                let pace = (!is_unpaced(&refill_pace)).then(|| {
+                                    let p = crate::session::RefillPace::new(refill_pace);
+                                    if first.is_empty() { p } else { p.timing(1) }
+                                });
                                 refilled = Some(continue_refilling(
                                     &mut dst.ctx,
                                     &history,
-                                    h,
+                                    (first.into(), h),
                                     &mut out,
                                     max,
-                                    crate::session::refill_step(
-                                        refill,
-                                        refill_within,
-                                        history.len() - h,
-                                    ),
-                                    (!is_unpaced(&refill_pace))
-                                        .then(|| crate::session::RefillPace::new(refill_pace)),
+                                    crate::session::refill_step(refill, refill_within, cells),
+                                    pace,
                                 )?);
                             } else {
                                 continue_greedy(&mut dst.ctx, &mut out, max, &dst_name)?;

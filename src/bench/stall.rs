@@ -95,6 +95,8 @@ pub struct StallOptions {
     pub itl_tokens: usize,
     /// Projector directories (the session's search order when empty).
     pub projector_dirs: Vec<PathBuf>,
+    /// The sessions' hurried sparse read ([`SessionOptions::hurry`]).
+    pub hurry: usize,
 }
 
 impl StallOptions {
@@ -109,6 +111,7 @@ impl StallOptions {
             lead_tokens: 2,
             itl_tokens: 8,
             projector_dirs,
+            hurry: crate::session::DEFAULT_HURRY,
         }
     }
 
@@ -443,6 +446,7 @@ fn chain(
         prepare_down: setup != Setup::Before,
         forced_up_waits: setup != Setup::Before,
         forced_down_waits: setup == Setup::Warned,
+        hurry: opts.hurry,
         projector_dirs: if opts.projector_dirs.is_empty() {
             SessionOptions::default().projector_dirs
         } else {

@@ -352,11 +352,17 @@ fn reread(doc: &RecallDoc, x: &RecallSummary) -> String {
             refill,
             refill_within,
             refill_pace,
+            hurry,
             uncovered,
         } => {
             let mut parts = Vec::new();
             if head > 0 {
                 parts.push(format!("head {head}"));
+            }
+            if hurry > 0 {
+                parts.push(format!(
+                    "hurried: the newest {hurry} read before the first token, the chosen ones after it"
+                ));
             }
             let left_out =
                 recompute.is_some_and(|r| r.rest == crate::transplant::select::Rest::LeftOut);

@@ -130,6 +130,10 @@ pub struct Args {
     /// Page-cache states of the stall bench: warm, cold.
     #[arg(long, value_delimiter = ',', default_values_t = vec!["warm".to_string(), "cold".to_string()])]
     pub stall_caches: Vec<String>,
+    /// The stall bench's sessions' hurried switch (as `chat --hurry`): a size switch reads the
+    /// newest N positions before its first token, what it chose after it.
+    #[arg(long, value_name = "N", default_value_t = molt::session::DEFAULT_HURRY)]
+    pub stall_hurry: usize,
     /// Output directory.
     #[arg(long, default_value = "results")]
     pub out_dir: PathBuf,
@@ -447,6 +451,7 @@ fn run_stall(g: &GlobalArgs, a: &Args) -> Result<()> {
         opts.lengths.clone_from(&a.stall_lengths);
         opts.reps = a.reps;
     }
+    opts.hurry = a.stall_hurry;
     opts.setups = a
         .stall_setups
         .iter()
