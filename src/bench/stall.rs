@@ -207,6 +207,16 @@ pub struct StallRow {
     /// before the switches leaving it, same run, same length).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub itl_from: String,
+    /// The sessions' hurried switch ([`SessionOptions::hurry`]: the newest positions a size
+    /// switch reads before its first token; 0: the whole sparse read before it, and in every
+    /// file written before this field).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub hurry: usize,
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's signature
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 impl StallRow {
@@ -280,6 +290,8 @@ struct Sample {
     info: SwitchInfo,
     standby_bytes: u64,
     page_cache_frac: f64,
+    /// The session's hurried switch ([`SessionOptions::hurry`]).
+    hurry: usize,
 }
 
 /// Every ordered route of an `n`-rung ladder once, as a circuit starting and ending on the
@@ -568,6 +580,7 @@ fn chain(
             };
             let stall_ms = gap(at);
             sample = Some(Sample {
+                hurry: opts.hurry,
                 from,
                 to,
                 length,
@@ -782,6 +795,7 @@ fn rows(ladder: &Ladder, samples: &[Sample]) -> Vec<StallRow> {
                     .reduce(f64::max),
                 lost_ms_median: median(&lost),
                 itl_from: itl_from.into(),
+                hurry: first.hurry,
             }
         })
         .collect()

@@ -83,8 +83,13 @@ pub(super) fn section(doc: &StallDoc, figures: &FigureSet, figures_rel: &str) ->
         let before = doc.before_rows.iter().find(|b| b.same_cell(r));
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {:.0}% | {} | {:.0} [{:.0}–{:.0}] | {:.0}{} | {:.1} | {} | {} | {:.0} | {} |",
+            "| {}{} | {} | {} | {} | {:.0}% | {} | {:.0} [{:.0}–{:.0}] | {:.0}{} | {:.1} | {} | {} | {:.0} | {} |",
             r.route.replace("->", " → "),
+            if r.hurry > 0 && r.parts_ms.contains_key("token_recompute") {
+                format!(" (hurried, {})", r.hurry)
+            } else {
+                String::new()
+            },
             r.direction,
             r.context_tokens,
             cache_word(r.cache),
@@ -120,7 +125,7 @@ pub(super) fn section(doc: &StallDoc, figures: &FigureSet, figures_rel: &str) ->
     }
     let _ = writeln!(
         s,
-        "\n*Lost in all*: what the switch cost the answer beyond the destination's own gaps — the stall, each gap while a refill re-read the history in the batches of the next tokens, and what the answer's end read of the positions the refill had not reached (the legs watch a refill for {} tokens). A re-prefill's is its stall less one gap. ITL marked * is the destination's own gap as the source of the run's other legs at that length: its refill outlasted the watch.",
+        "\n*Lost in all*: what the switch cost the answer beyond the destination's own gaps — the stall, each gap while a refill re-read the history in the batches of the next tokens, and what the answer's end read of the positions the refill had not reached (the legs watch a refill for {} tokens). A re-prefill's is its stall less one gap. A size switch marked *hurried, N* read the head and the newest N positions before its first token, and the positions it chose behind the answer (`--hurry N`). ITL marked * is the destination's own gap as the source of the run's other legs at that length: its refill outlasted the watch.",
         crate::bench::stall::REFILL_WATCH_TOKENS
     );
     let down_warm: Vec<&&StallRow> = rows
