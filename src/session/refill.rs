@@ -503,6 +503,10 @@ pub(crate) fn read_ranges_then_decode(
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::single_range_in_vec_init,
+    reason = "lists of spans, some of which hold a single span"
+)]
 mod tests {
     use std::collections::VecDeque;
 
