@@ -531,6 +531,9 @@ fn a_default_size_switch_reads_sparsely_and_leaves_a_whole_native_cache() {
     let run = |chunk: usize| {
         let opts = SessionOptions {
             refill_chunk: chunk,
+            // Unpaced: the paced refill's chunks follow this machine's timings, and on a busy
+            // one it had not reached the newest token within the answer's 40 tokens.
+            refill_pace: 1.0,
             ..SessionOptions::default()
         };
         common::events::forced_switch(opts, &long, 2, 2)
