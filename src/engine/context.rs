@@ -645,7 +645,11 @@ impl Context {
     /// sequence's batch to continue right after its last cached position), and the new cells
     /// are then handed to sequence 0 in place of the old ones. Spans are taken in position
     /// order, so a later span sees the native cells of the earlier ones once their batch has
-    /// run. No logits are computed: decode the next token after it.
+    /// run. No logits are computed: decode the next token after it. A span with no cell right
+    /// before it (in a hole a sparse read left) is read right after the last cell before it and
+    /// moved to its own positions once its batch has run, as [`Context::decode_sparse`] moves
+    /// its spans: it attends to the cells before it as if the hole were not there, and its keys
+    /// are re-rotated at the next decode (an export before that has it done first).
     ///
     /// # Errors
     /// [`EngineError::OutOfRange`] for spans that overlap, are out of order or reach past the

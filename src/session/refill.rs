@@ -27,6 +27,13 @@
 //! own, so that the token's cell is native too. No second context, no extra memory, no
 //! take-over. Failures are never fatal: the refill is dropped,
 //! said as a lever, and the answer goes on from the cache as it stands.
+//!
+//! Hurried ([`hurry`](super::SessionOptions::hurry), off by default): a size switch that read
+//! only the head and the newest positions before its first token leaves the positions it chose
+//! to the refill, read first, most wanted first ([`hurry_split`], [`take_chunk`]), each piece
+//! into the hole the sparse read left ([`Context::recompute_spans`] reads it after the last
+//! cell before it and moves it). Measured to lose the facts: the first tokens are written
+//! before the question is read (`results/recall.json`, arm `…-p3-h8`).
 
 use std::collections::VecDeque;
 use std::ops::Range;
