@@ -467,6 +467,21 @@ fn a_sparse_read_holds_only_its_spans_and_a_refill_over_its_holes_is_native() {
         let d = max_abs(&layer0_key(&moved, pos), &layer0_key(&native_stream, pos));
         assert!(d < 2e-2, "layer 0 key at {pos} read into a hole: {d}");
     }
+    // Read in the batch of a token, as a refill step does: the export that re-rotates the
+    // moved keys leaves the token's logits as they were.
+    let mut stepped = Context::new(ctx.model().clone(), common::cfg_long()).unwrap();
+    stepped.import_state(&blob).unwrap();
+    stepped
+        .recompute_spans_then_decode(&Span::of(&toks, &[34..38]), &[toks[0]])
+        .unwrap();
+    let before = stepped.logits().to_vec();
+    assert!(!before.is_empty());
+    stepped.export_state().unwrap();
+    assert_eq!(
+        stepped.logits(),
+        before.as_slice(),
+        "the logits survive the export"
+    );
     // Out of order, or a lone last token apart from the rest: refused, the cache as it was.
     assert!(ctx.decode_sparse(&Span::of(&toks, &[2..3]), &[]).is_err());
     let mut other = Context::new(ctx.model().clone(), common::cfg_long()).unwrap();

@@ -94,6 +94,9 @@ pub struct Context {
     /// `llama_decode`: until then an exported state would carry keys rotated for the wrong
     /// positions, so an export decodes something first ([`Context::export_state`]).
     shift_pending: std::cell::Cell<bool>,
+    /// Sequence 0's last logits, kept when [`Context::apply_moves`] decoded in a scratch
+    /// sequence (which leaves llama.cpp's output rows empty); dropped at the next decode.
+    kept_logits: std::cell::OnceCell<Vec<f32>>,
 }
 
 // SAFETY: a llama_context is used from one thread at a time (all mutation takes &mut self);
@@ -239,6 +242,7 @@ impl Context {
             n_vocab,
             n_past: 0,
             shift_pending: std::cell::Cell::new(false),
+            kept_logits: std::cell::OnceCell::new(),
             reserved_bytes,
             tap,
             hidden_start: 0,
@@ -333,6 +337,8 @@ impl Context {
             let mem = llama_cpp_sys_2::llama_get_memory(self.ptr.as_ptr());
             llama_cpp_sys_2::llama_memory_clear(mem, true);
         }
+        self.shift_pending.set(false);
+        self.kept_logits.take();
         self.n_past = 0;
         self.restart_hidden(0);
     }
@@ -860,6 +866,7 @@ impl Context {
             });
         }
         self.shift_pending.set(false);
+        self.kept_logits.take();
         for (i, &(start, tokens)) in group.iter().enumerate() {
             let (sid, p0, p1) = (conv(i + 1)?, conv(start)?, conv(start + tokens.len())?);
             if read_at[i] != start {
@@ -987,6 +994,7 @@ impl Context {
                 });
             }
             self.shift_pending.set(false);
+            self.kept_logits.take();
             self.n_past += part.len();
         }
         if let Some(t) = &self.tap {
@@ -1053,6 +1061,7 @@ impl Context {
                 });
             }
             self.shift_pending.set(false);
+            self.kept_logits.take();
             self.n_past += part.len();
             if all {
                 for i in 0..part.len() {
@@ -1083,15 +1092,25 @@ impl Context {
         if self.n_past == 0 {
             return &[];
         }
+        if let Some(kept) = self.kept_logits.get() {
+            return kept;
+        }
         self.logits_at(-1)
     }
 
     /// Has llama.cpp re-rotate the keys of cells a recompute moved ([`Self::shift_pending`]),
     /// which it does at the start of a decode: one token decoded without outputs in an empty
-    /// scratch sequence, then dropped. Sequence 0, its logits and `n_past` are untouched.
+    /// scratch sequence, then dropped. Sequence 0 and `n_past` are untouched; its last logits
+    /// are kept aside first ([`Context::logits`] returns them until the next decode).
     fn apply_moves(&self) -> Result<(), EngineError> {
         if !self.shift_pending.get() {
             return Ok(());
+        }
+        if self.n_past > 0 && self.kept_logits.get().is_none() {
+            let row = self.logits_at(-1).to_vec();
+            if !row.is_empty() {
+                let _ = self.kept_logits.set(row);
+            }
         }
         // SAFETY: live context; scratch sequence 1 (below n_seq_max) is emptied, a one-token
         // batch at its position 0 asks for no output, and the sequence is emptied again.
@@ -1194,6 +1213,8 @@ impl Context {
             llama_cpp_sys_2::llama_memory_seq_pos_max(mem, SEQ)
         };
         self.n_past = usize::try_from(max + 1).unwrap_or(0);
+        self.shift_pending.set(false);
+        self.kept_logits.take();
         self.restart_hidden(self.n_past);
         Ok(())
     }
