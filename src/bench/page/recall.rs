@@ -376,7 +376,12 @@ fn reread(doc: &RecallDoc, x: &RecallSummary) -> String {
             if tail > 0 {
                 parts.push(format!("tail {tail}"));
             }
-            if let Some(r) = recompute {
+            if recompute.is_some() && hurry > 0 {
+                parts.push(format!(
+                    "{:.0} read before the first token (median)",
+                    x.recomputed
+                ));
+            } else if let Some(r) = recompute {
                 parts.push(format!(
                     "{:.0} selected {} (median)",
                     x.recomputed,
