@@ -121,3 +121,10 @@ impl RunInfo {
         }
     }
 }
+
+/// Whether a count is 0: serde's `skip_serializing_if` for fields added to a results file,
+/// left out where they are 0 (as in every file written before them).
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's signature
+pub(crate) fn is_zero_count(n: &usize) -> bool {
+    *n == 0
+}

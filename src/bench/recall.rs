@@ -214,7 +214,7 @@ pub enum ArmMethod {
         /// A hurried sparse read, as [`SessionOptions::hurry`]: the newest positions read
         /// before the first token, the rest of the chosen ones after it (0: the whole read
         /// before; every run before 2026-12-07's third session).
-        #[serde(default, skip_serializing_if = "is_none")]
+        #[serde(default, skip_serializing_if = "super::is_zero_count")]
         hurry: usize,
         /// What happens to the positions the switch does not re-read
         /// ([`Uncovered::Projected`] unless the arm says otherwise).
@@ -235,11 +235,6 @@ pub enum Uncovered {
     /// choice): the answer attends only to the head, the re-read sentences and the question
     /// until the refill has re-read the rest in place.
     Forgotten,
-}
-
-#[allow(clippy::trivially_copy_pass_by_ref)] // serde's signature
-fn is_none(n: &usize) -> bool {
-    *n == 0
 }
 
 fn is_unpaced(f: &f64) -> bool {
@@ -1076,20 +1071,23 @@ pub fn run(
                                 .filter(|r| r.end <= window_at)
                                 .map(|r| src.ctx.model().detokenize(&history[r.clone()]))
                                 .collect();
-                            // Hurried as a session hurries a sparse read: the newest
-                            // positions before the first token, the rest after it.
-                            let hurried = if crate::session::reads_sparse(
-                                &SessionOptions {
-                                    head_reread: h,
-                                    tail_recompute: tl,
-                                    token_recompute: recompute,
-                                    ..SessionOptions::default()
-                                },
+                            // As a session decides: a sparse read or a projection, and
+                            // hurried as a session hurries a sparse read (the newest
+                            // positions before the first token, the rest after it).
+                            let as_session = SessionOptions {
+                                head_reread: h,
+                                tail_recompute: tl,
+                                token_recompute: recompute,
+                                ..SessionOptions::default()
+                            };
+                            let sparse = crate::session::reads_sparse(
+                                &as_session,
                                 kind,
                                 true,
                                 &ranges,
                                 n_past,
-                            ) {
+                            );
+                            let hurried = if sparse {
                                 crate::session::hurry_split(&ranges, n_past, h, hurry, &read.mass)
                             } else {
                                 None
@@ -1114,20 +1112,6 @@ pub fn run(
                             let mut covered = ranges.clone();
                             covered.extend([0..h, n_past - tl..n_past]);
                             let left = crate::session::uncovered(n_past, &covered);
-                            // As a session decides.
-                            let as_session = SessionOptions {
-                                head_reread: h,
-                                tail_recompute: tl,
-                                token_recompute: recompute,
-                                ..SessionOptions::default()
-                            };
-                            let sparse = crate::session::reads_sparse(
-                                &as_session,
-                                kind,
-                                true,
-                                &ranges,
-                                n_past,
-                            );
                             let t = if sparse {
                                 // Nothing projected: the head, the chosen positions and the
                                 // tail read natively, the session's own path.
@@ -1171,10 +1155,10 @@ pub fn run(
                                 let first = hurried.map(|(_, later)| later).unwrap_or_default();
                                 let cells = history.len() - h
                                     + first.iter().map(ExactSizeIterator::len).sum::<usize>();
-                                let pace = (!is_unpaced(&refill_pace)).then(|| {
-                                    let p = crate::session::RefillPace::new(refill_pace);
-                                    if first.is_empty() { p } else { p.timing(1) }
-                                });
+                                let pace = crate::session::RefillPace::after_switch(
+                                    refill_pace,
+                                    !first.is_empty(),
+                                );
                                 refilled = Some(continue_refilling(
                                     &mut dst.ctx,
                                     &history,

@@ -210,13 +210,8 @@ pub struct StallRow {
     /// The sessions' hurried switch ([`SessionOptions::hurry`]: the newest positions a size
     /// switch reads before its first token; 0: the whole sparse read before it, and in every
     /// file written before this field).
-    #[serde(default, skip_serializing_if = "is_zero")]
+    #[serde(default, skip_serializing_if = "super::is_zero_count")]
     pub hurry: usize,
-}
-
-#[allow(clippy::trivially_copy_pass_by_ref)] // serde's signature
-fn is_zero(n: &usize) -> bool {
-    *n == 0
 }
 
 impl StallRow {

@@ -100,12 +100,17 @@ impl RefillPace {
         }
     }
 
-    /// This pace, timing `n` tokens alone (at least one) before it reads: a hurried switch's
-    /// first token carried almost nothing of the context, so the wait is kept short.
+    /// The pace of a refill after a switch at `factor` ([`SessionOptions::refill_pace`]; 1 or
+    /// less: none, unpaced). After a hurried switch one token is timed alone, not
+    /// [`PACE_PLAIN_TOKENS`]: the answer runs on little of its context until the refill reads.
+    ///
+    /// [`SessionOptions::refill_pace`]: super::SessionOptions::refill_pace
     #[must_use]
-    pub fn timing(mut self, n: usize) -> Self {
-        self.plain_wanted = n.max(1);
-        self
+    pub fn after_switch(factor: f64, hurried: bool) -> Option<Self> {
+        (factor > 1.0).then(|| Self {
+            plain_wanted: if hurried { 1 } else { PACE_PLAIN_TOKENS },
+            ..Self::new(factor)
+        })
     }
 
     /// Positions the next token carries, at most `cap` (the unpaced rule's step): 0 while the
@@ -174,11 +179,7 @@ impl Session {
         } else {
             super::DEFAULT_REFILL_CHUNK
         });
-        let pace = (self.opts.refill_pace > 1.0).then(|| {
-            let p = RefillPace::new(self.opts.refill_pace);
-            // After a hurried switch the answer runs on little of its context: one token timed.
-            if first.is_empty() { p } else { p.timing(1) }
-        });
+        let pace = RefillPace::after_switch(self.opts.refill_pace, !first.is_empty());
         self.refill = on.then_some(Refill {
             rung: self.current,
             next,
