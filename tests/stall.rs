@@ -577,3 +577,95 @@ fn a_budget_source_attached_cools_standby_until_it_is_read_and_room_heats_it_aga
         s.on_standby_hot()
     );
 }
+
+/// The destination's rows at the history's first `head` positions against what a fresh
+/// context of rung `to` computes for them: the largest difference.
+fn head_rows_off_native(s: &mut Session, to: usize, head: usize) -> f32 {
+    let history = s.history().to_vec();
+    let got = s.rung_mut(to).unwrap().ctx.export_state().unwrap();
+    let info = &common::tiny_ladder().rungs[to];
+    let model = molt::engine::Model::load(
+        &info.path,
+        info.name(),
+        molt::engine::ModelOptions::default(),
+    )
+    .unwrap();
+    let mut native = molt::engine::Context::new(model, common::cfg()).unwrap();
+    native.decode(&history[..head]).unwrap();
+    let want = native.export_state().unwrap();
+    (0..i32::try_from(head).unwrap())
+        .map(|pos| {
+            let (a, b) = (
+                common::kv_rows_at(&got, pos),
+                common::kv_rows_at(&want, pos),
+            );
+            a.iter()
+                .zip(&b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0, f32::max)
+        })
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn a_switch_down_leaves_the_heads_unanchored_positions_to_the_next_token_which_reads_them_natively()
+{
+    // Rung costs are measured at load as the process's memory growth: one test at a time.
+    let _serial = common::events::one_at_a_time();
+    let head = molt::session::DEFAULT_HEAD_REREAD;
+    // The tiny ladder's precision route (projected where it lies, off standby); no anchor
+    // covers its raw-text head, and a fresh conversation's standby rungs have read none.
+    let to = 1;
+    let at = 2;
+    // Tokens after the switch's (the next one reads the head), and none (the answer's end does).
+    for after in [3, 1] {
+        let mut s = session(true);
+        let mut switch = None;
+        s.generate(
+            &Prompt::Text(TEXT.into()),
+            &GenerateOptions {
+                max_tokens: at + after,
+                force_switch: Some((at, to)),
+                ..GenerateOptions::default()
+            },
+            &mut |e| {
+                if let Event::Switch(i) = e {
+                    switch = Some(i.clone());
+                }
+            },
+        )
+        .unwrap();
+        let down = switch.expect("the forced switch happened");
+        assert!(down.timings.from_standby, "{down:?}");
+        assert_eq!(
+            (
+                down.timings.head,
+                down.timings.head_anchored,
+                down.timings.head_later
+            ),
+            (head, 0, head),
+            "the head left for the next token: {down:?}"
+        );
+        let d = head_rows_off_native(&mut s, to, head);
+        assert!(
+            d < 2e-2,
+            "{after}: the head's cells are the destination's own, off by {d}"
+        );
+        assert_eq!(
+            s.projected_positions(),
+            down.timings.cells - head,
+            "{after}: the head is no longer counted projected"
+        );
+    }
+    // Off: the head decoded in the switch's first batch, as before.
+    let l = common::tiny_ladder();
+    let opts = SessionOptions {
+        head_later: false,
+        projector_dirs: vec![common::tiny_projectors().clone()],
+        ..SessionOptions::default()
+    };
+    let mut s = Session::with_options(l.clone(), common::cfg(), l.rungs[0].name(), opts).unwrap();
+    let down = forced(&mut s, TEXT, at, to);
+    assert_eq!(down.timings.head_later, 0, "{down:?}");
+    assert!(head_rows_off_native(&mut s, to, head) < 2e-2);
+}

@@ -70,6 +70,10 @@ pub struct SwitchTimings {
     /// `project_ms`).
     #[serde(default, skip_serializing_if = "is_zero_f")]
     pub head_ms: f64,
+    /// Of `head`, the unanchored positions left projected at the switch and read natively
+    /// with the next token ([`super::SessionOptions::head_later`]).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub head_later: usize,
     /// Selective token recompute: positions re-read natively on the destination over the
     /// imported cache, chosen by the source's attention (0: none).
     #[serde(default, skip_serializing_if = "is_zero")]
@@ -552,7 +556,7 @@ pub fn transplant_exported(
     if recompute.is_none()
         && let Some(staged) = stage(src, &to, projector, dst.config().cache_type, reread)?
     {
-        return transplant_staged(staged, src.from, dst, last);
+        return transplant_staged(staged, src.from, dst, last, false);
     }
     let t1 = Instant::now();
     let carried = carry_exported(src, dst, projector, recompute, reread)?;
@@ -670,8 +674,10 @@ pub fn stage<'h>(
 /// Finishes a [`stage`]d transplant on `dst`: imports the projected state, then decodes the
 /// head's unanchored positions (in scratch sequences over the imported cache) with the tail
 /// and `last` in one batch — one pass over the weights instead of two; `last` sees those few
-/// positions as projected, every later token their native cells. On failure `dst` is left
-/// empty. `from` names the source in errors.
+/// positions as projected, every later token their native cells. With `head_later`, those
+/// positions are not decoded here: they stay projected, and the caller reads them with the
+/// next token (`head_later` in the timings says how many, from `head_anchored`). On failure
+/// `dst` is left empty. `from` names the source in errors.
 ///
 /// # Errors
 /// [`SessionError::Migration`] naming the step that failed.
@@ -680,6 +686,7 @@ pub fn transplant_staged(
     from: &str,
     dst: &mut Context,
     last: Token,
+    head_later: bool,
 ) -> Result<SwitchTimings, SessionError> {
     let Staged {
         bytes,
@@ -709,12 +716,18 @@ pub fn transplant_staged(
     if !tail.is_empty() {
         dst.truncate(n_past - tail.len());
     }
-    if let Err(e) = dst.recompute_spans_then_decode(head_rest.as_slice(), &next) {
+    let (now, later) = if head_later {
+        (None, head_rest.map_or(0, |h| h.tokens.len()))
+    } else {
+        (head_rest, 0)
+    };
+    if let Err(e) = dst.recompute_spans_then_decode(now.as_slice(), &next) {
         return Err(fail(dst, MigrationStep::FirstDecode.fail(e)));
     }
     Ok(SwitchTimings {
         import_ms,
         first_decode_ms: ms(t3),
+        head_later: later,
         tail: tail.len(),
         cost_ms: timings.cost_ms + ms(t2),
         ..timings

@@ -118,6 +118,9 @@ pub struct Session {
     /// What the last switch, hurried ([`SessionOptions::hurry`]), left to read after its first
     /// token, in reading order: taken by the refill it starts.
     hurried: Vec<Range<usize>>,
+    /// The head's positions a switch left projected onto rung `.0`, read natively in place
+    /// with the next token ([`SessionOptions::head_later`]).
+    head_behind: Option<(usize, Range<usize>)>,
     /// The attention mass the last prompt's final tokens gave each cached position (when
     /// [`SessionOptions::token_recompute`] selects by attention); positions after it (the
     /// answer's) count as 0.
@@ -247,6 +250,7 @@ impl Session {
             anon_base,
             refill: None,
             hurried: Vec::new(),
+            head_behind: None,
             observed: None,
             projected: Vec::new(),
             holes: false,
@@ -903,6 +907,9 @@ impl Session {
         // and the next prompt re-reads the projected cells it looks at. Positions a sparse
         // read left out are read now, so the cache the answer leaves is whole (a later
         // prompt, a state file, a park build on it).
+        if !killed {
+            self.finish_head_behind();
+        }
         self.drop_refill();
         if !killed {
             self.fill_holes(out_tokens.len(), sink);

@@ -175,7 +175,10 @@ pub fn sentence_ends_of(model: &Model, setting: &TokenRecompute, history: &[Toke
 #[must_use]
 pub fn projected_after(timings: &SwitchTimings, mut spans: Vec<Range<usize>>) -> Vec<Range<usize>> {
     let n = timings.cells;
-    spans.push(0..timings.head.min(n));
+    // The head is native but for what it left for the next token.
+    let later = timings.head_anchored..timings.head_anchored + timings.head_later;
+    spans.push(0..later.start.min(n));
+    spans.push(later.end.min(n)..timings.head.min(n));
     spans.push(n - timings.tail.min(n)..n);
     minus(n, &spans)
 }

@@ -111,6 +111,15 @@ pub struct SessionOptions {
     /// template's opening plus the first token of the user's message); 0 turns it off (the
     /// conditions benchmark's `D-no-head` arm).
     pub head_reread: usize,
+    /// Head later: a switch that would decode the head's few unanchored positions in the batch
+    /// of its first token (off standby, projected where it lies,
+    /// [`crate::session::migrate::stage`]) leaves them projected and reads them natively in
+    /// place with the next token instead. That first token attends to them as projected
+    /// either way (they are read in scratch cells beside it); only the second does too now.
+    /// Two positions in a batch cost ~1.5-2× one on the real ladder, and the first token after
+    /// a switch is the gap the user sees. On by default; a standby rung that read the
+    /// conversation's head after an earlier answer has nothing left to read.
+    pub head_later: bool,
     /// Refill: after a Molt switch on a size route, the destination re-reads the history
     /// natively in place, this many positions in the batch of every token it decodes, until
     /// every cell is its own ([`super::refill`]). The switch's selective recompute re-reads
@@ -288,6 +297,7 @@ impl Default for SessionOptions {
             topk_recompute: None,
             tail_recompute: 0,
             head_reread: DEFAULT_HEAD_REREAD,
+            head_later: true,
             refill_chunk: DEFAULT_REFILL_CHUNK,
             refill_within: DEFAULT_REFILL_WITHIN,
             refill_pace: DEFAULT_REFILL_PACE,

@@ -196,6 +196,44 @@ impl Session {
     /// re-read stays native.
     pub(super) fn drop_refill(&mut self) {
         self.refill = None;
+        self.head_behind = None;
+    }
+
+    /// Reads the head's positions a switch left for the next token ([`Session::head_behind`])
+    /// natively in place, in the batch that decodes `tok` when one is given. `Ok(true)` when
+    /// `tok` was decoded here. A failed read leaves those cells projected (never fatal; the
+    /// cache is as it was before the batch) and `tok` to the caller.
+    fn read_head_behind(&mut self, tok: Option<Token>) -> Result<bool, EngineError> {
+        let Some((rung, range)) = self.head_behind.take() else {
+            return Ok(false);
+        };
+        if rung != self.current || self.parked.is_some() {
+            return Ok(false);
+        }
+        let Some(live) = self.rungs[rung].as_mut() else {
+            return Ok(false);
+        };
+        if range.end > live.ctx.n_past().min(self.history.len()) {
+            return Ok(false);
+        }
+        let span = Span {
+            start: range.start,
+            tokens: &self.history[range.clone()],
+        };
+        let read = match tok {
+            Some(tok) => live.ctx.recompute_spans_then_decode(&[span], &[tok]),
+            None => live.ctx.recompute_spans(&[span]),
+        };
+        if read.is_ok() {
+            self.projected = subtract(&self.projected, std::slice::from_ref(&range));
+        }
+        read.map(|_| tok.is_some())
+    }
+
+    /// Reads the head's positions a switch left for the next token when the answer ended
+    /// before one came (a switch at its last token), so the cache it leaves is native there.
+    pub(super) fn finish_head_behind(&mut self) {
+        let _ = self.read_head_behind(None);
     }
 
     /// Decodes `tok` on the live rung — with the refill's next chunk in the same batch when one
@@ -214,6 +252,10 @@ impl Session {
             rung: name.clone(),
             source,
         };
+        // The head a switch left for this token comes first; the refill goes on with the next.
+        if self.head_behind.is_some() && matches!(self.read_head_behind(Some(tok)), Ok(true)) {
+            return Ok(());
+        }
         let refill = self.refill.take();
         let Some(mut r) = refill.filter(|r| r.rung == self.current && self.parked.is_none()) else {
             return self.live().ctx.decode(&[tok]).map_err(engine);

@@ -995,10 +995,14 @@ impl Session {
                 // is the export plus everything after the load.
                 let r = match (&projector, staged) {
                     (_, Err(e)) => Err(e),
-                    (_, Ok(Some(st))) => {
-                        migrate::transplant_staged(st, &from_model, &mut dst.ctx, last)
-                            .map(|t| (t, SwitchMethod::Molt))
-                    }
+                    (_, Ok(Some(st))) => migrate::transplant_staged(
+                        st,
+                        &from_model,
+                        &mut dst.ctx,
+                        last,
+                        self.opts.head_later,
+                    )
+                    .map(|t| (t, SwitchMethod::Molt)),
                     (Some(_), Ok(None)) if sparse => migrate::read_sparse(
                         &mut dst.ctx,
                         self.reread(n_past, anchor.as_deref(), &spans),
@@ -1042,6 +1046,9 @@ impl Session {
             Ok((timings, method, dst, load_ms, load_parts, from_standby)) => {
                 self.rungs[to] = Some(dst);
                 self.hurried = hurried.map(|(_, later)| later).unwrap_or_default();
+                let start = timings.head_anchored;
+                self.head_behind =
+                    (timings.head_later > 0).then(|| (to, start..start + timings.head_later));
                 Ok(SwitchOutcome {
                     from_name,
                     timings,
