@@ -669,3 +669,124 @@ fn a_switch_down_leaves_the_heads_unanchored_positions_to_the_next_token_which_r
     assert_eq!(down.timings.head_later, 0, "{down:?}");
     assert!(head_rows_off_native(&mut s, to, head) < 2e-2);
 }
+
+/// Maps `file` as llama.cpp does (shared, read-only, no advice), touches every page, and
+/// returns the bytes this process then maps a whole 2 MiB folio per entry.
+fn pmd_mapped_as_llama_maps(file: &Path) -> u64 {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::File::open(file).unwrap();
+    let len = usize::try_from(f.metadata().unwrap().len()).unwrap();
+    // SAFETY: a fresh shared read-only mapping of an open file, unmapped below.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            f.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED);
+    for i in (0..len).step_by(4096) {
+        // SAFETY: inside the readable mapping.
+        unsafe { std::ptr::read_volatile(p.cast::<u8>().add(i)) };
+    }
+    let whole = molt::pressure::pmd_mapped_bytes_of_mapping(file).unwrap();
+    // SAFETY: the mapping above.
+    unsafe { libc::munmap(p, len) };
+    whole
+}
+
+#[test]
+fn a_file_settled_in_huge_folios_maps_them_whole_wherever_it_is_mapped() {
+    use molt::pressure::pages::{Folios, settle_huge_folios};
+    // On the target's file system (a temporary one may be backed otherwise).
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("huge_folios");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("weights.bin");
+    let len = 24usize << 20;
+    let mut x = 0x9e37_79b9_7f4a_7c15_u64;
+    let bytes: Vec<u8> = (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x.to_le_bytes()[0]
+        })
+        .collect();
+    std::fs::write(&path, &bytes).unwrap();
+    std::fs::File::open(&path).unwrap().sync_all().unwrap();
+    // In small folios, as a read without readahead leaves it (a file written or read ahead
+    // in small pieces looks the same to a mapping).
+    molt::pressure::pages::drop_from_page_cache(&path).unwrap();
+    {
+        use std::io::Read;
+        use std::os::fd::AsRawFd;
+        let mut f = std::fs::File::open(&path).unwrap();
+        // SAFETY: an open descriptor; the advice only changes readahead.
+        unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM) };
+        let mut page = [0u8; 4096];
+        while f.read(&mut page).unwrap() > 0 {}
+    }
+    let small = pmd_mapped_as_llama_maps(&path);
+    let got = settle_huge_folios(&path).unwrap();
+    eprintln!("{small} bytes mapped whole before; settled: {got:?}");
+    let whole = pmd_mapped_as_llama_maps(&path) as f64;
+    match got {
+        Folios::Huge { share } | Folios::Reread { share, .. } => {
+            assert!(share >= 0.9, "{got:?}");
+            // What it says holds for a mapping that asks for nothing: llama.cpp's.
+            assert!(
+                whole >= 0.9 * len as f64,
+                "{got:?}, yet {whole} of {len} bytes map whole"
+            );
+            // Settled again: found in huge folios at once, nothing read again.
+            assert!(matches!(
+                settle_huge_folios(&path).unwrap(),
+                Folios::Huge { .. }
+            ));
+        }
+        Folios::Small { share } => assert!(share < 0.9, "{got:?}"),
+        Folios::NotApplicable => {}
+    }
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+fn real_ladder_a_loaded_rungs_weights_map_in_huge_folios_where_the_kernel_allows() {
+    use molt::pressure::pages::{Folios, settle_huge_folios};
+    let _serial = common::events::one_at_a_time();
+    let Some(l) = common::real_ladder() else {
+        return;
+    };
+    let tier0 = &common::rung(l, "tier0").path;
+    let mut s = Session::with_options(
+        l.clone(),
+        common::context(512, 128),
+        "tier0",
+        SessionOptions {
+            standby: false,
+            ..SessionOptions::default()
+        },
+    )
+    .unwrap();
+    answer(&mut s, 2);
+    // The load settled the file; asked again, it says how the page cache holds it now.
+    let folios = settle_huge_folios(tier0).unwrap();
+    eprintln!("tier0: {folios:?}");
+    if let Folios::Huge { .. } = folios {
+        // llama.cpp's own mapping, every weight touched by the answer, maps whole folios.
+        let whole = molt::pressure::pmd_mapped_bytes_of_mapping(tier0).unwrap() as f64;
+        let resident = resident_bytes_of_mapping(tier0).unwrap() as f64;
+        assert!(
+            whole >= 0.9 * resident,
+            "{whole} of {resident} resident bytes map whole"
+        );
+    } else {
+        assert!(
+            !matches!(folios, Folios::Reread { .. }),
+            "a loaded rung's file was not settled at its load: {folios:?}"
+        );
+    }
+}

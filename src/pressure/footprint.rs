@@ -158,6 +158,11 @@ pub fn resident_bytes_of_mappings(files: &[&Path]) -> Result<u64, PressureError>
 
 /// Sums `Rss` over the entries of an `smaps` text whose pathname equals `file`.
 pub(crate) fn smaps_rss_of(smaps: &str, file: &Path) -> u64 {
+    smaps_sum_of(smaps, file, "Rss:")
+}
+
+/// The `key` (`Rss:`, `FilePmdMapped:`, …) bytes of every mapping of `file` in an smaps text.
+pub(crate) fn smaps_sum_of(smaps: &str, file: &Path, key: &str) -> u64 {
     let Some(wanted) = file.to_str() else {
         return 0;
     };
@@ -167,7 +172,7 @@ pub(crate) fn smaps_rss_of(smaps: &str, file: &Path) -> u64 {
         let first = line.split_whitespace().next().unwrap_or("");
         if first.ends_with(':') {
             if in_entry
-                && let Some(rest) = line.strip_prefix("Rss:")
+                && let Some(rest) = line.strip_prefix(key)
                 && let Some(kib) = rest
                     .split_whitespace()
                     .next()
@@ -181,6 +186,21 @@ pub(crate) fn smaps_rss_of(smaps: &str, file: &Path) -> u64 {
         }
     }
     total
+}
+
+/// Of this process's mappings of `file`, the bytes mapped a whole 2 MiB folio per page-table
+/// entry (`FilePmdMapped` in `/proc/self/smaps`; see
+/// [`super::pages::settle_huge_folios`]).
+///
+/// # Errors
+/// [`PressureError::Io`] if the path or `/proc/self/smaps` cannot be read.
+pub fn pmd_mapped_bytes_of_mapping(file: &Path) -> Result<u64, PressureError> {
+    let canonical = std::fs::canonicalize(file).map_err(|source| PressureError::Io {
+        path: file.to_path_buf(),
+        source,
+    })?;
+    let smaps = procfile::read(Path::new("/proc/self/smaps"))?;
+    Ok(smaps_sum_of(&smaps, &canonical, "FilePmdMapped:"))
 }
 
 /// The pathname of an smaps header `start-end perms offset dev inode [pathname]`: everything

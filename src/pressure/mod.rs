@@ -32,8 +32,8 @@ pub use budget::{
 pub use error::{HogError, PressureError, TraceError, TraceProblem};
 pub use footprint::{
     Footprint, PageCacheResidency, file_resident_in_page_cache, mincore_resident_bytes,
-    process_anon_rss_bytes, process_peak_rss_bytes, process_pss_bytes, process_rss_bytes,
-    reset_peak_rss, resident_bytes_of_mapping, resident_bytes_of_mappings,
+    pmd_mapped_bytes_of_mapping, process_anon_rss_bytes, process_peak_rss_bytes, process_pss_bytes,
+    process_rss_bytes, reset_peak_rss, resident_bytes_of_mapping, resident_bytes_of_mappings,
     return_freed_buffers_to_os, rss_bytes_in, trim_heap,
 };
 pub use hog::{HogChild, HogMemory, HogReport, HogSchedule, HogStep, run_hog, run_hog_with};
