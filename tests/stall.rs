@@ -790,3 +790,47 @@ fn real_ladder_a_loaded_rungs_weights_map_in_huge_folios_where_the_kernel_allows
         );
     }
 }
+
+#[test]
+fn a_cold_mapping_populated_reads_its_file_in_huge_folios_where_the_kernel_allows() {
+    use std::os::fd::AsRawFd;
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("huge_populate");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("weights.bin");
+    let len = 16usize << 20;
+    let bytes: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+    std::fs::write(&path, &bytes).unwrap();
+    std::fs::File::open(&path).unwrap().sync_all().unwrap();
+    molt::pressure::pages::drop_from_page_cache(&path).unwrap();
+    // Mapped as llama.cpp maps a rung (shared, read-only, no advice), nothing read yet: a
+    // standby rung whose pages the system reclaimed.
+    let f = std::fs::File::open(&path).unwrap();
+    // SAFETY: a fresh shared read-only mapping of an open file, unmapped below.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            f.as_raw_fd(),
+            0,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED);
+    let covered = molt::pressure::pages::populate_mapping(&path).unwrap();
+    let whole = molt::pressure::pmd_mapped_bytes_of_mapping(&path).unwrap();
+    let aligned = (p as usize).is_multiple_of(2 << 20);
+    // SAFETY: the mapping above.
+    unsafe { libc::munmap(p, len) };
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!(covered, len as u64);
+    let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+        .is_ok_and(|s| s.contains("[always]") || s.contains("[madvise]"));
+    eprintln!("{whole} of {len} bytes map whole (huge pages allowed: {thp}, aligned: {aligned})");
+    if thp && aligned {
+        assert!(
+            whole as f64 >= 0.9 * len as f64,
+            "read back from disk in small folios: {whole} of {len} bytes map whole"
+        );
+    }
+}

@@ -91,12 +91,20 @@ pub fn release_mapping(file: &Path) -> Result<u64, PressureError> {
 
 /// Maps every page of every mapping of `file` in this process now (`MADV_POPULATE_READ`;
 /// where the kernel lacks it, `MADV_WILLNEED`, which only starts reading them). From a warm
-/// page cache this costs page-table work only; from a cold one it reads the file. Returns the
+/// page cache this costs page-table work only; from a cold one it reads the file — asking for
+/// huge pages first, so that what it reads lands in 2 MiB folios as [`settle_huge_folios`]
+/// leaves a load's (read back through llama.cpp's plain mapping, a standby rung's pages came
+/// in small folios, and letting them go at the next switch cost ~40-85 ms again). Returns the
 /// bytes of mappings covered.
 ///
 /// # Errors
 /// As [`release_mapping`].
 pub fn populate_mapping(file: &Path) -> Result<u64, PressureError> {
+    #[cfg(target_os = "linux")]
+    if thp_allowed() {
+        // Only how the range is backed changes; a kernel that refuses it reads as before.
+        let _ = advise_mappings(file, libc::MADV_HUGEPAGE, "madvise(MADV_HUGEPAGE)");
+    }
     #[cfg(target_os = "linux")]
     match advise_mappings(file, MADV_POPULATE_READ, "madvise(MADV_POPULATE_READ)") {
         Ok(n) => return Ok(n),
