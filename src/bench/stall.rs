@@ -453,6 +453,10 @@ fn chain(
         prepare_down: setup != Setup::Before,
         forced_up_waits: setup != Setup::Before,
         forced_down_waits: setup == Setup::Warned,
+        // A cold page cache is what memory pressure leaves behind, and pressure cools the
+        // standby rungs first (their pages released, the rung kept): a hot rung's pages are
+        // mapped, cannot be dropped, and its cold row would measure a warm switch.
+        standby_hot: cache == CacheState::Warm,
         hurry: opts.hurry,
         projector_dirs: if opts.projector_dirs.is_empty() {
             SessionOptions::default().projector_dirs
