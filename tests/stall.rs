@@ -670,13 +670,14 @@ fn a_switch_down_leaves_the_heads_unanchored_positions_to_the_next_token_which_r
     assert!(head_rows_off_native(&mut s, to, head) < 2e-2);
 }
 
-/// Maps `file` as llama.cpp does (shared, read-only, no advice), touches every page, and
-/// returns the bytes this process then maps a whole 2 MiB folio per entry.
-fn pmd_mapped_as_llama_maps(file: &Path) -> u64 {
+/// Maps `file` as llama.cpp maps a rung (shared, read-only, no advice), nothing read yet;
+/// the caller unmaps it. The address and the length.
+fn map_as_llama_does(file: &Path) -> (*mut libc::c_void, usize) {
     use std::os::fd::AsRawFd;
     let f = std::fs::File::open(file).unwrap();
     let len = usize::try_from(f.metadata().unwrap().len()).unwrap();
-    // SAFETY: a fresh shared read-only mapping of an open file, unmapped below.
+    // SAFETY: a fresh shared read-only mapping of an open file (the mapping outlives the
+    // descriptor); the caller unmaps it.
     let p = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
@@ -688,6 +689,13 @@ fn pmd_mapped_as_llama_maps(file: &Path) -> u64 {
         )
     };
     assert_ne!(p, libc::MAP_FAILED);
+    (p, len)
+}
+
+/// Maps `file` as llama.cpp does, touches every page, and returns the bytes this process then
+/// maps a whole 2 MiB folio per entry.
+fn pmd_mapped_as_llama_maps(file: &Path) -> u64 {
+    let (p, len) = map_as_llama_does(file);
     for i in (0..len).step_by(4096) {
         // SAFETY: inside the readable mapping.
         unsafe { std::ptr::read_volatile(p.cast::<u8>().add(i)) };
@@ -793,7 +801,6 @@ fn real_ladder_a_loaded_rungs_weights_map_in_huge_folios_where_the_kernel_allows
 
 #[test]
 fn a_cold_mapping_populated_reads_its_file_in_huge_folios_where_the_kernel_allows() {
-    use std::os::fd::AsRawFd;
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("huge_populate");
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("weights.bin");
@@ -802,21 +809,9 @@ fn a_cold_mapping_populated_reads_its_file_in_huge_folios_where_the_kernel_allow
     std::fs::write(&path, &bytes).unwrap();
     std::fs::File::open(&path).unwrap().sync_all().unwrap();
     molt::pressure::pages::drop_from_page_cache(&path).unwrap();
-    // Mapped as llama.cpp maps a rung (shared, read-only, no advice), nothing read yet: a
-    // standby rung whose pages the system reclaimed.
-    let f = std::fs::File::open(&path).unwrap();
-    // SAFETY: a fresh shared read-only mapping of an open file, unmapped below.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ,
-            libc::MAP_SHARED,
-            f.as_raw_fd(),
-            0,
-        )
-    };
-    assert_ne!(p, libc::MAP_FAILED);
+    // Mapped as llama.cpp maps a rung, nothing read yet: a standby rung whose pages the
+    // system reclaimed.
+    let (p, _) = map_as_llama_does(&path);
     let covered = molt::pressure::pages::populate_mapping(&path).unwrap();
     let whole = molt::pressure::pmd_mapped_bytes_of_mapping(&path).unwrap();
     let aligned = (p as usize).is_multiple_of(2 << 20);
