@@ -337,8 +337,7 @@ impl Context {
             let mem = llama_cpp_sys_2::llama_get_memory(self.ptr.as_ptr());
             llama_cpp_sys_2::llama_memory_clear(mem, true);
         }
-        self.shift_pending.set(false);
-        self.kept_logits.take();
+        self.cache_rewritten();
         self.n_past = 0;
         self.restart_hidden(0);
     }
@@ -865,8 +864,7 @@ impl Context {
                 detail: recent_llama_errors(),
             });
         }
-        self.shift_pending.set(false);
-        self.kept_logits.take();
+        self.cache_rewritten();
         for (i, &(start, tokens)) in group.iter().enumerate() {
             let (sid, p0, p1) = (conv(i + 1)?, conv(start)?, conv(start + tokens.len())?);
             if read_at[i] != start {
@@ -993,8 +991,7 @@ impl Context {
                     detail: recent_llama_errors(),
                 });
             }
-            self.shift_pending.set(false);
-            self.kept_logits.take();
+            self.cache_rewritten();
             self.n_past += part.len();
         }
         if let Some(t) = &self.tap {
@@ -1060,8 +1057,7 @@ impl Context {
                     detail: recent_llama_errors(),
                 });
             }
-            self.shift_pending.set(false);
-            self.kept_logits.take();
+            self.cache_rewritten();
             self.n_past += part.len();
             if all {
                 for i in 0..part.len() {
@@ -1096,6 +1092,14 @@ impl Context {
             return kept;
         }
         self.logits_at(-1)
+    }
+
+    /// After a batch ran on sequence 0, or its cells were cleared or replaced: moved keys are
+    /// re-rotated (or gone), and the logits [`Context::apply_moves`] kept aside are not the
+    /// last ones any more.
+    fn cache_rewritten(&mut self) {
+        self.shift_pending.set(false);
+        self.kept_logits.take();
     }
 
     /// Has llama.cpp re-rotate the keys of cells a recompute moved ([`Self::shift_pending`]),
@@ -1213,8 +1217,7 @@ impl Context {
             llama_cpp_sys_2::llama_memory_seq_pos_max(mem, SEQ)
         };
         self.n_past = usize::try_from(max + 1).unwrap_or(0);
-        self.shift_pending.set(false);
-        self.kept_logits.take();
+        self.cache_rewritten();
         self.restart_hidden(self.n_past);
         Ok(())
     }
