@@ -216,13 +216,15 @@ impl Session {
         if range.end > live.ctx.n_past().min(self.history.len()) {
             return Ok(false);
         }
-        let span = Span {
-            start: range.start,
-            tokens: &self.history[range.clone()],
-        };
         let read = match tok {
-            Some(tok) => live.ctx.recompute_spans_then_decode(&[span], &[tok]),
-            None => live.ctx.recompute_spans(&[span]),
+            Some(tok) => {
+                reread_then_decode(&mut live.ctx, &self.history, range.start, range.len(), tok)
+                    .map(|_| ())
+            }
+            None => live
+                .ctx
+                .recompute_spans(&Span::of(&self.history, std::slice::from_ref(&range)))
+                .map(|_| ()),
         };
         if read.is_ok() {
             self.projected = subtract(&self.projected, std::slice::from_ref(&range));
@@ -253,7 +255,7 @@ impl Session {
             source,
         };
         // The head a switch left for this token comes first; the refill goes on with the next.
-        if self.head_behind.is_some() && matches!(self.read_head_behind(Some(tok)), Ok(true)) {
+        if matches!(self.read_head_behind(Some(tok)), Ok(true)) {
             return Ok(());
         }
         let refill = self.refill.take();
