@@ -129,12 +129,18 @@ pub fn process_pss_bytes() -> Result<u64, PressureError> {
 /// [`PressureError::Io`] when `file` cannot be canonicalised or `/proc/self/smaps` cannot be
 /// read.
 pub fn resident_bytes_of_mapping(file: &Path) -> Result<u64, PressureError> {
+    mapping_bytes(file, "Rss:")
+}
+
+/// The `key` bytes of every mapping of `file` in this process, from one read of
+/// `/proc/self/smaps` (`file` canonicalised).
+fn mapping_bytes(file: &Path, key: &str) -> Result<u64, PressureError> {
     let canonical = std::fs::canonicalize(file).map_err(|source| PressureError::Io {
         path: file.to_path_buf(),
         source,
     })?;
     let smaps = procfile::read(Path::new("/proc/self/smaps"))?;
-    Ok(smaps_rss_of(&smaps, &canonical))
+    Ok(smaps_sum_of(&smaps, &canonical, key))
 }
 
 /// [`resident_bytes_of_mapping`] summed over several files from one read of
@@ -195,12 +201,7 @@ pub(crate) fn smaps_sum_of(smaps: &str, file: &Path, key: &str) -> u64 {
 /// # Errors
 /// [`PressureError::Io`] if the path or `/proc/self/smaps` cannot be read.
 pub fn pmd_mapped_bytes_of_mapping(file: &Path) -> Result<u64, PressureError> {
-    let canonical = std::fs::canonicalize(file).map_err(|source| PressureError::Io {
-        path: file.to_path_buf(),
-        source,
-    })?;
-    let smaps = procfile::read(Path::new("/proc/self/smaps"))?;
-    Ok(smaps_sum_of(&smaps, &canonical, "FilePmdMapped:"))
+    mapping_bytes(file, "FilePmdMapped:")
 }
 
 /// The pathname of an smaps header `start-end perms offset dev inode [pathname]`: everything

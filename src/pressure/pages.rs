@@ -51,19 +51,20 @@ pub(crate) fn ranges_in(maps: &str, file: &Path) -> Vec<(usize, usize)> {
         .collect()
 }
 
-/// Applies `advice` to every mapping of `file` in this process; returns the bytes covered.
-fn advise_mappings(
-    file: &Path,
+/// Applies `advice` to the mappings `ranges` ([`ranges_of`] a file); returns the bytes covered.
+fn advise(
+    ranges: &[(usize, usize)],
     advice: libc::c_int,
     call: &'static str,
 ) -> Result<u64, PressureError> {
     let mut covered = 0u64;
-    for (start, end) in ranges_of(file)? {
+    for &(start, end) in ranges {
         // SAFETY: [start, end) is a whole mapping of this process as `/proc/self/maps` lists
         // it (page aligned by construction). The advice values used here do not change the
         // mapping's contents as a reader sees them: MADV_DONTNEED on a file-backed, read-only
         // mapping only drops page-table entries (the next access maps the same file bytes
-        // again), and MADV_POPULATE_READ / MADV_WILLNEED only fault or read pages in.
+        // again), MADV_POPULATE_READ / MADV_WILLNEED only fault or read pages in, and
+        // MADV_HUGEPAGE only changes how the range is backed.
         let rc = unsafe { libc::madvise(start as *mut libc::c_void, end - start, advice) };
         if rc != 0 {
             return Err(PressureError::Sys {
@@ -86,7 +87,11 @@ fn advise_mappings(
 /// [`PressureError::Io`] if `/proc/self/maps` or the path cannot be read,
 /// [`PressureError::Sys`] if `madvise` fails.
 pub fn release_mapping(file: &Path) -> Result<u64, PressureError> {
-    advise_mappings(file, libc::MADV_DONTNEED, "madvise(MADV_DONTNEED)")
+    advise(
+        &ranges_of(file)?,
+        libc::MADV_DONTNEED,
+        "madvise(MADV_DONTNEED)",
+    )
 }
 
 /// Maps every page of every mapping of `file` in this process now (`MADV_POPULATE_READ`;
@@ -100,18 +105,19 @@ pub fn release_mapping(file: &Path) -> Result<u64, PressureError> {
 /// # Errors
 /// As [`release_mapping`].
 pub fn populate_mapping(file: &Path) -> Result<u64, PressureError> {
+    let ranges = ranges_of(file)?;
     #[cfg(target_os = "linux")]
     if thp_allowed() {
         // Only how the range is backed changes; a kernel that refuses it reads as before.
-        let _ = advise_mappings(file, libc::MADV_HUGEPAGE, "madvise(MADV_HUGEPAGE)");
+        let _ = advise(&ranges, libc::MADV_HUGEPAGE, "madvise(MADV_HUGEPAGE)");
     }
     #[cfg(target_os = "linux")]
-    match advise_mappings(file, MADV_POPULATE_READ, "madvise(MADV_POPULATE_READ)") {
+    match advise(&ranges, MADV_POPULATE_READ, "madvise(MADV_POPULATE_READ)") {
         Ok(n) => return Ok(n),
         Err(PressureError::Sys { source, .. }) if source.raw_os_error() == Some(libc::EINVAL) => {}
         Err(e) => return Err(e),
     }
-    advise_mappings(file, libc::MADV_WILLNEED, "madvise(MADV_WILLNEED)")
+    advise(&ranges, libc::MADV_WILLNEED, "madvise(MADV_WILLNEED)")
 }
 
 /// Asks the kernel to drop `file`'s clean pages from the page cache
