@@ -41,11 +41,16 @@ fn answer(s: &mut Session, max_tokens: usize) {
 
 /// One answer with a switch forced before token `at`; returns the switch.
 fn forced(s: &mut Session, prompt: &str, at: usize, to: usize) -> SwitchInfo {
+    forced_then(s, prompt, at, to, 3)
+}
+
+/// [`forced`], the answer ending `after` tokens from `at` (1: the switch's token is its last).
+fn forced_then(s: &mut Session, prompt: &str, at: usize, to: usize, after: usize) -> SwitchInfo {
     let mut switch = None;
     s.generate(
         &Prompt::Text(prompt.into()),
         &GenerateOptions {
-            max_tokens: at + 3,
+            max_tokens: at + after,
             force_switch: Some((at, to)),
             ..GenerateOptions::default()
         },
@@ -620,22 +625,7 @@ fn a_switch_down_leaves_the_heads_unanchored_positions_to_the_next_token_which_r
     // Tokens after the switch's (the next one reads the head), and none (the answer's end does).
     for after in [3, 1] {
         let mut s = session(true);
-        let mut switch = None;
-        s.generate(
-            &Prompt::Text(TEXT.into()),
-            &GenerateOptions {
-                max_tokens: at + after,
-                force_switch: Some((at, to)),
-                ..GenerateOptions::default()
-            },
-            &mut |e| {
-                if let Event::Switch(i) = e {
-                    switch = Some(i.clone());
-                }
-            },
-        )
-        .unwrap();
-        let down = switch.expect("the forced switch happened");
+        let down = forced_then(&mut s, TEXT, at, to, after);
         assert!(down.timings.from_standby, "{down:?}");
         assert_eq!(
             (
