@@ -23,9 +23,9 @@ use anyhow::{Context as _, Result, bail};
 use molt::engine::ContextConfig;
 use molt::ladder::Ladder;
 use molt::routes;
-use molt::server::client;
-use molt::server::{Server, ServerConfig};
 use molt::session::SessionOptions;
+use molt_server::client;
+use molt_server::{Server, ServerConfig};
 use serde::Serialize;
 use serde_json::{Value, json};
 
@@ -294,7 +294,7 @@ async fn start_in_process(a: &Args) -> Result<(SocketAddr, tokio::sync::oneshot:
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<()> {
     let a = parse_args()?;
-    let run = molt::bench::RunInfo::now();
+    let run = molt_bench::RunInfo::now();
     let (addr, stop) = match a.addr {
         Some(addr) => (addr, None),
         None => {

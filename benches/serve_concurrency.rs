@@ -27,7 +27,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
-use molt::server::client;
+use molt_server::client;
 use serde::Serialize;
 use serde_json::json;
 
@@ -57,7 +57,12 @@ fn parse_list<T: std::str::FromStr>(s: &str, flag: &str) -> Result<Vec<T>> {
 
 fn parse_args() -> Result<Args> {
     let mut a = Args {
-        molt_run: PathBuf::from(env!("CARGO_BIN_EXE_molt-run")),
+        // Built by the workspace (the `molt-run` crate): target/<profile>/molt-run.
+        molt_run: std::env::current_exe()?
+            .parent()
+            .and_then(std::path::Path::parent)
+            .map(|d| d.join("molt-run"))
+            .ok_or_else(|| anyhow::anyhow!("no target directory"))?,
         llama_server: None,
         ladder: PathBuf::from("models/qwen2.5-coder.toml"),
         models_dir: PathBuf::from("models"),
@@ -369,7 +374,7 @@ fn molt_repacks(ladder: &molt::ladder::Ladder, rung: &str) -> bool {
         forced_ubatch: None,
         forced_repack: molt::speed::forced_repack_from_env(),
     };
-    let n_ubatch = molt::bench::speed::Setting::molt_default().n_ubatch;
+    let n_ubatch = molt_bench::speed::Setting::molt_default().n_ubatch;
     policy
         .choose(rung, n_ubatch, Some(u64::MAX / 4))
         .setting

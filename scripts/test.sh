@@ -7,4 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
 export OMP_WAIT_POLICY=PASSIVE
-cargo test --release --no-fail-fast -- --test-threads=2 "$@"
+# The whole workspace: the runtime library, the CLI, the server, the benchmarks and the examples
+# (the CLI's tests run the `molt-run` binary, built first).
+cargo build --release --workspace --all-targets
+cargo test --release --workspace --no-fail-fast -- --test-threads=2 "$@"

@@ -10,7 +10,7 @@
 //!
 //! At load, [`SpeedPolicy::choose`] picks a rung's [`RungSetup`]: with a measurement of the
 //! rung and a budget read, the fastest setting whose extra memory fits what the budget leaves
-//! above the rung's default footprint ([`crate::bench::speed::choose_setting`]); without
+//! above the rung's default footprint ([`choose_setting`]); without
 //! either, Molt's default (micro-batch 128, repack off); an explicit `--ubatch` or
 //! `MOLT_REPACK` wins over both. The setup's extra bytes are part of the rung's cost the
 //! session's policy compares with the budget ([`crate::session::Session::rung_costs`]).
@@ -19,8 +19,115 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::bench::speed::{PeerRow, Setting, choose_setting};
 use crate::ladder::Ladder;
+
+/// How a rung's engine is set up for speed: the prompt micro-batch and llama.cpp's CPU repack.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Setting {
+    /// Tokens per micro-batch.
+    pub n_ubatch: u32,
+    /// llama.cpp's CPU repack of the weights (`use_extra_bufts`).
+    pub repack: bool,
+}
+
+impl Setting {
+    /// Molt's setting when nothing else is asked.
+    #[must_use]
+    pub fn molt_default() -> Self {
+        Self {
+            n_ubatch: crate::engine::DEFAULT_N_UBATCH,
+            repack: false,
+        }
+    }
+
+    /// The settings `--tune` measures: micro-batches of 128, 256 and 512, repack off and on.
+    #[must_use]
+    pub fn grid() -> Vec<Self> {
+        [false, true]
+            .into_iter()
+            .flat_map(|repack| [128, 256, 512].map(|n_ubatch| Self { n_ubatch, repack }))
+            .collect()
+    }
+}
+
+/// Molt beside the peer at one setting on one rung (medians over repetitions).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PeerRow {
+    /// Rung name.
+    pub rung: String,
+    /// Tokens per micro-batch.
+    pub n_ubatch: u32,
+    /// llama.cpp's CPU repack.
+    pub repack: bool,
+    /// Molt's prefill, tok/s.
+    pub prefill_tok_s: f64,
+    /// Molt's decode, tok/s.
+    pub decode_tok_s: f64,
+    /// The peer's prefill, tok/s.
+    pub peer_prefill_tok_s: f64,
+    /// The peer's decode, tok/s.
+    pub peer_decode_tok_s: f64,
+    /// `prefill_tok_s / peer_prefill_tok_s`.
+    pub prefill_ratio: f64,
+    /// `decode_tok_s / peer_decode_tok_s`.
+    pub decode_ratio: f64,
+    /// Every repetition: Molt prefill, Molt decode, peer prefill, peer decode.
+    pub samples: Vec<[f64; 4]>,
+    /// What llama.cpp reserved for Molt's context (KV, compute, output buffers), MiB.
+    pub reserved_mib: f64,
+    /// Anonymous memory the model load added (repacked weights, tokenizer tables), MiB.
+    pub load_anon_mib: f64,
+}
+
+/// Prompt tokens of the reference turn [`choose_setting`] times: a chat turn that reads about a
+/// page (a question with some pasted context, or the new turn plus what a switch re-reads).
+pub const TURN_PROMPT_TOKENS: f64 = 256.0;
+/// Answer tokens of the reference turn: a few paragraphs.
+pub const TURN_ANSWER_TOKENS: f64 = 256.0;
+/// How much faster than the default a setting's reference turn must be to be taken: less is
+/// within the repetitions' noise, and a change reloads the rung.
+pub const TURN_GAIN: f64 = 0.97;
+
+/// Seconds the reference turn takes at a row's measured speeds: the prompt read at its prefill
+/// rate, the answer written at its decode rate — what the user waits for, first token and
+/// last.
+#[must_use]
+pub fn turn_seconds(r: &PeerRow) -> f64 {
+    TURN_PROMPT_TOKENS / r.prefill_tok_s.max(1e-9) + TURN_ANSWER_TOKENS / r.decode_tok_s.max(1e-9)
+}
+
+/// The speed setting for a rung given the memory it may use beyond its default footprint: of
+/// the measured rows of that rung, the one whose reference turn ([`TURN_PROMPT_TOKENS`] read,
+/// [`TURN_ANSWER_TOKENS`] written) takes least time and whose extra memory over Molt's default
+/// (a larger compute buffer, repacked weights) fits `spare_bytes` — taken only when it is at
+/// least 3% faster than the default's. Prefill speed alone would be the wrong measure: on this
+/// machine repack slows tier0's prefill by a third and speeds its decode by a third, and a
+/// user waits for the whole answer. Molt's default when no row beats it within the room.
+#[must_use]
+pub fn choose_setting(rows: &[PeerRow], rung: &str, spare_bytes: u64) -> Setting {
+    let default = Setting::molt_default();
+    let of_rung: Vec<&PeerRow> = rows.iter().filter(|r| r.rung == rung).collect();
+    let Some(base) = of_rung
+        .iter()
+        .find(|r| r.n_ubatch == default.n_ubatch && r.repack == default.repack)
+    else {
+        return default;
+    };
+    let cost = |r: &PeerRow| {
+        ((r.reserved_mib - base.reserved_mib).max(0.0)
+            + (r.load_anon_mib - base.load_anon_mib).max(0.0))
+            * 1_048_576.0
+    };
+    of_rung
+        .iter()
+        .filter(|r| cost(r) <= spare_bytes as f64)
+        .min_by(|a, b| turn_seconds(a).total_cmp(&turn_seconds(b)))
+        .filter(|r| turn_seconds(r) < turn_seconds(base) * TURN_GAIN)
+        .map_or(default, |r| Setting {
+            n_ubatch: r.n_ubatch,
+            repack: r.repack,
+        })
+}
 
 /// The file name of a ladder's measured speed settings.
 pub const FILE_NAME: &str = "speed_settings.json";

@@ -6,13 +6,13 @@
 
 mod common;
 
-use molt::bench::conditions::{self, ConditionsOptions, PromptSpec, RunLog};
-use molt::bench::{figures, page};
 use molt::engine::{Context, ContextConfig, Model, ModelOptions};
 use molt::routes::RouteKind;
 use molt::routes::Variant;
 use molt::train::{TrainOptions, fit_ladder, read_corpus};
 use molt::transplant::projector::TensorDtype;
+use molt_bench::conditions::{self, ConditionsOptions, PromptSpec, RunLog};
+use molt_bench::{figures, page};
 use std::path::PathBuf;
 
 fn projectors(out: &std::path::Path) -> molt::train::TrainReport {
@@ -207,13 +207,13 @@ fn conditions_pipeline_on_tiny_ladder() {
         read_corpus(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("projectors/corpus")).unwrap();
     let model = Model::load(&l.rungs[0].path, "big", ModelOptions::default()).unwrap();
     let tokens = model.tokenize(&corpus, false).unwrap();
-    let need = 64 + 1 + molt::bench::cost_sweep::SEAM;
+    let need = 64 + 1 + molt_bench::cost_sweep::SEAM;
     // The sweep's default contexts: conversations in the chat form a session holds.
     let chats = molt::train::read_chats(
         &PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("projectors/corpus"),
     )
     .unwrap();
-    let contexts = molt::bench::cost_sweep::chat_contexts(&model, &chats, need, 2).unwrap();
+    let contexts = molt_bench::cost_sweep::chat_contexts(&model, &chats, need, 2).unwrap();
     assert_eq!(contexts.len(), 2);
     assert_ne!(
         contexts[0], contexts[1],
@@ -225,12 +225,12 @@ fn conditions_pipeline_on_tiny_ladder() {
     // The session's default switch: its rungs observe attention for the token recompute.
     let mut observing = common::cfg_conditions();
     observing.attention_tap = true;
-    let points = molt::bench::cost_sweep::run(
+    let points = molt_bench::cost_sweep::run(
         l,
         observing,
         &mut routes,
         &contexts,
-        &molt::bench::cost_sweep::SweepOptions {
+        &molt_bench::cost_sweep::SweepOptions {
             lengths: vec![32, 64],
             reps: 2,
             head: 4,
@@ -275,12 +275,12 @@ fn conditions_pipeline_on_tiny_ladder() {
     }
     // A route filter measures only the routes it names.
     let (a, b) = (l.rungs[1].name().to_string(), l.rungs[0].name().to_string());
-    let only = molt::bench::cost_sweep::run(
+    let only = molt_bench::cost_sweep::run(
         l,
         common::cfg_conditions(),
         &mut routes,
-        &molt::bench::cost_sweep::raw_contexts(&tokens, 32 + 1 + molt::bench::cost_sweep::SEAM, 1),
-        &molt::bench::cost_sweep::SweepOptions {
+        &molt_bench::cost_sweep::raw_contexts(&tokens, 32 + 1 + molt_bench::cost_sweep::SEAM, 1),
+        &molt_bench::cost_sweep::SweepOptions {
             lengths: vec![32],
             reps: 1,
             head: 0,

@@ -23,7 +23,7 @@ fn manifest() -> PathBuf {
 
 /// `molt-run` with the tiny ladder and a clean environment (no user ladder, home or history).
 fn molt_run(home: &Path) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_molt-run"));
+    let mut c = Command::new(common::molt_run());
     c.env_remove("MOLT_HOME")
         .env_remove("MOLT_LADDER")
         .env_remove("XDG_DATA_HOME")

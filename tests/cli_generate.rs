@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::Duration;
 
 fn molt_run(home: &Path) -> assert_cmd::Command {
-    let mut c = assert_cmd::Command::new(env!("CARGO_BIN_EXE_molt-run"));
+    let mut c = assert_cmd::Command::new(common::molt_run());
     c.env_remove("MOLT_HOME")
         .env_remove("MOLT_LADDER")
         .env_remove("XDG_DATA_HOME")
@@ -195,7 +195,7 @@ fn real_ladder_prompt_file_switches_by_projection() {
             "events": [{"at": 8, "frac": 1.05, "of": "tier1"}]}"#,
     )
     .unwrap();
-    let out = assert_cmd::Command::new(env!("CARGO_BIN_EXE_molt-run"))
+    let out = assert_cmd::Command::new(common::molt_run())
         .env_remove("MOLT_LADDER")
         .current_dir(root)
         .args([
@@ -293,7 +293,7 @@ fn bad_bytes_and_zero_tokens_are_bad_lines_and_markers_in_a_prompt_are_text() {
 #[test]
 fn inspect_on_a_directory_says_it_is_not_a_file() {
     let dir = tempfile::tempdir().unwrap();
-    let out = assert_cmd::Command::new(env!("CARGO_BIN_EXE_molt-run"))
+    let out = assert_cmd::Command::new(common::molt_run())
         .arg("inspect")
         .arg(dir.path())
         .timeout(Duration::from_secs(60))
@@ -312,7 +312,7 @@ fn inspect_on_a_directory_says_it_is_not_a_file() {
 fn the_load_line_names_the_speed_setting_and_stale_measurements_are_refused() {
     let l = common::tiny_ladder();
     let dir = tempfile::tempdir().unwrap();
-    let row = |repack: bool| molt::bench::speed::PeerRow {
+    let row = |repack: bool| molt_bench::speed::PeerRow {
         rung: "big".into(),
         n_ubatch: 128,
         repack,

@@ -2,10 +2,12 @@
 //! refresh with `MOLT_UPDATE_GOLDEN=1 cargo test --release --test cli_help` and commit the files
 //! under tests/golden/.
 
+mod common;
+
 use std::path::PathBuf;
 
 fn check(args: &[&str], golden: &str) {
-    let out = assert_cmd::Command::new(env!("CARGO_BIN_EXE_molt-run"))
+    let out = assert_cmd::Command::new(common::molt_run())
         .env_remove("MOLT_LADDER")
         .env_remove("MOLT_HOME")
         .env("COLUMNS", "100")

@@ -34,7 +34,7 @@ fn record(site: &str, outcome: &str) {
 }
 
 fn molt_run(home: &Path, ladder: &Path) -> assert_cmd::Command {
-    let mut c = assert_cmd::Command::new(env!("CARGO_BIN_EXE_molt-run"));
+    let mut c = assert_cmd::Command::new(common::molt_run());
     c.env_remove("MOLT_HOME")
         .env_remove("MOLT_LADDER")
         .env_remove("MOLT_FAULT")

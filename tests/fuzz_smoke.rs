@@ -1,7 +1,7 @@
 //! The fuzz targets' CI smoke, inside the normal release test run (CI builds once, so it cannot
 //! build the `cargo fuzz` crate in `tests/fuzz/` as well).
 //!
-//! For every target in [`molt::fuzzing::TARGETS`] — the same entry points the `cargo fuzz`
+//! For every target in [`molt_testkit::TARGETS`] — the same entry points the `cargo fuzz`
 //! targets call — it replays each committed corpus file (`tests/fuzz/corpus/<target>/`, the
 //! seeds plus every crash a fuzzer found, kept as regression inputs), then feeds a bounded
 //! number of inputs made by a deterministic, seeded mutator: bit flips, random bytes, cuts,
@@ -19,7 +19,7 @@ mod gguf_common;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 
-use molt::fuzzing::{TARGETS, Target};
+use molt_testkit::{TARGETS, Target};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -169,7 +169,7 @@ fn seed_of(name: &str) -> u64 {
 }
 
 fn smoke(name: &str) {
-    let target = molt::fuzzing::target(name).expect("a listed target");
+    let target = molt_testkit::target(name).expect("a listed target");
     let files = corpus(name);
     assert!(!files.is_empty(), "{name}: empty corpus");
     for (file, bytes) in &files {
@@ -722,12 +722,12 @@ fn valid_seeds_are_accepted() {
     let f = molt::session::prompt_file::parse(&read("prompt_file", "seed-jsonl"));
     assert_eq!((f.items.len(), f.bad.len()), (1, 4));
     for f in ["seed-chat-minimal", "seed-chat-full"] {
-        serde_json::from_slice::<molt::server::openai::ChatRequest>(&read("chat_request", f))
+        serde_json::from_slice::<molt_server::openai::ChatRequest>(&read("chat_request", f))
             .expect(f)
             .validate()
             .expect(f);
     }
-    serde_json::from_slice::<molt::server::completions::CompletionRequest>(&read(
+    serde_json::from_slice::<molt_server::completions::CompletionRequest>(&read(
         "chat_request",
         "seed-completion",
     ))

@@ -10,7 +10,7 @@ use molt::ladder::Ladder;
 use molt::ladder::init::{self, InitError};
 
 fn molt_run() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_molt-run"));
+    let mut c = Command::new(common::molt_run());
     c.env("OMP_WAIT_POLICY", "PASSIVE");
     c
 }

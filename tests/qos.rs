@@ -8,9 +8,9 @@
 
 mod common;
 
-use molt::bench::serve_qos::{ServeQosOptions, run, standard_conversations};
 use molt::pressure::{Trace, TraceBudget};
-use molt::server::conversations::ConversationState;
+use molt_bench::serve_qos::{ServeQosOptions, run, standard_conversations};
+use molt_server::conversations::ConversationState;
 
 #[test]
 fn three_conversations_share_a_falling_budget_through_the_batched_server() {
@@ -18,7 +18,7 @@ fn three_conversations_share_a_falling_budget_through_the_batched_server() {
     let manifest = common::fixture_dir().join("tiny.toml");
     let work = tempfile::tempdir().unwrap();
     let opts = ServeQosOptions {
-        program: env!("CARGO_BIN_EXE_molt-run").into(),
+        program: common::molt_run(),
         global_args: vec![
             "--ladder".into(),
             manifest.display().to_string(),

@@ -7,10 +7,9 @@ mod common;
 
 use molt::pressure::{BudgetSource, HogBudget, MIB, Tick, Trace};
 use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions};
-use std::path::Path;
 
-fn hog_program() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_molt-run"))
+fn hog_program() -> std::path::PathBuf {
+    common::molt_run()
 }
 
 #[test]
@@ -20,7 +19,7 @@ fn hog_budget_follows_the_trace_through_the_os() {
             "events":[{"at":1,"budget":100},{"at":2,"budget":400}]}"#,
     )
     .unwrap();
-    let mut b = HogBudget::spawn(hog_program(), ["hog"], trace, None).unwrap();
+    let mut b = HogBudget::spawn(&hog_program(), ["hog"], trace, None).unwrap();
     let at = |i| Tick {
         token_index: i,
         elapsed_ms: 0,
@@ -58,7 +57,7 @@ fn real_hog_parks_the_answer_and_lets_it_resume() {
             "events":[{"at":300,"budget":0},{"at":4000,"budget":300}]}"#,
     )
     .unwrap();
-    let hog = HogBudget::spawn(hog_program(), ["hog"], trace, None).unwrap();
+    let hog = HogBudget::spawn(&hog_program(), ["hog"], trace, None).unwrap();
     s.set_budget_source(Some(Box::new(hog)));
     let mut budgets = Vec::new();
     let g = s

@@ -256,7 +256,7 @@ fn a_refill_that_caught_up_continues_as_the_native_cache_does() {
     live.decode(&other).unwrap();
     live.decode(&[last]).unwrap();
     let mut out = vec![last];
-    let (ms, done_at) = molt::bench::recall::continue_refilling(
+    let (ms, done_at) = molt_bench::recall::continue_refilling(
         &mut live,
         history,
         (Default::default(), 0),

@@ -3,7 +3,7 @@
 //!
 //! The soak: one process, many switches under a sawtooth budget (the big
 //! rung / room for the small rung only, alternating every few tokens), the resident set and the
-//! open descriptors sampled after every answer (`molt::bench::reliability::run_soak`, the same
+//! open descriptors sampled after every answer (`molt_bench::reliability::run_soak`, the same
 //! code `molt-run bench --soak` runs on the real ladder).
 //!
 //! `MOLT_SOAK_SWITCHES` sets the switches (default 1000, a minute or two on the tiny models);
@@ -11,8 +11,8 @@
 
 mod common;
 
-use molt::bench::reliability::{MAX_FD_SLOPE, MAX_RSS_SLOPE_KIB_PER_SWITCH, SoakOptions, run_soak};
 use molt::session::{Session, SessionOptions};
+use molt_bench::reliability::{MAX_FD_SLOPE, MAX_RSS_SLOPE_KIB_PER_SWITCH, SoakOptions, run_soak};
 
 #[test]
 fn a_thousand_switches_leak_neither_memory_nor_descriptors() {
@@ -57,7 +57,7 @@ fn a_thousand_switches_leak_neither_memory_nor_descriptors() {
         row.rss_slope_kib_per_switch
     );
     if let Some(path) = std::env::var_os("MOLT_SOAK_RECORD") {
-        molt::bench::reliability::record_soak(std::path::Path::new(&path), &row).unwrap();
+        molt_bench::reliability::record_soak(std::path::Path::new(&path), &row).unwrap();
     }
 }
 
@@ -69,9 +69,9 @@ fn a_thousand_switches_leak_neither_memory_nor_descriptors() {
 fn the_reliability_record_meets_its_goals() {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("results/reliability.json");
     let text = std::fs::read_to_string(&path).expect("results/reliability.json");
-    let r: molt::bench::reliability::Reliability = serde_json::from_str(&text).expect("parses");
+    let r: molt_bench::reliability::Reliability = serde_json::from_str(&text).expect("parses");
     assert_eq!(r.check(), Vec::<String>::new());
-    for t in molt::fuzzing::TARGETS {
+    for t in molt_testkit::TARGETS {
         assert!(
             r.fuzz.iter().any(|f| f.target == t.name && f.execs > 0),
             "fuzz target {} has no recorded run",

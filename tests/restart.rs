@@ -21,8 +21,8 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
-use molt::server::client;
 use molt::state::StateFile;
+use molt_server::client;
 use serde_json::{Value, json};
 
 /// With `MOLT_RELIABILITY_RECORD=FILE`, appends this fault's outcome as a JSON line (as
@@ -82,7 +82,7 @@ impl Served {
         more: &[&std::ffi::OsStr],
     ) -> Self {
         let stderr = std::fs::File::create(log).unwrap();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_molt-run"));
+        let mut cmd = Command::new(common::molt_run());
         cmd.env_remove("MOLT_FAULT")
             .env_remove("MOLT_LADDER")
             .arg("--ladder")
@@ -542,7 +542,7 @@ fn a_state_directory_that_cannot_be_written_is_a_startup_error_naming_it() {
     let d = tempfile::tempdir().unwrap();
     let plain = d.path().join("a-file");
     std::fs::write(&plain, b"").unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_molt-run"))
+    let out = Command::new(common::molt_run())
         .env_remove("MOLT_FAULT")
         .arg("--ladder")
         .arg(common::fixture_dir().join("tiny.toml"))
@@ -565,7 +565,7 @@ fn the_never_strategy_in_the_batched_loop_is_a_startup_error_saying_serial() {
     let _ = common::tiny_ladder();
     let d = tempfile::tempdir().unwrap();
     let serve = |extra: &[&str]| {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_molt-run"));
+        let mut c = Command::new(common::molt_run());
         c.env_remove("MOLT_FAULT")
             .arg("--ladder")
             .arg(common::fixture_dir().join("tiny.toml"))

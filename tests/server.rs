@@ -13,9 +13,9 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use harness::{serial, start};
-use molt::server::client::{self, EventStream};
-use molt::server::{BudgetRequest, Server, ServerConfig};
 use molt::transplant::select::TokenRecompute;
+use molt_server::client::{self, EventStream};
+use molt_server::{BudgetRequest, Server, ServerConfig};
 use serde_json::{Value, json};
 
 fn chat(max_tokens: usize, stream: bool) -> Value {
@@ -786,7 +786,7 @@ async fn a_key_is_required_as_a_bearer_token_and_open_non_loopback_is_refused() 
     };
     assert!(e.to_string().contains("without an API key"), "{e}");
 
-    let key = molt::server::ApiKey::new("sk-molt-test-key").unwrap();
+    let key = molt_server::ApiKey::new("sk-molt-test-key").unwrap();
     let srv = start(|c| c.api_key = Some(key)).await;
     let addr = srv.addr;
     let get = |auth: &'static str| async move {
@@ -1120,7 +1120,7 @@ async fn a_park_releases_the_weights_and_resumes_on_its_rung() {
         .unwrap()
         .ok()
         .unwrap();
-    let batched = harness::forced_parallel().unwrap_or(molt::server::DEFAULT_PARALLEL) > 1;
+    let batched = harness::forced_parallel().unwrap_or(molt_server::DEFAULT_PARALLEL) > 1;
     let mut parked_modelled = None;
     let mut events: Vec<Value> = Vec::new();
     let mut step = 0;

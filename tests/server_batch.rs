@@ -11,9 +11,9 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use harness::{serial, start};
-use molt::server::client::{self, EventStream};
 use molt::session::Strategy;
 use molt::transplant::select::TokenRecompute;
+use molt_server::client::{self, EventStream};
 use serde_json::{Value, json};
 
 fn chat(content: &str, max_tokens: usize, stream: bool) -> Value {
@@ -379,7 +379,7 @@ async fn batched_with_state(dir: &std::path::Path) -> harness::Running {
 /// [`batched_with_state`], the configuration then changed by `edit`.
 async fn batched_with_state_and(
     dir: &std::path::Path,
-    edit: impl FnOnce(&mut molt::server::ServerConfig) + Send + 'static,
+    edit: impl FnOnce(&mut molt_server::ServerConfig) + Send + 'static,
 ) -> harness::Running {
     let state = dir.join("state");
     start(move |c| {
@@ -564,7 +564,7 @@ const SCENE_PACE: Duration = Duration::from_millis(10);
 /// The set-aside tests' server: [`batched_with_state_and`], paced by [`SCENE_PACE`].
 async fn scene_server(
     dir: &std::path::Path,
-    edit: impl FnOnce(&mut molt::server::ServerConfig) + Send + 'static,
+    edit: impl FnOnce(&mut molt_server::ServerConfig) + Send + 'static,
 ) -> harness::Running {
     batched_with_state_and(dir, move |c| {
         c.token_pace = Some(SCENE_PACE);

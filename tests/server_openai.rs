@@ -11,7 +11,7 @@ mod harness;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use molt::server::client::{self, EventStream};
+use molt_server::client::{self, EventStream};
 use serde_json::{Value, json};
 
 const PROMPT: &str = "the scheduler parks the weights of a background job";

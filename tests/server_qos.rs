@@ -12,8 +12,8 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use harness::{serial, start};
-use molt::server::client::{self, EventStream};
 use molt::state::StateFile;
+use molt_server::client::{self, EventStream};
 use serde_json::{Value, json};
 
 async fn status(addr: SocketAddr) -> Value {

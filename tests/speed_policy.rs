@@ -7,9 +7,9 @@ mod common;
 
 use std::sync::Arc;
 
-use molt::bench::speed::{PeerRow, Setting};
 use molt::session::{Session, SessionOptions};
 use molt::speed::{Measured, SetupSource, SpeedFile, SpeedFileError, SpeedPolicy};
+use molt_bench::speed::{PeerRow, Setting};
 
 const MIB: u64 = 1 << 20;
 /// What the made-up measurement says repack costs on `big`: far more than the tiny model's

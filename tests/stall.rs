@@ -8,9 +8,9 @@ mod common;
 use std::path::Path;
 use std::time::Duration;
 
-use molt::bench::stall::{StallDoc, route_circuit};
 use molt::pressure::{FixedBudget, resident_bytes_of_mapping};
 use molt::session::{Event, GenerateOptions, Prompt, Session, SessionOptions, SwitchInfo};
+use molt_bench::stall::{StallDoc, route_circuit};
 
 const TEXT: &str = "The scheduler parks the weights of a background job while keeping its cache, then maps them back when memory returns.";
 
@@ -262,7 +262,7 @@ fn bench_stall_quick_writes_the_schema() {
     let _serial = common::events::one_at_a_time();
     let l = common::tiny_ladder();
     let dir = tempfile::tempdir().unwrap();
-    let out = assert_cmd::Command::new(env!("CARGO_BIN_EXE_molt-run"))
+    let out = assert_cmd::Command::new(common::molt_run())
         .env_remove("MOLT_HOME")
         .env_remove("MOLT_LADDER")
         .env_remove("XDG_DATA_HOME")
@@ -361,7 +361,7 @@ fn bench_stall_quick_writes_the_schema() {
     assert!(doc.before_rows.iter().all(|r| r.from_standby == 0.0));
     assert!(doc.before_rows.iter().all(|r| r.standby_rss_mib == 0.0));
     // The figure and the page section draw from it.
-    let set = molt::bench::figures::draw_all(dir.path(), &dir.path().join("figures")).unwrap();
+    let set = molt_bench::figures::draw_all(dir.path(), &dir.path().join("figures")).unwrap();
     assert!(
         set.written.iter().any(|f| f.name == "switch_stall"),
         "{:?}",
@@ -383,7 +383,7 @@ fn a_switch_up_loads_its_destination_in_the_background_while_the_answer_goes_on(
         };
         let mut s =
             Session::with_options(l.clone(), common::cfg(), l.rungs[0].name(), opts).unwrap();
-        let (low, high) = molt::bench::reliability::sawtooth_budgets(&s);
+        let (low, high) = molt_bench::reliability::sawtooth_budgets(&s);
         // Down before token 2, memory back before token 6.
         let trace = molt::pressure::Trace::parse(&format!(
             r#"{{"name":"dip","unit":"B","clock":"token","initial":{high},"events":[{{"at":2,"budget":{low}}},{{"at":6,"budget":{high}}}]}}"#

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 use futures::{SinkExt, StreamExt};
-use molt::server::client;
+use molt_server::client;
 use serde_json::{Value, json};
 use tokio_tungstenite::tungstenite::Message;
 
@@ -327,7 +327,7 @@ async fn a_conversation_through_a_budget_cut_shows_two_rungs_and_a_switch() {
     let dirs = vec![traces.path().to_path_buf()];
     let srv = harness::start(|c| {
         c.trace_dirs = dirs;
-        c.api_key = Some(molt::server::ApiKey::new(KEY).unwrap());
+        c.api_key = Some(molt_server::ApiKey::new(KEY).unwrap());
     })
     .await;
     let addr = srv.addr;

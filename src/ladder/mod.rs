@@ -15,7 +15,7 @@ mod lock;
 pub mod manifest;
 pub mod search;
 
-pub use fetch::{FetchError, FetchOptions, FetchedRung};
+pub use fetch::{FetchError, FetchOptions, FetchProgress, FetchedRung, ProgressUnit};
 pub use lock::{Lock, sha256_file};
 pub use manifest::{Manifest, ManifestError, RungSpec, Source};
 

@@ -98,17 +98,14 @@ pub fn locate(
                 }
             }
         };
+    // The model files sit beside their manifest (a ladder found by name in
+    // `$MOLT_HOME/models` has them there); a manifest given by path is never redirected.
     let models_dir = match models_dir {
         Some(d) => d.to_path_buf(),
-        None => {
-            if let Some(h) = std::env::var_os("MOLT_HOME").filter(|v| !v.is_empty()) {
-                PathBuf::from(h).join("models")
-            } else {
-                manifest
-                    .parent()
-                    .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
-            }
-        }
+        None => manifest
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .map_or_else(|| PathBuf::from("."), Path::to_path_buf),
     };
     Ok(Located {
         manifest,

@@ -24,6 +24,22 @@ fn compute_estimate(info: &crate::ladder::RungInfo) -> u64 {
     (logits + (8 << 20)) * 5 / 4
 }
 
+/// What each rung of `ladder` costs before any is loaded, as the policy models it: the
+/// file's tensor bytes, KV per token from the geometry, and the context's estimated overhead
+/// (a full window's KV, a compute buffer of one micro-batch of logits).
+#[must_use]
+pub fn estimated_costs(ladder: &crate::ladder::Ladder, config: ContextConfig) -> Vec<RungCost> {
+    ladder
+        .rungs
+        .iter()
+        .map(|r| {
+            let kv = kv_per_token(r, config);
+            let ctx = kv * u64::from(config.n_ctx) + compute_estimate(r);
+            RungCost::new(r.name(), r.facts.total_tensor_bytes.max(1), kv, ctx)
+        })
+        .collect()
+}
+
 impl Session {
     /// What each rung costs, for the policy: weights = the file's tensor bytes (every weight
     /// page is touched by each decode, so a running rung's weights are all resident), KV per

@@ -61,6 +61,38 @@ impl Session {
         }))
     }
 
+    /// Re-reads natively, in place, every position of the cache a switch projected or left
+    /// out, so the cache is the current rung's own and [`Session::hibernate`] can keep it.
+    /// Returns the positions read (0 when the cache was already native). A refill in progress
+    /// is dropped: this reads what it had left.
+    ///
+    /// # Errors
+    /// [`SessionError::Engine`] when llama.cpp fails (the ranges not read stay projected).
+    pub fn settle(&mut self) -> Result<usize, SessionError> {
+        if self.projected.is_empty() || self.parked.is_some() {
+            return Ok(0);
+        }
+        self.drop_refill();
+        let ranges = std::mem::take(&mut self.projected);
+        let spans = crate::engine::Span::of(&self.history, &ranges);
+        let rung = self.current_rung().to_string();
+        let cur = self.current;
+        let read = match self.rungs[cur].as_mut() {
+            Some(live) => live.ctx.recompute_spans(&spans),
+            None => Ok(0),
+        };
+        match read {
+            Ok(n) => {
+                self.holes = false;
+                Ok(n)
+            }
+            Err(source) => {
+                self.projected = ranges;
+                Err(SessionError::Engine { rung, source })
+            }
+        }
+    }
+
     /// Replaces whatever the session holds with `file`'s conversation, on the rung that wrote
     /// it (loaded now if needed; the session's other rung is freed as in
     /// [`Session::move_idle`]) — or, when the budget read now does not hold that rung (loaded
@@ -180,6 +212,31 @@ impl Session {
                 Err(e)
             }
         }
+    }
+
+    /// Replaces whatever the session holds with `file`'s conversation on rung `rung` (an index
+    /// into the ladder, at or below the session's home): the rung that wrote it takes the file
+    /// as [`Session::wake`] does; any other takes the file's cache through the switch, without
+    /// loading the rung that wrote it. What a conversation hibernated on one rung and resumed
+    /// on a smaller one (another process, a tighter budget) goes through.
+    ///
+    /// # Errors
+    /// As [`Session::wake`]; [`SessionError::UnknownRung`] for a rung off the ladder or above
+    /// home, or for a file whose rung is not on this ladder.
+    pub fn wake_on(&mut self, file: &StateFile, rung: usize) -> Result<(), SessionError> {
+        let from = self
+            .ladder
+            .rungs
+            .iter()
+            .position(|r| r.name() == file.meta.rung)
+            .ok_or_else(|| SessionError::UnknownRung(file.meta.rung.clone()))?;
+        if rung >= self.ladder.rungs.len() || rung < self.home {
+            return Err(SessionError::UnknownRung(rung.to_string()));
+        }
+        if rung == from || file.meta.pos_start != 0 {
+            return self.wake(file);
+        }
+        self.wake_through(file, from, rung)
     }
 
     /// The token sampled last and not yet decoded (what a hibernated file must carry).

@@ -32,6 +32,7 @@ pub use events::{
     Event, FootprintSample, Generation, LeverInfo, PrepareInfo, PrepareState, StopReason, Summary,
     SwitchInfo,
 };
+pub use footprint::estimated_costs;
 pub use levers::chat_pinned_prefix;
 pub use options::{
     DEFAULT_HEAD_REREAD, DEFAULT_HURRY, DEFAULT_REFILL_CHUNK, DEFAULT_REFILL_PACE,
@@ -42,11 +43,15 @@ pub use rest::IdleMove;
 pub use rung::{LiveRung, LoadParts, ParkedRung, StandbyRung};
 pub use shadow::TREND_WINDOW;
 pub use switch::SwitchMethod;
-// What the batched server's switch and prompt read share with the session's (`src/server/batch.rs`).
-pub(crate) use native::{minus as uncovered, refresh as refresh_projected, sentence_ends_of};
+// What the server's batched loop (`molt-server`'s `batch.rs`) shares with the session's switch
+// and prompt read, until it runs on this loop; not part of the embedding API.
+#[doc(hidden)]
+pub use native::{minus as uncovered, refresh as refresh_projected, sentence_ends_of};
 pub use refill::{PACE_PLAIN_TOKENS, RefillPace, hurry_split};
-pub(crate) use refill::{read_ranges_then_decode, reread_then_decode, take_chunk};
-pub(crate) use switch::{CachedState, CarryRoute, carry_cache, reads_sparse, recompute_ranges};
+#[doc(hidden)]
+pub use refill::{read_ranges_then_decode, reread_then_decode, take_chunk};
+#[doc(hidden)]
+pub use switch::{CachedState, CarryRoute, carry_cache, reads_sparse, recompute_ranges};
 
 use crate::engine::{ChatMessage, ContextConfig, Sampler, Token, Utf8Stream, softmax};
 use crate::ladder::Ladder;
@@ -74,6 +79,8 @@ pub struct Session {
     config: ContextConfig,
     opts: SessionOptions,
     routes: Routes,
+    /// The projectors and anchors taken from the library's built-in copies ([`crate::shipped`]).
+    built_in: crate::shipped::Installed,
     rungs: Vec<Option<LiveRung>>,
     /// Rungs loaded ahead with their weight pages released ([`SessionOptions::standby`]).
     standby: Vec<Option<StandbyRung>>,
@@ -87,7 +94,7 @@ pub struct Session {
     default_context_bytes: Vec<Option<u64>>,
     /// The setting (micro-batch, repack) each rung's `context_bytes` was measured under, so a
     /// later load with the same setting skips the warm-up decode that measures it.
-    measured_setting: Vec<Option<crate::bench::speed::Setting>>,
+    measured_setting: Vec<Option<crate::speed::Setting>>,
     /// Set by [`Session::pin_context_bytes`]: loads no longer overwrite `context_bytes`.
     pinned_costs: bool,
     current: usize,
@@ -207,7 +214,12 @@ impl Session {
             .position(|r| r.name() == start)
             .ok_or_else(|| SessionError::UnknownRung(start.to_string()))?;
         let n = ladder.rungs.len();
-        let routes = Routes::new(&ladder, opts.projector_dirs.clone(), opts.variant);
+        let mut routes = Routes::new(&ladder, opts.projector_dirs.clone(), opts.variant);
+        let built_in = if opts.strategy == Strategy::Molt {
+            crate::shipped::install(&mut routes, &ladder, &opts.projector_dirs)
+        } else {
+            crate::shipped::Installed::default()
+        };
         crate::pressure::return_freed_buffers_to_os();
         let anon_base = crate::pressure::process_anon_rss_bytes().unwrap_or(0);
         let mut s = Self {
@@ -215,6 +227,7 @@ impl Session {
             config,
             opts,
             routes,
+            built_in,
             rungs: (0..n).map(|_| None).collect(),
             standby: (0..n).map(|_| None).collect(),
             preparing: None,
@@ -260,6 +273,13 @@ impl Session {
         s.ensure_loaded(current)?;
         s.prepare_standby();
         Ok(s)
+    }
+
+    /// The projectors and anchors this session took from the library's built-in copies (none
+    /// where a file on disk came first), and the built-in files it refused.
+    #[must_use]
+    pub fn built_in(&self) -> &crate::shipped::Installed {
+        &self.built_in
     }
 
     /// The ladder.

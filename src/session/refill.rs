@@ -412,7 +412,7 @@ impl Session {
 ///
 /// # Errors
 /// The engine's (sequence 0 is then as it was before the failed batch).
-pub(crate) fn reread_then_decode(
+pub fn reread_then_decode(
     ctx: &mut Context,
     history: &[Token],
     next: usize,
@@ -479,7 +479,7 @@ pub fn hurry_split(
 /// Takes the next `step` positions (at least one) from the front of `first`, below `n_past`,
 /// in at most [`CHUNK_SPANS`] pieces: the chunk a token carries, in position order with
 /// touching pieces merged (as [`Context::recompute_spans_then_decode`] wants them).
-pub(crate) fn take_chunk(
+pub fn take_chunk(
     first: &mut VecDeque<Range<usize>>,
     step: usize,
     n_past: usize,
@@ -544,7 +544,7 @@ fn subtract(spans: &[Range<usize>], cut: &[Range<usize>]) -> Vec<Range<usize>> {
 ///
 /// # Errors
 /// The engine's (sequence 0 is then as it was before the failed batch).
-pub(crate) fn read_ranges_then_decode(
+pub fn read_ranges_then_decode(
     ctx: &mut Context,
     history: &[Token],
     ranges: &[Range<usize>],

@@ -152,7 +152,7 @@ pub(crate) fn reread<'a>(
 /// facts without it). `observed` is the attention mass the prompt's last tokens gave each
 /// position when it was read (none: chosen by position); `model` reads sentence ends (none:
 /// no sentence ends are known, and a chosen position brings the window around it).
-pub(crate) fn recompute_ranges(
+pub fn recompute_ranges(
     opts: &SessionOptions,
     kind: RouteKind,
     history: &[Token],
@@ -186,7 +186,7 @@ pub(crate) fn recompute_ranges(
 /// hold what the next tokens need), they reach the end of the cache before the tail (the
 /// question and the answer so far), which a sparse read needs to go on from, and no top-k
 /// recompute of a projection is asked for.
-pub(crate) fn reads_sparse(
+pub fn reads_sparse(
     opts: &SessionOptions,
     kind: RouteKind,
     observed: bool,
@@ -217,7 +217,7 @@ pub(crate) fn reads_sparse(
 }
 
 /// A cache exported on one rung, to be carried onto another by [`carry_cache`].
-pub(crate) struct CachedState<'a> {
+pub struct CachedState<'a> {
     /// The source's exported state and how many cells it holds.
     pub exported: migrate::Exported<'a>,
     /// The tokens those cells hold.
@@ -232,9 +232,12 @@ pub(crate) struct CachedState<'a> {
 
 /// The route a cache is carried over: its kind, its projector and the destination's anchor
 /// for the head re-read.
-pub(crate) struct CarryRoute<'a> {
+pub struct CarryRoute<'a> {
+    /// Precision or size.
     pub kind: RouteKind,
+    /// The maps.
     pub projector: &'a Projector,
+    /// The destination's native state over the chat template's opening, if shipped.
     pub anchor: Option<&'a Anchor>,
 }
 
@@ -249,7 +252,7 @@ pub(crate) struct CarryRoute<'a> {
 ///
 /// # Errors
 /// [`SessionError::Migration`] naming the step that failed (`dst` is then not to be used).
-pub(crate) fn carry_cache(
+pub fn carry_cache(
     opts: &SessionOptions,
     route: &CarryRoute<'_>,
     cache: &CachedState<'_>,

@@ -240,6 +240,9 @@ pub enum TinyError {
         #[source]
         source: std::io::Error,
     },
+    /// Building the ladder's requantized rung failed.
+    #[error(transparent)]
+    Fetch(#[from] crate::ladder::FetchError),
 }
 
 /// A per-tensor random stream: `ChaCha20` seeded by `sha256(seed, name)`.
@@ -441,6 +444,55 @@ pub fn standard_ladder(dir: impl AsRef<Path>) -> Result<Vec<PathBuf>, TinyError>
         (spec, tok)
     });
     write_current(dir.as_ref(), &specs)
+}
+
+/// The manifest [`ladder`] writes: a big rung, its Q8_0 requantization (the precision route),
+/// and a small rung with another head size and layer count (the size route).
+pub const TINY_MANIFEST: &str = r#"
+name = "tiny"
+description = "random-weight qwen2 models for hermetic tests and examples"
+[[rung]]
+name = "big"
+file = "tiny-big.gguf"
+source = { local = {} }
+[[rung]]
+name = "big-q8"
+file = "tiny-big-q8_0.gguf"
+source = { requantize = { from = "big", type = "Q8_0" } }
+[[rung]]
+name = "small"
+file = "tiny-small.gguf"
+source = { local = {} }
+"#;
+
+/// A whole tiny ladder in `dir` — the [`standard_ladder`]'s files, the requantized rung and
+/// the manifest `tiny.toml` — ready for [`crate::ladder::Ladder::open`] or the facade; returns
+/// the manifest's path. The weights are random: the text is nonsense, the machinery real.
+/// Skips what is already current.
+///
+/// # Errors
+/// As [`standard_ladder`]; [`TinyError::Fetch`] when the requantized rung cannot be built.
+pub fn ladder(dir: impl AsRef<Path>) -> Result<PathBuf, TinyError> {
+    let dir = dir.as_ref();
+    standard_ladder(dir)?;
+    let manifest_path = dir.join("tiny.toml");
+    std::fs::write(&manifest_path, TINY_MANIFEST).map_err(|source| TinyError::Io {
+        dir: dir.to_path_buf(),
+        source,
+    })?;
+    let m = crate::ladder::Manifest::load(&manifest_path).map_err(|e| TinyError::Io {
+        dir: dir.to_path_buf(),
+        source: std::io::Error::other(e.to_string()),
+    })?;
+    crate::ladder::fetch::fetch(
+        &m,
+        dir,
+        &crate::ladder::FetchOptions {
+            threads: 2,
+            ..crate::ladder::FetchOptions::default()
+        },
+    )?;
+    Ok(manifest_path)
 }
 
 /// File stem of the larger llama-architecture rung.

@@ -48,7 +48,6 @@ pub fn tiny_ladder() -> &'static Ladder {
             &m,
             &dir,
             &FetchOptions {
-                quiet: true,
                 threads: 2,
                 ..FetchOptions::default()
             },
@@ -269,8 +268,8 @@ pub fn speed_row(
     repack: bool,
     prefill: f64,
     load_anon_mib: f64,
-) -> molt::bench::speed::PeerRow {
-    molt::bench::speed::PeerRow {
+) -> molt_bench::speed::PeerRow {
+    molt_bench::speed::PeerRow {
         rung: rung.into(),
         n_ubatch: 128,
         repack,
@@ -284,4 +283,24 @@ pub fn speed_row(
         reserved_mib: 10.0,
         load_anon_mib,
     }
+}
+
+/// The `molt-run` binary of this build (`target/<profile>/molt-run`), built by the workspace's
+/// `cargo build` / `cargo test` (it lives in the `molt-run` crate beside this one).
+///
+/// # Panics
+/// When it has not been built: `cargo build --release -p molt-run` (the test script does).
+pub fn molt_run() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let path = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>")
+        .join(format!("molt-run{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        path.exists(),
+        "{} is not built: run `cargo build --release -p molt-run` (scripts/test.sh does)",
+        path.display()
+    );
+    path
 }

@@ -5,8 +5,8 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use molt::server::{Server, ServerConfig};
 use molt::session::SessionOptions;
+use molt_server::{Server, ServerConfig};
 
 use crate::common;
 

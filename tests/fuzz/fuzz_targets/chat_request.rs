@@ -1,4 +1,4 @@
-//! libFuzzer target: `molt::fuzzing::chat_request` (see that module for what it checks).
+//! libFuzzer target: `molt_testkit::chat_request` (see that module for what it checks).
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| molt::fuzzing::chat_request(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| molt_testkit::chat_request(data));

@@ -1,4 +1,4 @@
-//! libFuzzer target: `molt::fuzzing::gguf` (see that module for what it checks).
+//! libFuzzer target: `molt_testkit::gguf` (see that module for what it checks).
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| molt::fuzzing::gguf(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| molt_testkit::gguf(data));

@@ -1,4 +1,4 @@
-//! libFuzzer target: `molt::fuzzing::prompt_file` (see that module for what it checks).
+//! libFuzzer target: `molt_testkit::prompt_file` (see that module for what it checks).
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| molt::fuzzing::prompt_file(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| molt_testkit::prompt_file(data));

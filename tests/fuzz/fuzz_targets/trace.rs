@@ -1,4 +1,4 @@
-//! libFuzzer target: `molt::fuzzing::trace` (see that module for what it checks).
+//! libFuzzer target: `molt_testkit::trace` (see that module for what it checks).
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| molt::fuzzing::trace(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| molt_testkit::trace(data));

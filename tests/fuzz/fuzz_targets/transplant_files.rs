@@ -1,4 +1,4 @@
-//! libFuzzer target: `molt::fuzzing::transplant_files` (see that module for what it checks).
+//! libFuzzer target: `molt_testkit::transplant_files` (see that module for what it checks).
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| molt::fuzzing::transplant_files(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| molt_testkit::transplant_files(data));
