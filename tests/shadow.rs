@@ -369,7 +369,10 @@ fn real_ladder_a_conversation_carried_down_ahead_remembers_its_first_turn() {
         return;
     };
     let opts = SessionOptions {
-        forced_down_waits: true,
+        research: molt::session::Research {
+            forced_down_waits: true,
+            ..molt::session::Research::default()
+        },
         ..SessionOptions::default()
     };
     let tier2 = common::rung(l, "tier2").index;

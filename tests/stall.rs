@@ -19,8 +19,11 @@ fn session(standby: bool) -> Session {
     let opts = SessionOptions {
         standby,
         // A forced switch up is prepared in the background, as the policy's.
-        forced_up_waits: true,
         projector_dirs: vec![common::tiny_projectors().clone()],
+        research: molt::session::Research {
+            forced_up_waits: true,
+            ..molt::session::Research::default()
+        },
         ..SessionOptions::default()
     };
     Session::with_options(l.clone(), common::cfg(), l.rungs[0].name(), opts).unwrap()

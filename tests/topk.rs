@@ -292,8 +292,11 @@ fn topk_switch_mid_answer_on_tiny_ladder() {
                 .into_iter()
                 .chain([common::tiny_projectors().clone()])
                 .collect(),
-            topk_recompute: topk,
             observe_footprint: false,
+            research: molt::session::Research {
+                topk_recompute: topk,
+                ..molt::session::Research::default()
+            },
             ..SessionOptions::default()
         };
         let mut s = Session::with_options(l.clone(), common::cfg_topk(), "big", opts).unwrap();
@@ -385,9 +388,12 @@ fn topk_switch_mid_answer_on_real_ladder() {
     let run = |topk: Option<usize>| {
         let opts = SessionOptions {
             projector_dirs: molt::routes::search_dirs(Some(&dir)),
-            topk_recompute: topk,
-            measure_seam: true,
             observe_footprint: false,
+            research: molt::session::Research {
+                topk_recompute: topk,
+                measure_seam: true,
+                ..molt::session::Research::default()
+            },
             ..SessionOptions::default()
         };
         let mut s = Session::with_options(l.clone(), common::cfg_topk(), "tier0", opts).unwrap();

@@ -305,7 +305,10 @@ fn migration_mid_answer_continues_at_the_right_positions_on_tiny_rungs() {
     let l = common::tiny_ladder().clone();
     let opts = SessionOptions {
         projector_dirs: vec![dir.clone()],
-        measure_seam: true,
+        research: molt::session::Research {
+            measure_seam: true,
+            ..molt::session::Research::default()
+        },
         ..SessionOptions::default()
     };
     let mut events = Vec::new();

@@ -36,7 +36,8 @@ pub use footprint::estimated_costs;
 pub use levers::chat_pinned_prefix;
 pub use options::{
     DEFAULT_HEAD_REREAD, DEFAULT_HURRY, DEFAULT_REFILL_CHUNK, DEFAULT_REFILL_PACE,
-    DEFAULT_REFILL_WITHIN, GenerateOptions, Prompt, SessionOptions, Strategy, refill_step,
+    DEFAULT_REFILL_WITHIN, GenerateOptions, Prompt, Research, SessionOptions, Strategy,
+    refill_step,
 };
 pub use prepare::{CATCH_UP_STEP, SHADOW_STEP};
 pub use rest::IdleMove;
@@ -204,7 +205,7 @@ impl Session {
         {
             return Err(SessionError::RuleNotInSessions(t.rule.name()));
         }
-        config.hidden_tap |= opts.topk_recompute.is_some();
+        config.hidden_tap |= opts.research.topk_recompute.is_some();
         config.attention_tap |= opts
             .token_recompute
             .is_some_and(|t| t.rule == SelectRule::Attention);
@@ -381,7 +382,7 @@ impl Session {
             self.ensure_loaded(self.home)?;
             let old = self.current;
             self.current = self.home;
-            if !self.opts.keep_source
+            if !self.opts.research.keep_source
                 && let Some(live) = self.rungs[old].take()
             {
                 self.retire(old, live);
@@ -422,7 +423,7 @@ impl Session {
         self.current = index;
         self.live().ctx.clear();
         if old != index
-            && !self.opts.keep_source
+            && !self.opts.research.keep_source
             && let Some(live) = self.rungs[old].take()
         {
             self.retire(old, live);
@@ -577,7 +578,7 @@ impl Session {
     /// With top-k recompute on, makes `ctx` (rung `index`'s) keep the boundary hidden states
     /// that the hidden maps out of `index` read: one source layer per route that has a map.
     fn arm_hidden_tap(&mut self, index: usize, ctx: &mut crate::engine::Context) {
-        let Some(k) = self.opts.topk_recompute else {
+        let Some(k) = self.opts.research.topk_recompute else {
             return;
         };
         let mut layers: Vec<usize> = (0..self.ladder.rungs.len())
@@ -1021,7 +1022,10 @@ impl Session {
         sink: &mut dyn FnMut(&Event),
     ) -> Result<Between, SessionError> {
         if let Some((at, to)) = opts.force_switch
-            && (i == at || (i > at && (self.opts.forced_up_waits || self.opts.forced_down_waits)))
+            && (i == at
+                || (i > at
+                    && (self.opts.research.forced_up_waits
+                        || self.opts.research.forced_down_waits)))
             && !self.force_taken
             && to < self.rungs.len()
         {
@@ -1030,9 +1034,9 @@ impl Session {
             // read meanwhile, as it is not at the forced token itself), and is given up if that
             // load fails.
             let waits = if to > self.current {
-                self.opts.forced_down_waits
+                self.opts.research.forced_down_waits
             } else {
-                self.opts.forced_up_waits
+                self.opts.research.forced_up_waits
             };
             let ready = if to == self.current {
                 None

@@ -71,13 +71,6 @@ pub struct SessionOptions {
     pub projector_dirs: Vec<PathBuf>,
     /// Hysteresis and shedding granularity.
     pub policy: Policy,
-    /// Keep the source rung loaded after a switch (benchmarks that want both warm); by default
-    /// it is freed, which is the point of moving.
-    pub keep_source: bool,
-    /// Also decode the switch token on the source, to measure the handoff divergence (JSD of
-    /// the two next-token distributions). Costs one extra source decode, outside the switch
-    /// cost.
-    pub measure_seam: bool,
     /// Leading tokens shedding never drops. `None`: the chat template's system prompt for
     /// chat prompts, nothing for raw text.
     pub pinned_tokens: Option<usize>,
@@ -86,19 +79,6 @@ pub struct SessionOptions {
     /// prompt has gone through them). Turn off when several sessions share one process: the
     /// operating system's numbers cannot tell their allocations apart.
     pub observe_footprint: bool,
-    /// Selective top-k recompute: at a Molt switch, compute the destination's last `k` blocks'
-    /// K/V natively from the source's mapped boundary hidden state instead of projecting them.
-    /// Off (`None`) by default: it needs a fitted hidden map per route
-    /// (`molt-run train-projectors --topk`), keeps every position's boundary state in host
-    /// memory (n_embd floats per tapped layer and token), and its extra switch cost has to be
-    /// earned by a smoother seam (the conditions benchmark's `D-topk*` arms measure it).
-    pub topk_recompute: Option<usize>,
-    /// Tail recompute: at a Molt switch, drop the projected cells of the last `n` history
-    /// tokens and let the destination re-read them natively (one batch with the pending
-    /// token), so the positions the next token leans on most are the destination's own. 0
-    /// (off) by default; each token re-read costs what a prefill token costs on the
-    /// destination (the conditions benchmark's `D-tail*` arms weigh it against the seam).
-    pub tail_recompute: usize,
     /// Head re-read: at a Molt switch, the history's first `n` positions get the
     /// destination's own K/V instead of projected ones. The prefix carries the attention sink
     /// (most of every head's attention mass) and, in a chat, the chat template's opening (and
@@ -183,12 +163,6 @@ pub struct SessionOptions {
     /// answer goes on on the current rung, and switch at the first token after the load
     /// finished. On by default; off, the switch up loads its destination on the spot.
     pub prepare_up: bool,
-    /// A forced switch up ([`GenerateOptions::force_switch`]) is prepared as the policy's is:
-    /// it waits, tokens on the source, for its destination's background load (with
-    /// [`SessionOptions::prepare_up`]). Off by default: a forced switch happens at its token,
-    /// which the benchmarks that switch at chosen points (recall, conditions) rely on;
-    /// `bench --stall` turns it on to measure the switch up as the policy takes it.
-    pub forced_up_waits: bool,
     /// Prepare a switch down ahead while the budget falls ([`super::shadow`]): when, at the
     /// slope of the last readings, the budget would fall below the current rung's footprint
     /// within [`SessionOptions::shadow_horizon`], the conversation is carried onto the rung
@@ -209,15 +183,52 @@ pub struct SessionOptions {
     /// (`None`, the library's default: kept in the process only; the CLI passes the per-user
     /// file, [`crate::session::pace::default_pace_file`]).
     pub pace_file: Option<std::path::PathBuf>,
+    /// Switches for benchmarks and ablations, not for products ([`Research`]): the defaults
+    /// are what Molt ships.
+    pub research: Research,
+    /// How each rung's micro-batch and CPU repack are chosen when it loads ([`crate::speed`]):
+    /// by default no measurement (every rung at the context configuration's micro-batch,
+    /// repack off) and repack forced when `MOLT_REPACK` is set.
+    pub speed: crate::speed::SpeedPolicy,
+}
+
+/// The experiment knobs of a session, kept apart from what an application chooses: each makes a
+/// switch do or measure something a benchmark compares (the conditions, stall and recall
+/// benchmarks set them; `molt-run generate` exposes the recompute ones as flags). The defaults
+/// are Molt's shipped behaviour.
+#[derive(Debug, Clone, Default)]
+pub struct Research {
+    /// Keep the source rung loaded after a switch (benchmarks that want both warm); by default
+    /// it is freed, which is the point of moving.
+    pub keep_source: bool,
+    /// Also decode the switch token on the source, to measure the handoff divergence (JSD of
+    /// the two next-token distributions). Costs one extra source decode, outside the switch
+    /// cost.
+    pub measure_seam: bool,
+    /// Selective top-k recompute: at a Molt switch, compute the destination's last `k` blocks'
+    /// K/V natively from the source's mapped boundary hidden state instead of projecting them.
+    /// Off (`None`) by default: it needs a fitted hidden map per route
+    /// (`molt-run train-projectors --topk`), keeps every position's boundary state in host
+    /// memory (n_embd floats per tapped layer and token), and its extra switch cost has to be
+    /// earned by a smoother seam (the conditions benchmark's `D-topk*` arms measure it).
+    pub topk_recompute: Option<usize>,
+    /// Tail recompute: at a Molt switch, drop the projected cells of the last `n` history
+    /// tokens and let the destination re-read them natively (one batch with the pending
+    /// token), so the positions the next token leans on most are the destination's own. 0
+    /// (off) by default; each token re-read costs what a prefill token costs on the
+    /// destination (the conditions benchmark's `D-tail*` arms weigh it against the seam).
+    pub tail_recompute: usize,
+    /// A forced switch up ([`GenerateOptions::force_switch`]) is prepared as the policy's is:
+    /// it waits, tokens on the source, for its destination's background load (with
+    /// [`SessionOptions::prepare_up`]). Off by default: a forced switch happens at its token,
+    /// which the benchmarks that switch at chosen points (recall, conditions) rely on;
+    /// `bench --stall` turns it on to measure the switch up as the policy takes it.
+    pub forced_up_waits: bool,
     /// A forced switch down ([`GenerateOptions::force_switch`]) is prepared as a shadow, the
     /// decision known ahead: it waits, tokens on the source, until its destination is carried
     /// and caught up (with [`SessionOptions::prepare_down`]). Off by default; `bench --stall`
     /// turns it on to measure the switch down a falling budget warns of.
     pub forced_down_waits: bool,
-    /// How each rung's micro-batch and CPU repack are chosen when it loads ([`crate::speed`]):
-    /// by default no measurement (every rung at the context configuration's micro-batch,
-    /// repack off) and repack forced when `MOLT_REPACK` is set.
-    pub speed: crate::speed::SpeedPolicy,
 }
 
 /// The head re-read of a default Molt switch: ChatML's opening (`<|im_start|>user\n`, three
@@ -290,12 +301,8 @@ impl Default for SessionOptions {
             variant: Variant::Auto,
             projector_dirs: routes::search_dirs(None),
             policy: Policy::default(),
-            keep_source: false,
-            measure_seam: false,
             pinned_tokens: None,
             observe_footprint: true,
-            topk_recompute: None,
-            tail_recompute: 0,
             head_reread: DEFAULT_HEAD_REREAD,
             head_later: true,
             refill_chunk: DEFAULT_REFILL_CHUNK,
@@ -308,12 +315,11 @@ impl Default for SessionOptions {
             standby: true,
             standby_hot: true,
             prepare_up: true,
-            forced_up_waits: false,
             prepare_down: true,
             shadow_horizon: Duration::from_secs(30),
             shadow_early: Duration::from_secs(5),
             pace_file: None,
-            forced_down_waits: false,
+            research: Research::default(),
             speed: crate::speed::SpeedPolicy::from_env(),
         }
     }

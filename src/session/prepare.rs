@@ -384,10 +384,10 @@ impl Session {
     /// What to hand the loading thread so that it carries the conversation onto rung `to`, or
     /// `None` when the switch must be carried at the token (see the module docs).
     fn carry_for(&mut self, to: usize) -> Option<Carry> {
-        if self.opts.keep_source
-            || self.opts.measure_seam
-            || self.opts.topk_recompute.is_some()
-            || self.opts.tail_recompute > 0
+        if self.opts.research.keep_source
+            || self.opts.research.measure_seam
+            || self.opts.research.topk_recompute.is_some()
+            || self.opts.research.tail_recompute > 0
             || self.opts.strategy == super::Strategy::Never
         {
             return None;

@@ -15,7 +15,7 @@
 //! takes to reach the newest token within [`refill_within`](super::SessionOptions::refill_within)
 //! tokens (that rule stays the pace's ceiling). Unpaced, the answer crawled behind a size switch
 //! at ~1,200 tokens: nine tokens ~1.1 s apart on tier2, whose own gap is ~25 ms
-//! (`results/switch_stall.json`, 2026-12-07); paced, the same re-read is spread over more tokens
+//! (`results/switch_stall.json`); paced, the same re-read is spread over more tokens
 //! that each wait at most ~3 gaps, and what an answer ends before is read at its end
 //! ([`Session::fill_holes`]).
 //!

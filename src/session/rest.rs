@@ -230,7 +230,7 @@ impl Session {
         // The rung left is let go first, as the answer-start move does: the budget was asked
         // for the destination with the conversation, not for both rungs.
         self.current = to;
-        if !self.opts.keep_source
+        if !self.opts.research.keep_source
             && let Some(old) = self.rungs[from].take()
         {
             self.retire(from, old);

@@ -255,7 +255,7 @@ impl StandbyRung {
     /// Puts a loaded rung on standby hot: its cache cleared, every weight page mapped (what
     /// its warm-up did not touch is mapped now) and counted in `rss_bytes`. A switch down onto
     /// it then maps nothing: that took 35-85 ms of a switch's gap on the real ladder, on the
-    /// cores the first token needs (`results/switch_stall.json`, 2026-12-07).
+    /// cores the first token needs (`results/switch_stall.json`).
     pub fn from_live_hot(mut live: LiveRung) -> Self {
         live.ctx.clear();
         populate(&live.info.path);

@@ -136,7 +136,7 @@ pub(crate) fn reread<'a>(
     spans: &'a [Span<'a>],
 ) -> migrate::Reread<'a> {
     let avail = n_past.min(history.len());
-    let n = opts.tail_recompute.min(avail);
+    let n = opts.research.tail_recompute.min(avail);
     let h = opts.head_reread.min(avail);
     migrate::Reread {
         head: &history[..h],
@@ -168,7 +168,7 @@ pub fn recompute_ranges(
     }
     let avail = n_past.min(history.len());
     let lo = opts.head_reread.min(avail);
-    let hi = avail - opts.tail_recompute.min(avail);
+    let hi = avail - opts.research.tail_recompute.min(avail);
     let scores = observed.unwrap_or(&[]);
     // The question (the observation window at the prompt's end) and the answer so far.
     let prompt_end = if scores.is_empty() { hi } else { scores.len() };
@@ -196,7 +196,7 @@ pub fn reads_sparse(
     let Some(setting) = opts.token_recompute else {
         return false;
     };
-    let tail = opts.tail_recompute.min(n_past);
+    let tail = opts.research.tail_recompute.min(n_past);
     let Some(last) = ranges.last() else {
         return false;
     };
@@ -209,7 +209,7 @@ pub fn reads_sparse(
     };
     // Top-k recompute refines a projection: asking for it asks for one.
     setting.rest == Rest::LeftOut
-        && opts.topk_recompute.is_none()
+        && opts.research.topk_recompute.is_none()
         && kind == RouteKind::Size
         && observed
         && last.end == n_past - tail
@@ -393,7 +393,7 @@ impl Session {
         to: usize,
         src: &crate::engine::Context,
     ) -> Result<Option<TopkInputs>, String> {
-        let Some(k) = self.opts.topk_recompute else {
+        let Some(k) = self.opts.research.topk_recompute else {
             return Ok(None);
         };
         let map = self
@@ -445,8 +445,8 @@ impl Session {
         let no_room_up = to < from && budget.is_some_and(|b| both > b.bytes);
         let shed_first = (to > from || no_room_up)
             && self.rungs[to].is_none()
-            && !self.opts.keep_source
-            && !self.opts.measure_seam;
+            && !self.opts.research.keep_source
+            && !self.opts.research.measure_seam;
         let SwitchOutcome {
             from_name,
             timings,
@@ -592,7 +592,7 @@ impl Session {
         // token after the switch is not shown while the source still holds memory the budget
         // no longer has, and its freeing overlaps the decode. A catch-up that fails then
         // re-reads the whole history, as when a shadow's source went first.
-        let freed_early = source_live && to > from && !self.opts.keep_source;
+        let freed_early = source_live && to > from && !self.opts.research.keep_source;
         if freed_early && let Some(src) = self.rungs[from].take() {
             self.reap_rungs(vec![src]);
         }
@@ -667,7 +667,7 @@ impl Session {
             spans: c.ranges,
             load_parts: None,
             from_standby: false,
-            retired: src.filter(|_| !self.opts.keep_source),
+            retired: src.filter(|_| !self.opts.research.keep_source),
         }))
     }
 
@@ -772,7 +772,7 @@ impl Session {
                 return Err(e);
             }
         };
-        let seam = if self.opts.measure_seam && src.ctx.decode(&[last]).is_ok() {
+        let seam = if self.opts.research.measure_seam && src.ctx.decode(&[last]).is_ok() {
             let reference = src.ctx.logits();
             let jsd = jsd(reference, dst.ctx.logits());
             // A re-prefill switch is its own floor.
@@ -789,7 +789,7 @@ impl Session {
         let from_name = src.name().to_string();
         self.rungs[to] = Some(dst);
         self.hurried = hurried;
-        let retired = if self.opts.keep_source {
+        let retired = if self.opts.research.keep_source {
             src.ctx.clear();
             self.rungs[from] = Some(src);
             None

@@ -235,10 +235,10 @@ impl TokenRecompute {
     /// question is re-read and at least 64 positions (a short context's fact sentence is as
     /// long as a long one's), and the question always. The recall benchmark's frontier point
     /// (`results/recall.json`, arm `sent-r10-m64`): the position unit with eight followers
-    /// (`attn-r05-f8`, the earlier default) lost values that stand before the words the
+    /// (`attn-r05-f8`) lost values that stand before the words the
     /// question names ("port 7319 for the gateway"), and a share alone re-read too little of
     /// a 256-token context; at 1,024 tokens and more the floor is below the share. Nothing
-    /// else is projected ([`Rest::LeftOut`], since 2026-12-07): with the rest projected the
+    /// else is projected ([`Rest::LeftOut`]): with the rest projected the
     /// default recalled 16/24 facts at ~1,800 tokens before answer token 1 and 6/24
     /// mid-answer, against the native destination's 21 and 10; read sparsely, 22 and 16 at
     /// 11-13% of a re-prefill's cost (arm `sparse-r10-m64`).

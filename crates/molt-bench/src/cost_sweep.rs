@@ -259,8 +259,11 @@ pub fn run(
                 }
                 let session_opts = SessionOptions {
                     head_reread: head,
-                    tail_recompute: 0,
                     token_recompute: recompute,
+                    research: molt::session::Research {
+                        tail_recompute: 0,
+                        ..molt::session::Research::default()
+                    },
                     ..SessionOptions::default()
                 };
                 let (mut rc_ms, mut rc_n) = (Vec::new(), Vec::new());

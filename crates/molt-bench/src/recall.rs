@@ -199,21 +199,20 @@ pub enum ArmMethod {
         recompute: Option<TokenRecompute>,
         /// Refill: history positions the destination re-reads natively in place, in the batch
         /// of every answer token, until the newest (0: off), as
-        /// [`SessionOptions::refill_chunk`]. (Runs before 2026-12-06 re-read in a context of
-        /// its own that took over the live cache once caught up: the same cache at the end.)
+        /// [`SessionOptions::refill_chunk`].
         #[serde(default)]
         refill: usize,
         /// The refill's deadline in tokens, as [`SessionOptions::refill_within`] (0: none, a
-        /// fixed chunk; runs before 2026-12-06's second session had none).
+        /// fixed chunk).
         #[serde(default)]
         refill_within: usize,
         /// The refill's pace, as [`SessionOptions::refill_pace`] (0: unpaced, the chunk and
-        /// deadline alone; every run before 2026-12-07's second session).
+        /// deadline alone).
         #[serde(default, skip_serializing_if = "is_unpaced")]
         refill_pace: f64,
         /// A hurried sparse read, as [`SessionOptions::hurry`]: the newest positions read
         /// before the first token, the rest of the chosen ones after it (0: the whole read
-        /// before; every run before 2026-12-07's third session).
+        /// before).
         #[serde(default, skip_serializing_if = "super::is_zero_count")]
         hurry: usize,
         /// What happens to the positions the switch does not re-read
@@ -339,7 +338,7 @@ impl Arm {
                 uncovered == Uncovered::Projected
                     && hurry == if r.is_some() { d.hurry } else { 0 }
                     && head == d.head_reread
-                    && tail == d.tail_recompute
+                    && tail == d.research.tail_recompute
                     && r == recompute
                     && refill == refill_chunk
                     && (refill == 0 || (refill_within == within && refill_pace == pace))
@@ -379,7 +378,7 @@ pub fn default_arms(names: &[String]) -> Vec<Arm> {
         rule: SelectRule::Random,
         ..TokenRecompute::attention(r)
     };
-    // The default's choice with the rest projected (the default until 2026-12-07).
+    // The default's choice with the rest projected (`--switch-rest projected`).
     let projected_rest = TokenRecompute {
         rest: Rest::Projected,
         ..TokenRecompute::default_size()
@@ -457,10 +456,9 @@ pub fn default_arms(names: &[String]) -> Vec<Arm> {
             (256, 0),
         ),
         // The refill with a deadline: 64 per token, or what reaches the newest token within 8.
-        // A choice covering half the cache re-reads all of it (`whole_from`; since 2026-12-06's
-        // third session: it covers 21-25% at ~512 tokens and less beyond, so only ~256-token
-        // items can differ, and those were measured again). The session's default until
-        // 2026-12-07, when the sparse read below replaced the projection of the rest.
+        // A choice covering half the cache re-reads all of it (`whole_from`: it covers 21-25%
+        // at ~512 tokens and less beyond, so only ~256-token items can differ), the rest
+        // projected (`--switch-rest projected`).
         Arm::refilled(
             "sent-r10-m64+refill64-w8",
             h,
@@ -483,7 +481,7 @@ pub fn default_arms(names: &[String]) -> Vec<Arm> {
         .leaving(Uncovered::Forgotten, "sent-r10-m64-evict+refill64-w8"),
         Arm::transplant("sent-r10-m64", h, 0, Some(sent_floor(0.10, 64)))
             .leaving(Uncovered::Forgotten, "sent-r10-m64-evict"),
-        // No projection at all (`Rest::LeftOut`, the session's default since 2026-12-07): the
+        // No projection at all (`Rest::LeftOut`, the session's default): the
         // destination reads what the projected default would re-read (the sentences the
         // question looks at, the question) natively at their own positions, the rest left out
         // until the refill reads it.
@@ -495,7 +493,7 @@ pub fn default_arms(names: &[String]) -> Vec<Arm> {
             (64, 8),
         ),
         // The same, its refill paced to three of the destination's own gaps a token (the
-        // session's default since 2026-12-07's second session).
+        // session's default).
         Arm::refilled(
             "sparse-r10-m64+refill64-w8",
             h,
@@ -1076,8 +1074,11 @@ pub fn run(
                             // positions before the first token, the rest after it).
                             let as_session = SessionOptions {
                                 head_reread: h,
-                                tail_recompute: tl,
                                 token_recompute: recompute,
+                                research: molt::session::Research {
+                                    tail_recompute: tl,
+                                    ..molt::session::Research::default()
+                                },
                                 ..SessionOptions::default()
                             };
                             let sparse = molt::session::reads_sparse(

@@ -451,8 +451,6 @@ fn chain(
         standby: setup != Setup::Before,
         prepare_up: setup != Setup::Before,
         prepare_down: setup != Setup::Before,
-        forced_up_waits: setup != Setup::Before,
-        forced_down_waits: setup == Setup::Warned,
         // A cold page cache is what memory pressure leaves behind, and pressure cools the
         // standby rungs first (their pages released, the rung kept): a hot rung's pages are
         // mapped, cannot be dropped, and its cold row would measure a warm switch.
@@ -462,6 +460,11 @@ fn chain(
             SessionOptions::default().projector_dirs
         } else {
             opts.projector_dirs.clone()
+        },
+        research: molt::session::Research {
+            forced_up_waits: setup != Setup::Before,
+            forced_down_waits: setup == Setup::Warned,
+            ..molt::session::Research::default()
         },
         ..SessionOptions::default()
     };

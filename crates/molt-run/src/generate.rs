@@ -205,14 +205,17 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         projector_dirs: routes::search_dirs(a.projectors.as_deref()),
         speed: g.speed_policy(&ladder, &routes::search_dirs(a.projectors.as_deref())),
         pace_file: molt::session::pace::default_pace_file(),
-        topk_recompute: a.topk_recompute,
-        tail_recompute: a.tail_recompute,
         head_reread: a.head_reread,
         refill_chunk: a.refill.chunk,
         refill_within: a.refill.within,
         refill_pace: a.refill.pace,
         hurry: a.refill.hurry,
         token_recompute: token_recompute(a)?,
+        research: molt::session::Research {
+            topk_recompute: a.topk_recompute,
+            tail_recompute: a.tail_recompute,
+            ..molt::session::Research::default()
+        },
         ..SessionOptions::default()
     };
     let mut session = Session::with_options(ladder, config, &start, opts)?;

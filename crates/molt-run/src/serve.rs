@@ -64,7 +64,7 @@ pub struct Args {
     // The library's `molt_server::DEFAULT_PARALLEL`.
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub parallel: u16,
-    /// Answer one request at a time on the session (the loop batching replaced; it keeps and
+    /// Answer one request at a time on the session loop (the one `chat` and `generate` run; it keeps and
     /// hibernates conversations, parks and honours the park deadline). Same as --parallel 1.
     #[arg(long, conflicts_with = "parallel")]
     pub serial: bool,
@@ -217,12 +217,15 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
             projector_dirs: routes::search_dirs(a.projectors.as_deref()),
             speed: g.speed_policy(&ladder, &routes::search_dirs(a.projectors.as_deref())),
             pace_file: molt::session::pace::default_pace_file(),
-            measure_seam: a.measure_seam,
             refill_chunk: a.refill.chunk,
             refill_within: a.refill.within,
             refill_pace: a.refill.pace,
             hurry: a.refill.hurry,
             park_deadline: (a.park_deadline_s > 0).then(|| Duration::from_secs(a.park_deadline_s)),
+            research: molt::session::Research {
+                measure_seam: a.measure_seam,
+                ..molt::session::Research::default()
+            },
             ..SessionOptions::default()
         },
         start_rung: a.rung.clone(),

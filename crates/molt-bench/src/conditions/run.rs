@@ -278,16 +278,19 @@ fn generate_once(setup: &Setup<'_>, spec: &RunSpec<'_>) -> Result<Outcome, Bench
         // Only the projectors installed below: never a silent fallback to other files.
         projector_dirs: Vec::new(),
         policy: Policy::default(),
-        keep_source: quality,
-        measure_seam: quality,
         // The trace and every arm decide on the costs measured up front
         // (`pin_context_bytes`); the process's live numbers would also count the benchmark's
         // own buffers and make arms differ by bookkeeping.
         observe_footprint: false,
-        topk_recompute: arm.topk,
-        tail_recompute: arm.tail,
         head_reread: arm.head,
         refill_chunk: arm.refill,
+        research: molt::session::Research {
+            keep_source: quality,
+            measure_seam: quality,
+            topk_recompute: arm.topk,
+            tail_recompute: arm.tail,
+            ..molt::session::Research::default()
+        },
         ..SessionOptions::default()
     };
     let mut session = Session::with_options(ladder.clone(), cfg, ladder.rungs[start].name(), opts)?;
