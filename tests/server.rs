@@ -886,7 +886,7 @@ async fn oversized_and_stalled_bodies_and_unknown_models_are_refused() {
     let addr = srv.addr;
     let head = |len: u64| {
         format!(
-            "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {len}\r\n\r\n"
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {len}\r\n\r\n"
         )
     };
     // Nothing of the announced terabyte is sent: the answer must come from the header alone.
@@ -1180,4 +1180,230 @@ async fn a_park_releases_the_weights_and_resumes_on_its_rung() {
         "{summary}"
     );
     srv.shutdown().await;
+}
+
+/// One request with its whole head given (`{host}` in it is replaced by the server's address);
+/// `(status, body as JSON or Null)`.
+async fn raw_json(addr: SocketAddr, head: &str, body: &[u8]) -> (u16, Value) {
+    let head = head.replace("{host}", &addr.to_string());
+    let (status, text) = raw_request(addr, &head, body).await;
+    (status, serde_json::from_str(&text).unwrap_or(Value::Null))
+}
+
+/// A POST of `body` to `path` with extra header lines (each ending in `\r\n`).
+async fn post_with(addr: SocketAddr, path: &str, extra: &str, body: &str) -> (u16, Value) {
+    raw_json(
+        addr,
+        &format!(
+            "POST {path} HTTP/1.1\r\nHost: {{host}}\r\nConnection: close\r\n{extra}Content-Length: {}\r\n\r\n",
+            body.len()
+        ),
+        body.as_bytes(),
+    )
+    .await
+}
+
+/// A GET of `path` with the given Host and extra header lines.
+async fn get_with(addr: SocketAddr, path: &str, host: &str, extra: &str) -> (u16, Value) {
+    raw_json(
+        addr,
+        &format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n{extra}\r\n"),
+        b"",
+    )
+    .await
+}
+
+/// Issue 49, hole 1: a web page cannot drive an open server. A browser's cross-origin POST
+/// (`text/plain`, no preflight) to the budget is refused (403) and changes nothing; a POST body
+/// that is not `application/json` is a 415; a `Host` that is not this server (DNS rebinding)
+/// is a 403 on every route, the page included, unless a key is set; the page's own origin,
+/// loopback names and addresses, and an `--allow-host` name still work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue_49_cross_site_and_rebinding_requests_are_refused() {
+    let _serial = serial().await;
+    let srv = start(|c| c.allowed_hosts = vec!["proxy.example".into()]).await;
+    let addr = srv.addr;
+    let port = addr.port();
+    let json_ct = "Content-Type: application/json\r\n";
+    let refused = |(status, v): (u16, Value), code: &str, needle: &str| {
+        assert_eq!(status, 403, "{v}");
+        assert_eq!(v["error"]["code"], code, "{v}");
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(needle), "{msg:?} should name {needle:?}");
+    };
+    // The probe of the issue: another site's page posts a budget as text/plain.
+    let r = post_with(
+        addr,
+        "/v1/molt/budget",
+        "Origin: http://evil.example\r\nContent-Type: text/plain\r\n",
+        r#"{"mib": 700}"#,
+    )
+    .await;
+    refused(r, "origin_not_allowed", "evil.example");
+    // The same with a JSON type, and with the browser's own word for it.
+    let r = post_with(
+        addr,
+        "/v1/molt/budget",
+        &format!("Origin: http://evil.example\r\n{json_ct}"),
+        r#"{"mib": 700}"#,
+    )
+    .await;
+    refused(r, "origin_not_allowed", "another origin");
+    let r = post_with(
+        addr,
+        "/v1/chat/completions",
+        &format!("Sec-Fetch-Site: cross-site\r\n{json_ct}"),
+        &chat(2, false).to_string(),
+    )
+    .await;
+    refused(r, "origin_not_allowed", "cross-site");
+    refused(
+        post_with(
+            addr,
+            "/v1/molt/budget",
+            &format!("Origin: null\r\n{json_ct}"),
+            r#"{"mib": 700}"#,
+        )
+        .await,
+        "origin_not_allowed",
+        "null",
+    );
+    // Another port of the same host is another origin.
+    refused(
+        get_with(
+            addr,
+            "/v1/molt/status",
+            &addr.to_string(),
+            &format!("Origin: http://127.0.0.1:{}\r\n", port.wrapping_add(1)),
+        )
+        .await,
+        "origin_not_allowed",
+        "another origin",
+    );
+    // Not JSON: 415 whatever the origin, before the body is read.
+    for ct in [
+        "Content-Type: text/plain\r\n",
+        "",
+        "Content-Type: application/x-www-form-urlencoded\r\n",
+    ] {
+        let (status, v) = post_with(addr, "/v1/molt/budget", ct, r#"{"mib": 700}"#).await;
+        assert_eq!(status, 415, "{ct:?}: {v}");
+        assert_eq!(v["error"]["code"], "unsupported_media_type", "{v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("application/json"),
+            "{v}"
+        );
+    }
+    let (status, v) = post_with(
+        addr,
+        "/v1/chat/completions",
+        "Content-Type: text/plain\r\n",
+        &chat(2, false).to_string(),
+    )
+    .await;
+    assert_eq!(status, 415, "{v}");
+    assert_eq!(
+        budget_mode(addr).await,
+        "unlimited",
+        "nothing changed the budget"
+    );
+
+    // DNS rebinding: the page's name, resolved to loopback, is in Host.
+    let rebound = format!("evil.example:{port}");
+    for path in ["/v1/molt/status", "/v1/models", "/"] {
+        refused(
+            get_with(addr, path, &rebound, "").await,
+            "host_not_allowed",
+            "evil.example",
+        );
+    }
+    refused(
+        raw_json(
+            addr,
+            &format!(
+                "POST /v1/molt/budget HTTP/1.1\r\nHost: {rebound}\r\nOrigin: http://{rebound}\r\nConnection: close\r\n{json_ct}Content-Length: 12\r\n\r\n"
+            ),
+            br#"{"mib": 700}"#,
+        )
+        .await,
+        "host_not_allowed",
+        "DNS rebinding",
+    );
+    // The right name on the wrong port is not this server either.
+    refused(
+        get_with(
+            addr,
+            "/v1/models",
+            &format!("localhost:{}", port.wrapping_add(1)),
+            "",
+        )
+        .await,
+        "host_not_allowed",
+        "localhost",
+    );
+    assert_eq!(budget_mode(addr).await, "unlimited");
+
+    // What must keep working: loopback names and addresses, the allowed name, the page's own
+    // origin (a POST from the page carries it), and programs that send neither header.
+    for host in [
+        addr.to_string(),
+        format!("localhost:{port}"),
+        format!("LocalHost.:{port}"),
+        format!("[::1]:{port}"),
+        format!("127.0.0.2:{port}"),
+        "proxy.example".to_string(),
+        "proxy.example:443".to_string(),
+    ] {
+        let (status, v) = get_with(addr, "/v1/models", &host, "").await;
+        assert_eq!(status, 200, "{host}: {v}");
+    }
+    let (status, text) = raw_request(
+        addr,
+        &format!("GET / HTTP/1.1\r\nHost: localhost:{port}\r\nSec-Fetch-Site: none\r\nConnection: close\r\n\r\n"),
+        b"",
+    )
+    .await;
+    assert_eq!(status, 200, "{text}");
+    let (status, v) = post_with(
+        addr,
+        "/v1/molt/budget",
+        &format!(
+            "Origin: http://{addr}\r\nSec-Fetch-Site: same-origin\r\nContent-Type: application/json; charset=utf-8\r\n"
+        ),
+        r#"{"mib": 700}"#,
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["mode"], "fixed");
+    set_budget(addr, json!({"unlimited": true})).await;
+    srv.shutdown().await;
+
+    // With a key a rebound page has nothing to send: the Host is not checked (a proxy in front
+    // may send any), the origin still is.
+    let key = molt::server::ApiKey::new("sk-issue-49").unwrap();
+    let srv = start(|c| c.api_key = Some(key)).await;
+    let auth = "Authorization: Bearer sk-issue-49\r\n";
+    let (status, v) = get_with(srv.addr, "/v1/models", "evil.example", auth).await;
+    assert_eq!(status, 200, "{v}");
+    let (status, v) = get_with(srv.addr, "/v1/models", "evil.example", "").await;
+    assert_eq!(status, 401, "{v}");
+    refused(
+        get_with(
+            srv.addr,
+            "/v1/molt/status",
+            &srv.addr.to_string(),
+            &format!("{auth}Origin: http://evil.example\r\n"),
+        )
+        .await,
+        "origin_not_allowed",
+        "evil.example",
+    );
+    srv.shutdown().await;
+}
+
+async fn budget_mode(addr: SocketAddr) -> Value {
+    status(addr).await["budget"]["mode"].clone()
 }

@@ -27,6 +27,7 @@ pub mod completions;
 mod control;
 pub mod conversations;
 mod error;
+mod guard;
 mod limits;
 pub mod openai;
 mod record;
@@ -76,6 +77,9 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// How long a request body may take to arrive in full before the request fails with 408.
     pub body_timeout: Duration,
+    /// Further names a request's `Host` may give when no key is set (besides `localhost`,
+    /// loopback addresses and the bound address), on any port: a reverse proxy's name.
+    pub allowed_hosts: Vec<String>,
     /// The budget at start (the body `POST /v1/molt/budget` takes).
     pub budget: BudgetRequest,
     /// Where trace names are looked up.
@@ -137,6 +141,7 @@ impl Default for ServerConfig {
             default_max_tokens: 256,
             max_body_bytes: 4 << 20,
             body_timeout: Duration::from_secs(30),
+            allowed_hosts: Vec::new(),
             budget: BudgetRequest {
                 unlimited: Some(true),
                 ..BudgetRequest::default()
@@ -194,6 +199,7 @@ pub struct Server {
     max_body_bytes: usize,
     body_timeout: Duration,
     api_key: Option<ApiKey>,
+    allowed_hosts: Vec<String>,
     engine: std::thread::JoinHandle<()>,
 }
 
@@ -348,6 +354,7 @@ impl Server {
             max_body_bytes: config.max_body_bytes,
             body_timeout: config.body_timeout,
             api_key: config.api_key,
+            allowed_hosts: config.allowed_hosts,
             engine,
         })
     }
@@ -374,6 +381,11 @@ impl Server {
     /// (its client gets the summary so far), tells queued clients the server is going away,
     /// and waits for the engine thread.
     ///
+    /// In front of the routes, outermost first: without a key, a `Host` that is not this
+    /// server's address is refused (403, every route); on the API, a browser's request from
+    /// another origin (403), a missing or wrong key (401), a POST body that is not JSON (415),
+    /// too large (413) or too slow (408).
+    ///
     /// # Errors
     /// [`ServerError::Serve`] when the listener fails.
     pub async fn serve(
@@ -388,12 +400,19 @@ impl Server {
             self.body_timeout,
             Arc::clone(&shared),
         );
-        // Outermost: a client without the key gets nothing read, not even its body.
+        // A client without the key gets nothing read, not even its body.
+        let keyed = self.api_key.is_some();
         if let Some(key) = self.api_key {
             app = auth::protect(app, key);
         }
+        // Outside the key check: a page of another site is refused whether or not it has a key.
+        app = guard::origins(app);
         // Outside the key check: the page must load for the user to type the key it sends.
         app = app.merge(web::router());
+        // Outermost, the web page included: a rebound name reaches nothing of an open server.
+        if !keyed {
+            app = guard::hosts(app, guard::HostPolicy::new(self.addr, &self.allowed_hosts));
+        }
         let stop = {
             let shared = Arc::clone(&shared);
             async move {

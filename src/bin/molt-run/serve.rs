@@ -32,6 +32,11 @@ pub struct Args {
     /// the service.
     #[arg(long)]
     pub insecure_no_auth: bool,
+    /// Without a key, also answer requests whose Host is NAME (any port), e.g. a reverse
+    /// proxy's name; repeatable. By default only localhost, loopback addresses and the --host
+    /// address on --port are answered, which keeps web pages out through DNS rebinding.
+    #[arg(long = "allow-host", value_name = "NAME")]
+    pub allow_host: Vec<String>,
     /// Rung to start on and never exceed (default: the largest).
     #[arg(long)]
     pub rung: Option<String>,
@@ -234,6 +239,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         record: a.record.clone(),
         api_key,
         insecure_no_auth: a.insecure_no_auth,
+        allowed_hosts: a.allow_host.clone(),
         token_pace: (a.pace_ms > 0).then(|| Duration::from_millis(a.pace_ms)),
         state_dir: Some(state_dir),
         state_max_mib: a.state_max_mib,
