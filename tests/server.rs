@@ -1407,3 +1407,102 @@ async fn issue_49_cross_site_and_rebinding_requests_are_refused() {
 async fn budget_mode(addr: SocketAddr) -> Value {
     status(addr).await["budget"]["mode"].clone()
 }
+
+/// Issue 49, hole 2: conversations are private to their user. A state directory is created
+/// 0700 and its files 0600 whatever the umask (here 0000); one that others could read is made
+/// private; one that other users can write, or that is another user's, is refused by name —
+/// by the server at start as well.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue_49_state_files_are_private_and_an_open_state_dir_is_refused() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let _serial = serial().await;
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().mode() & 0o7777;
+    let file = || molt::state::StateFile {
+        meta: molt::state::StateMeta {
+            conversation: "c".into(),
+            rung: "big".into(),
+            rung_sha256: "a".repeat(64),
+            n_ctx: 64,
+            tokens: vec![1, 2],
+            pos_start: 0,
+            pending: None,
+            first_turn_len: 1,
+            pinned: 0,
+            messages: Vec::new(),
+            written_unix_ms: 0,
+        },
+        blob: vec![7; 64],
+    };
+    let d = tempfile::tempdir().unwrap();
+    // SAFETY: umask only swaps the process's file mode mask; restored below. The tests of
+    // this file run one at a time (serial), so no other test creates files meanwhile.
+    let old = unsafe { libc::umask(0) };
+    let made = (|| {
+        let state = d.path().join("new").join("state");
+        let dir = molt::state::StateDir::open(&state, 16)?;
+        dir.write("c", &file())
+            .map_err(|e| std::io::Error::other(e.to_string()))?;
+        let aside = state.join("aside");
+        molt::state::create_private_dir(&aside)?;
+        Ok::<_, Box<dyn std::error::Error>>((state, aside))
+    })();
+    // SAFETY: as above.
+    unsafe { libc::umask(old) };
+    let (state, aside) = made.unwrap();
+    assert_eq!(mode(&state), 0o700);
+    assert_eq!(mode(&d.path().join("new")), 0o700);
+    assert_eq!(mode(&aside), 0o700);
+    assert_eq!(mode(&state.join("c.molt-state")), 0o600);
+
+    // A directory an older build left readable by all, with a readable file in it.
+    let old_dir = d.path().join("old");
+    std::fs::create_dir(&old_dir).unwrap();
+    std::fs::set_permissions(&old_dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let f = old_dir.join("c.molt-state");
+    std::fs::write(&f, file().to_bytes().unwrap()).unwrap();
+    std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o644)).unwrap();
+    molt::state::StateDir::open(&old_dir, 16).unwrap();
+    assert_eq!((mode(&old_dir), mode(&f)), (0o700, 0o600));
+
+    // Writable by others: refused by name, and nothing in it is touched.
+    for open_mode in [0o777, 0o1777, 0o770] {
+        let shared = d.path().join(format!("shared-{open_mode:o}"));
+        std::fs::create_dir(&shared).unwrap();
+        std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(open_mode)).unwrap();
+        let e = molt::state::StateDir::open(&shared, 16)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(&shared.display().to_string()) && e.contains("other users"),
+            "{e}"
+        );
+        assert_eq!(mode(&shared), open_mode);
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        // Another user's directory, even one only they can write.
+        let theirs = d.path().join("theirs");
+        std::fs::create_dir(&theirs).unwrap();
+        std::fs::set_permissions(&theirs, std::fs::Permissions::from_mode(0o700)).unwrap();
+        std::os::unix::fs::chown(&theirs, Some(65534), Some(65534)).unwrap();
+        let e = molt::state::StateDir::open(&theirs, 16)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("belongs to user 65534"), "{e}");
+    }
+    // The server refuses to start on one.
+    let shared = d.path().join("shared-777");
+    let started = Server::start(
+        common::tiny_ladder().clone(),
+        ServerConfig {
+            addr: "127.0.0.1:0".parse().unwrap(),
+            state_dir: Some(shared.clone()),
+            ..ServerConfig::default()
+        },
+    )
+    .await;
+    let Err(e) = started else {
+        panic!("a state directory others can write must be refused")
+    };
+    assert!(e.to_string().contains(&shared.display().to_string()), "{e}");
+}
