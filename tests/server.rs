@@ -1506,3 +1506,133 @@ async fn issue_49_state_files_are_private_and_an_open_state_dir_is_refused() {
     };
     assert!(e.to_string().contains(&shared.display().to_string()), "{e}");
 }
+
+/// Reads from `s` until the server closes the connection (end of stream or reset), at most
+/// `limit`; how long that took, or `None` if it stayed open.
+async fn closed_within(s: &mut tokio::net::TcpStream, limit: Duration) -> Option<Duration> {
+    use tokio::io::AsyncReadExt;
+    let t = Instant::now();
+    let mut buf = [0u8; 4096];
+    loop {
+        match tokio::time::timeout(limit.saturating_sub(t.elapsed()), s.read(&mut buf)).await {
+            Err(_) => return None,
+            Ok(Ok(0) | Err(_)) => return Some(t.elapsed()),
+            Ok(Ok(_)) => {}
+        }
+    }
+}
+
+/// Issue 49, hole 3, with real slow TCP clients: a connection that sends nothing, one that
+/// trickles its header bytes, and an idle kept-alive connection are all closed at the header
+/// deadline (twenty at once as well); and past the connection cap a new client waits until a
+/// connection closes, then is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue_49_slow_headers_meet_a_deadline_and_open_connections_a_cap() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+    let _serial = serial().await;
+    let deadline = Duration::from_millis(1500);
+    let cap = 24;
+    let srv = start(|c| {
+        c.header_timeout = deadline;
+        c.max_connections = cap;
+    })
+    .await;
+    let addr = srv.addr;
+    // The cap's worth of clients that connect and send nothing (twenty and more at once).
+    let mut silent = Vec::new();
+    for _ in 0..cap {
+        silent.push(TcpStream::connect(addr).await.unwrap());
+    }
+    let opened = Instant::now();
+    // One more client, with a whole request: it waits for a connection to close.
+    let waiting = tokio::spawn(async move {
+        let t = Instant::now();
+        let r = client::request(addr, "GET", "/v1/models", None)
+            .await
+            .unwrap();
+        (r.status, t.elapsed())
+    });
+    let mut cut = Vec::new();
+    for mut s in silent {
+        cut.push(tokio::spawn(async move {
+            closed_within(&mut s, Duration::from_secs(8)).await
+        }));
+    }
+    for c in cut {
+        let after = c
+            .await
+            .unwrap()
+            .expect("a silent connection is closed at the deadline");
+        assert!(
+            after >= deadline - Duration::from_millis(300) && after < deadline * 3,
+            "a silent connection closed after {after:?} (deadline {deadline:?})"
+        );
+    }
+    let (status, waited) = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the waiting client is answered once connections close")
+        .unwrap();
+    assert_eq!(status, 200);
+    assert!(
+        waited >= deadline - Duration::from_millis(300),
+        "past the cap of {cap} a client must wait for a connection to close; it was answered after {waited:?}"
+    );
+    assert!(opened.elapsed() < Duration::from_secs(8));
+
+    // A client that trickles its header, a byte every 100 ms: cut at the deadline, not
+    // when it finishes (it would take over 5 s).
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "GET /v1/models HTTP/1.1\r\nHost: {addr}\r\nUser-Agent: trickle\r\nAccept: */*\r\n\r\n"
+    );
+    assert!(head.len() > 50);
+    let t = Instant::now();
+    let mut sent = 0;
+    let mut closed = None;
+    let mut buf = [0u8; 1024];
+    for b in head.bytes() {
+        if s.write_all(&[b]).await.is_err() {
+            closed = Some(t.elapsed());
+            break;
+        }
+        sent += 1;
+        match tokio::time::timeout(Duration::from_millis(100), s.read(&mut buf)).await {
+            Ok(Ok(0) | Err(_)) => {
+                closed = Some(t.elapsed());
+                break;
+            }
+            Ok(Ok(n)) => panic!(
+                "answered a trickled header: {:?}",
+                String::from_utf8_lossy(&buf[..n])
+            ),
+            Err(_) => {}
+        }
+    }
+    let closed = closed.expect("a trickling client is cut at the header deadline");
+    assert!(
+        sent < head.len() && closed < deadline * 3,
+        "cut after {closed:?}, {sent} of {} bytes sent",
+        head.len()
+    );
+
+    // A kept-alive connection, idle after its answer, is closed at the same deadline.
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(format!("GET /v1/models HTTP/1.1\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    while !String::from_utf8_lossy(&got).contains("\"object\":\"list\"") {
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .expect("an answer")
+            .unwrap();
+        assert!(n > 0, "closed before the answer");
+        got.extend_from_slice(&buf[..n]);
+    }
+    let idle = closed_within(&mut s, Duration::from_secs(8))
+        .await
+        .expect("an idle kept-alive connection is closed at the header deadline");
+    assert!(idle < deadline * 3, "{idle:?}");
+    srv.shutdown().await;
+}

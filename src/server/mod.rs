@@ -29,6 +29,7 @@ pub mod conversations;
 mod error;
 mod guard;
 mod limits;
+mod listen;
 pub mod openai;
 mod record;
 mod routes;
@@ -77,6 +78,12 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// How long a request body may take to arrive in full before the request fails with 408.
     pub body_timeout: Duration,
+    /// How long a request's headers may take to arrive, counted from when the server starts
+    /// waiting for them (the connection opened, or the previous answer on it ended); past it
+    /// the connection is closed.
+    pub header_timeout: Duration,
+    /// Connections served at once; while all are open, new ones wait to be accepted.
+    pub max_connections: usize,
     /// Further names a request's `Host` may give when no key is set (besides `localhost`,
     /// loopback addresses and the bound address), on any port: a reverse proxy's name.
     pub allowed_hosts: Vec<String>,
@@ -141,6 +148,8 @@ impl Default for ServerConfig {
             default_max_tokens: 256,
             max_body_bytes: 4 << 20,
             body_timeout: Duration::from_secs(30),
+            header_timeout: Duration::from_secs(DEFAULT_HEADER_TIMEOUT_S),
+            max_connections: DEFAULT_MAX_CONNECTIONS,
             allowed_hosts: Vec::new(),
             budget: BudgetRequest {
                 unlimited: Some(true),
@@ -162,6 +171,17 @@ impl Default for ServerConfig {
         }
     }
 }
+
+/// Seconds a request's headers may take (`serve --header-timeout-s`): a local client sends them
+/// in milliseconds, and an idle kept-alive connection is closed after as long — longer than the
+/// stock clients keep an idle connection for reuse (Python's httpx 5 s, Node's undici 4 s), so
+/// they never reuse one the server is closing.
+pub const DEFAULT_HEADER_TIMEOUT_S: u64 = 10;
+
+/// Connections served at once (`serve --max-connections`): a browser opens at most six per
+/// server, and a queue of 8 requests with 4 answered together needs a dozen; far below the
+/// 1024 descriptors a process gets by default.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 64;
 
 /// The answers `serve` decodes together unless told otherwise: the batched loop passes every
 /// server test the serial one passes (`MOLT_TEST_PARALLEL` runs them against either), and four
@@ -198,6 +218,7 @@ pub struct Server {
     state: AppState,
     max_body_bytes: usize,
     body_timeout: Duration,
+    connections: listen::ConnectionLimits,
     api_key: Option<ApiKey>,
     allowed_hosts: Vec<String>,
     engine: std::thread::JoinHandle<()>,
@@ -353,6 +374,10 @@ impl Server {
             },
             max_body_bytes: config.max_body_bytes,
             body_timeout: config.body_timeout,
+            connections: listen::ConnectionLimits {
+                header_timeout: config.header_timeout,
+                max_connections: config.max_connections.max(1),
+            },
             api_key: config.api_key,
             allowed_hosts: config.allowed_hosts,
             engine,
@@ -384,10 +409,11 @@ impl Server {
     /// In front of the routes, outermost first: without a key, a `Host` that is not this
     /// server's address is refused (403, every route); on the API, a browser's request from
     /// another origin (403), a missing or wrong key (401), a POST body that is not JSON (415),
-    /// too large (413) or too slow (408).
+    /// too large (413) or too slow (408). Each connection's headers have a deadline, and the
+    /// open connections a cap (see `listen`).
     ///
     /// # Errors
-    /// [`ServerError::Serve`] when the listener fails.
+    /// None today; the signature keeps [`ServerError::Serve`] for a listener that fails.
     pub async fn serve(
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,
@@ -423,16 +449,13 @@ impl Server {
                 }
             }
         };
-        let served = axum::serve(self.listener, app)
-            .with_graceful_shutdown(stop)
-            .await
-            .map_err(ServerError::Serve);
+        listen::serve(self.listener, app, self.connections, stop).await;
         shared.queue.close();
         let engine = self.engine;
         let _ = tokio::task::spawn_blocking(move || engine.join()).await;
         shared
             .recorder
             .service("", "stopped", serde_json::Value::Null);
-        served
+        Ok(())
     }
 }

@@ -37,6 +37,13 @@ pub struct Args {
     /// address on --port are answered, which keeps web pages out through DNS rebinding.
     #[arg(long = "allow-host", value_name = "NAME")]
     pub allow_host: Vec<String>,
+    /// Seconds a request's headers may take to arrive (from when the connection opened, or
+    /// the previous answer on it ended); past it the connection is closed.
+    #[arg(long, default_value_t = molt::server::DEFAULT_HEADER_TIMEOUT_S, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub header_timeout_s: u64,
+    /// Connections served at once; while all are open, new ones wait to be accepted.
+    #[arg(long, default_value_t = molt::server::DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: usize,
     /// Rung to start on and never exceed (default: the largest).
     #[arg(long)]
     pub rung: Option<String>,
@@ -180,6 +187,9 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     if a.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
+    if a.max_connections == 0 {
+        bail!("--max-connections must be at least 1");
+    }
     let budget = budget_request(&a.budget)?;
     let api_key = api_key(a)?;
     if !a.host.is_loopback() && api_key.is_none() && !a.insecure_no_auth {
@@ -240,6 +250,8 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         api_key,
         insecure_no_auth: a.insecure_no_auth,
         allowed_hosts: a.allow_host.clone(),
+        header_timeout: Duration::from_secs(a.header_timeout_s),
+        max_connections: a.max_connections,
         token_pace: (a.pace_ms > 0).then(|| Duration::from_millis(a.pace_ms)),
         state_dir: Some(state_dir),
         state_max_mib: a.state_max_mib,
