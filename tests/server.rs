@@ -1636,3 +1636,33 @@ async fn issue_49_slow_headers_meet_a_deadline_and_open_connections_a_cap() {
     assert!(idle < deadline * 3, "{idle:?}");
     srv.shutdown().await;
 }
+
+/// Issue 49, hole 4: an inline trace is held to the rule of every other budget — a step
+/// below 1 MiB (`initial: 0`, or 1 B) is a 400 and changes nothing, where it used to be taken
+/// (shown as `budget_mib: null`) and fail every answer after with a 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue_49_inline_traces_are_held_to_the_budget_s_range() {
+    let _serial = serial().await;
+    let srv = start(|_| {}).await;
+    let addr = srv.addr;
+    for trace in [
+        json!({"name": "x", "initial": 0, "events": []}),
+        json!({"name": "x", "unit": "B", "initial": 1}),
+        json!({"name": "x", "initial": 100_000, "events": [{"at": 3, "budget": 0}]}),
+        json!({"name": "x", "unit": "GiB", "initial": 1u64 << 30}),
+    ] {
+        let r = client::post_json(addr, "/v1/molt/budget", &json!({ "trace": trace }))
+            .await
+            .unwrap();
+        let text = String::from_utf8_lossy(&r.body);
+        assert_eq!(r.status, 400, "{trace}: {text}");
+        assert!(text.contains("from 1 MiB"), "{text}");
+    }
+    let st = status(addr).await;
+    assert_eq!(st["budget"]["mode"], "unlimited", "{st}");
+    let r = client::post_json(addr, "/v1/chat/completions", &chat(2, false))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    srv.shutdown().await;
+}
