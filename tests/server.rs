@@ -3,7 +3,10 @@
 //! token chunks, and the chunks name their rungs; a replayed trace switches at its token; bad
 //! requests get 4xx JSON; a client that hangs up frees the engine; admission waits for memory
 //! and a full queue answers 503; the record file holds the raw events; many requests do not
-//! grow the resident set.
+//! grow the resident set. Issue 49's holes, each with a test that fails without its fix: pages
+//! of other origins and rebound names are refused, and non-JSON bodies; state files are
+//! private; slow and idle connections meet a header deadline and open ones a cap; traces are
+//! held to the budget's range; a refused state file is named in the note.
 
 mod common;
 #[path = "common/server.rs"]
@@ -1664,5 +1667,46 @@ async fn issue_49_inline_traces_are_held_to_the_budget_s_range() {
         .await
         .unwrap();
     assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    srv.shutdown().await;
+}
+
+/// Issue 49, hole 5 (the refused file): a conversation whose state file was refused at start
+/// is answered from the messages sent, and the note says the file was refused and why — not
+/// just "unknown conversation".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue_49_a_refused_state_file_is_named_in_the_note() {
+    let _serial = serial().await;
+    let d = tempfile::tempdir().unwrap();
+    let state = d.path().join("state");
+    std::fs::create_dir(&state).unwrap();
+    let file = state.join("conv-x.molt-state");
+    std::fs::write(&file, b"these bytes were never a Molt state file".repeat(4)).unwrap();
+    let dir = state.clone();
+    let srv = start(|c| c.state_dir = Some(dir)).await;
+    assert!(!file.exists(), "a refused file is removed");
+    let mut body = chat(2, false);
+    body["molt"] = json!({"conversation": "conv-x"});
+    let r = client::post_json(srv.addr, "/v1/chat/completions", &body)
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let v = r.json().unwrap();
+    let note = v["molt"]["conversation"]["note"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        note.contains("refused") && note.contains("corrupt") && note.contains("Molt state header"),
+        "{note}"
+    );
+    assert!(
+        !note.contains(&*state.display().to_string()),
+        "no server path in a note: {note}"
+    );
+    assert_eq!(v["molt"]["conversation"]["id"], "conv-x");
+    // Told once: named again, it is the conversation just started.
+    let r = client::post_json(srv.addr, "/v1/chat/completions", &body)
+        .await
+        .unwrap();
+    assert_eq!(r.header("x-molt-conversation-new"), Some("false"));
     srv.shutdown().await;
 }

@@ -119,6 +119,21 @@ impl StateError {
         }
     }
 
+    /// Why the file was refused, without its path (for a client, who has no business knowing
+    /// where the server keeps its files): `corrupt: checksum mismatch`.
+    #[must_use]
+    pub fn reason(&self) -> String {
+        match self {
+            StateError::Io { source, .. } => format!("unreadable: {source}"),
+            StateError::Truncated {
+                expected, actual, ..
+            } => format!("truncated: {actual} bytes, its header needs {expected}"),
+            StateError::Corrupt { reason, .. }
+            | StateError::Foreign { reason, .. }
+            | StateError::Stale { reason, .. } => format!("{}: {reason}", self.kind()),
+        }
+    }
+
     /// True when the write failed because the disk is full (the caller keeps the state in RAM).
     #[must_use]
     pub fn is_disk_full(&self) -> bool {

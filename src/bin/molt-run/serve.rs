@@ -21,8 +21,9 @@ pub struct Args {
     /// --api-key or --insecure-no-auth.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: IpAddr,
-    /// Require this key as `Authorization: Bearer KEY` on every request (visible in the
-    /// process list: prefer --api-key-file).
+    /// Require this key as `Authorization: Bearer KEY` on every request (the scheme's case
+    /// does not matter: `bearer KEY` is taken too; the key's does). Visible in the process
+    /// list: prefer --api-key-file.
     #[arg(long, conflicts_with = "api_key_file")]
     pub api_key: Option<String>,
     /// Read the key from this file (surrounding whitespace ignored).
@@ -61,7 +62,8 @@ pub struct Args {
     /// MiB, or `trace:NAME` / `trace:PATH.json`. Change it later with POST /v1/molt/budget.
     #[arg(long, default_value = "unlimited")]
     pub budget: String,
-    /// Directory of budget traces looked up by name (default: $MOLT_HOME/traces, ./traces).
+    /// Directory of budget traces looked up by name, searched before $MOLT_HOME/traces and
+    /// ./traces (which are always searched).
     #[arg(long)]
     pub traces: Option<PathBuf>,
     /// Requests that may wait for the engine; one more gets 503.
