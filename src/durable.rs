@@ -48,9 +48,40 @@ pub fn write(path: &Path, bytes: &[u8]) -> io::Result<()> {
 /// # Errors
 /// The I/O error of the step that failed.
 pub fn write_at(site: crate::fault::Site, path: &Path, bytes: &[u8]) -> io::Result<()> {
+    write_with(site, path, bytes, false)
+}
+
+/// [`write_at`] for a file only its owner may read or write: created (partial file included)
+/// with mode 0600, whatever the umask — a conversation's state holds its tokens.
+///
+/// # Errors
+/// The I/O error of the step that failed.
+pub fn write_private_at(site: crate::fault::Site, path: &Path, bytes: &[u8]) -> io::Result<()> {
+    write_with(site, path, bytes, true)
+}
+
+fn write_with(
+    site: crate::fault::Site,
+    path: &Path,
+    bytes: &[u8],
+    private: bool,
+) -> io::Result<()> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     let partial = partial_path(path);
     let written = (|| {
-        let mut f = File::create(&partial)?;
+        let mut f = if private {
+            let f = File::options()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&partial)?;
+            // The mode asked for at creation is cut by the umask; this one is not.
+            f.set_permissions(fs::Permissions::from_mode(0o600))?;
+            f
+        } else {
+            File::create(&partial)?
+        };
         f.write_all(bytes)?;
         f.sync_all()
     })();

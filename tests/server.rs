@@ -3,7 +3,10 @@
 //! token chunks, and the chunks name their rungs; a replayed trace switches at its token; bad
 //! requests get 4xx JSON; a client that hangs up frees the engine; admission waits for memory
 //! and a full queue answers 503; the record file holds the raw events; many requests do not
-//! grow the resident set.
+//! grow the resident set. Issue 49's holes, each with a test that fails without its fix: pages
+//! of other origins and rebound names are refused, and non-JSON bodies; state files are
+//! private; slow and idle connections meet a header deadline and open ones a cap; traces are
+//! held to the budget's range; a refused state file is named in the note.
 
 mod common;
 #[path = "common/server.rs"]
@@ -886,7 +889,7 @@ async fn oversized_and_stalled_bodies_and_unknown_models_are_refused() {
     let addr = srv.addr;
     let head = |len: u64| {
         format!(
-            "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {len}\r\n\r\n"
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {len}\r\n\r\n"
         )
     };
     // Nothing of the announced terabyte is sent: the answer must come from the header alone.
@@ -1179,5 +1182,531 @@ async fn a_park_releases_the_weights_and_resumes_on_its_rung() {
         summary["stop"] == "length" || summary["stop"] == "eos",
         "{summary}"
     );
+    srv.shutdown().await;
+}
+
+/// One request with its whole head given (`{host}` in it is replaced by the server's address);
+/// `(status, body as JSON or Null)`.
+async fn raw_json(addr: SocketAddr, head: &str, body: &[u8]) -> (u16, Value) {
+    let head = head.replace("{host}", &addr.to_string());
+    let (status, text) = raw_request(addr, &head, body).await;
+    (status, serde_json::from_str(&text).unwrap_or(Value::Null))
+}
+
+/// A POST of `body` to `path` with extra header lines (each ending in `\r\n`).
+async fn post_with(addr: SocketAddr, path: &str, extra: &str, body: &str) -> (u16, Value) {
+    raw_json(
+        addr,
+        &format!(
+            "POST {path} HTTP/1.1\r\nHost: {{host}}\r\nConnection: close\r\n{extra}Content-Length: {}\r\n\r\n",
+            body.len()
+        ),
+        body.as_bytes(),
+    )
+    .await
+}
+
+/// A GET of `path` with the given Host and extra header lines.
+async fn get_with(addr: SocketAddr, path: &str, host: &str, extra: &str) -> (u16, Value) {
+    raw_json(
+        addr,
+        &format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n{extra}\r\n"),
+        b"",
+    )
+    .await
+}
+
+/// Issue 49, hole 1: a web page cannot drive an open server. A browser's cross-origin POST
+/// (`text/plain`, no preflight) to the budget is refused (403) and changes nothing; a POST body
+/// that is not `application/json` is a 415; a `Host` that is not this server (DNS rebinding)
+/// is a 403 on every route, the page included, unless a key is set; the page's own origin,
+/// loopback names and addresses, and an `--allow-host` name still work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue_49_cross_site_and_rebinding_requests_are_refused() {
+    let _serial = serial().await;
+    let srv = start(|c| c.allowed_hosts = vec!["proxy.example".into()]).await;
+    let addr = srv.addr;
+    let port = addr.port();
+    let json_ct = "Content-Type: application/json\r\n";
+    let refused = |(status, v): (u16, Value), code: &str, needle: &str| {
+        assert_eq!(status, 403, "{v}");
+        assert_eq!(v["error"]["code"], code, "{v}");
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(needle), "{msg:?} should name {needle:?}");
+    };
+    // The probe of the issue: another site's page posts a budget as text/plain.
+    let r = post_with(
+        addr,
+        "/v1/molt/budget",
+        "Origin: http://evil.example\r\nContent-Type: text/plain\r\n",
+        r#"{"mib": 700}"#,
+    )
+    .await;
+    refused(r, "origin_not_allowed", "evil.example");
+    // The same with a JSON type, and with the browser's own word for it.
+    let r = post_with(
+        addr,
+        "/v1/molt/budget",
+        &format!("Origin: http://evil.example\r\n{json_ct}"),
+        r#"{"mib": 700}"#,
+    )
+    .await;
+    refused(r, "origin_not_allowed", "another origin");
+    let r = post_with(
+        addr,
+        "/v1/chat/completions",
+        &format!("Sec-Fetch-Site: cross-site\r\n{json_ct}"),
+        &chat(2, false).to_string(),
+    )
+    .await;
+    refused(r, "origin_not_allowed", "cross-site");
+    refused(
+        post_with(
+            addr,
+            "/v1/molt/budget",
+            &format!("Origin: null\r\n{json_ct}"),
+            r#"{"mib": 700}"#,
+        )
+        .await,
+        "origin_not_allowed",
+        "null",
+    );
+    // Another port of the same host is another origin.
+    refused(
+        get_with(
+            addr,
+            "/v1/molt/status",
+            &addr.to_string(),
+            &format!("Origin: http://127.0.0.1:{}\r\n", port.wrapping_add(1)),
+        )
+        .await,
+        "origin_not_allowed",
+        "another origin",
+    );
+    // Not JSON: 415 whatever the origin, before the body is read.
+    for ct in [
+        "Content-Type: text/plain\r\n",
+        "",
+        "Content-Type: application/x-www-form-urlencoded\r\n",
+    ] {
+        let (status, v) = post_with(addr, "/v1/molt/budget", ct, r#"{"mib": 700}"#).await;
+        assert_eq!(status, 415, "{ct:?}: {v}");
+        assert_eq!(v["error"]["code"], "unsupported_media_type", "{v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("application/json"),
+            "{v}"
+        );
+    }
+    let (status, v) = post_with(
+        addr,
+        "/v1/chat/completions",
+        "Content-Type: text/plain\r\n",
+        &chat(2, false).to_string(),
+    )
+    .await;
+    assert_eq!(status, 415, "{v}");
+    assert_eq!(
+        budget_mode(addr).await,
+        "unlimited",
+        "nothing changed the budget"
+    );
+
+    // DNS rebinding: the page's name, resolved to loopback, is in Host.
+    let rebound = format!("evil.example:{port}");
+    for path in ["/v1/molt/status", "/v1/models", "/"] {
+        refused(
+            get_with(addr, path, &rebound, "").await,
+            "host_not_allowed",
+            "evil.example",
+        );
+    }
+    refused(
+        raw_json(
+            addr,
+            &format!(
+                "POST /v1/molt/budget HTTP/1.1\r\nHost: {rebound}\r\nOrigin: http://{rebound}\r\nConnection: close\r\n{json_ct}Content-Length: 12\r\n\r\n"
+            ),
+            br#"{"mib": 700}"#,
+        )
+        .await,
+        "host_not_allowed",
+        "DNS rebinding",
+    );
+    // The right name on the wrong port is not this server either.
+    refused(
+        get_with(
+            addr,
+            "/v1/models",
+            &format!("localhost:{}", port.wrapping_add(1)),
+            "",
+        )
+        .await,
+        "host_not_allowed",
+        "localhost",
+    );
+    assert_eq!(budget_mode(addr).await, "unlimited");
+
+    // What must keep working: loopback names and addresses, the allowed name, the page's own
+    // origin (a POST from the page carries it), and programs that send neither header.
+    for host in [
+        addr.to_string(),
+        format!("localhost:{port}"),
+        format!("LocalHost.:{port}"),
+        format!("[::1]:{port}"),
+        format!("127.0.0.2:{port}"),
+        "proxy.example".to_string(),
+        "proxy.example:443".to_string(),
+    ] {
+        let (status, v) = get_with(addr, "/v1/models", &host, "").await;
+        assert_eq!(status, 200, "{host}: {v}");
+    }
+    let (status, text) = raw_request(
+        addr,
+        &format!("GET / HTTP/1.1\r\nHost: localhost:{port}\r\nSec-Fetch-Site: none\r\nConnection: close\r\n\r\n"),
+        b"",
+    )
+    .await;
+    assert_eq!(status, 200, "{text}");
+    let (status, v) = post_with(
+        addr,
+        "/v1/molt/budget",
+        &format!(
+            "Origin: http://{addr}\r\nSec-Fetch-Site: same-origin\r\nContent-Type: application/json; charset=utf-8\r\n"
+        ),
+        r#"{"mib": 700}"#,
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["mode"], "fixed");
+    set_budget(addr, json!({"unlimited": true})).await;
+    srv.shutdown().await;
+
+    // With a key a rebound page has nothing to send: the Host is not checked (a proxy in front
+    // may send any), the origin still is.
+    let key = molt_server::ApiKey::new("sk-issue-49").unwrap();
+    let srv = start(|c| c.api_key = Some(key)).await;
+    let auth = "Authorization: Bearer sk-issue-49\r\n";
+    let (status, v) = get_with(srv.addr, "/v1/models", "evil.example", auth).await;
+    assert_eq!(status, 200, "{v}");
+    let (status, v) = get_with(srv.addr, "/v1/models", "evil.example", "").await;
+    assert_eq!(status, 401, "{v}");
+    refused(
+        get_with(
+            srv.addr,
+            "/v1/molt/status",
+            &srv.addr.to_string(),
+            &format!("{auth}Origin: http://evil.example\r\n"),
+        )
+        .await,
+        "origin_not_allowed",
+        "evil.example",
+    );
+    srv.shutdown().await;
+}
+
+async fn budget_mode(addr: SocketAddr) -> Value {
+    status(addr).await["budget"]["mode"].clone()
+}
+
+/// Issue 49, hole 2: conversations are private to their user. A state directory is created
+/// 0700 and its files 0600 whatever the umask (here 0000); one that others could read is made
+/// private; one that other users can write, or that is another user's, is refused by name —
+/// by the server at start as well.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue_49_state_files_are_private_and_an_open_state_dir_is_refused() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let _serial = serial().await;
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().mode() & 0o7777;
+    let file = || molt::state::StateFile {
+        meta: molt::state::StateMeta {
+            conversation: "c".into(),
+            rung: "big".into(),
+            rung_sha256: "a".repeat(64),
+            n_ctx: 64,
+            tokens: vec![1, 2],
+            pos_start: 0,
+            pending: None,
+            first_turn_len: 1,
+            pinned: 0,
+            messages: Vec::new(),
+            written_unix_ms: 0,
+        },
+        blob: vec![7; 64],
+    };
+    let d = tempfile::tempdir().unwrap();
+    // SAFETY: umask only swaps the process's file mode mask; restored below. The tests of
+    // this file run one at a time (serial), so no other test creates files meanwhile.
+    let old = unsafe { libc::umask(0) };
+    let made = (|| {
+        let state = d.path().join("new").join("state");
+        let dir = molt::state::StateDir::open(&state, 16)?;
+        dir.write("c", &file())
+            .map_err(|e| std::io::Error::other(e.to_string()))?;
+        let aside = state.join("aside");
+        molt::state::create_private_dir(&aside)?;
+        Ok::<_, Box<dyn std::error::Error>>((state, aside))
+    })();
+    // SAFETY: as above.
+    unsafe { libc::umask(old) };
+    let (state, aside) = made.unwrap();
+    assert_eq!(mode(&state), 0o700);
+    assert_eq!(mode(&d.path().join("new")), 0o700);
+    assert_eq!(mode(&aside), 0o700);
+    assert_eq!(mode(&state.join("c.molt-state")), 0o600);
+
+    // A directory an older build left readable by all, with a readable file in it.
+    let old_dir = d.path().join("old");
+    std::fs::create_dir(&old_dir).unwrap();
+    std::fs::set_permissions(&old_dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let f = old_dir.join("c.molt-state");
+    std::fs::write(&f, file().to_bytes().unwrap()).unwrap();
+    std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o644)).unwrap();
+    molt::state::StateDir::open(&old_dir, 16).unwrap();
+    assert_eq!((mode(&old_dir), mode(&f)), (0o700, 0o600));
+
+    // Writable by others: refused by name, and nothing in it is touched.
+    for open_mode in [0o777, 0o1777, 0o770] {
+        let shared = d.path().join(format!("shared-{open_mode:o}"));
+        std::fs::create_dir(&shared).unwrap();
+        std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(open_mode)).unwrap();
+        let e = molt::state::StateDir::open(&shared, 16)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(&shared.display().to_string()) && e.contains("other users"),
+            "{e}"
+        );
+        assert_eq!(mode(&shared), open_mode);
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        // Another user's directory, even one only they can write.
+        let theirs = d.path().join("theirs");
+        std::fs::create_dir(&theirs).unwrap();
+        std::fs::set_permissions(&theirs, std::fs::Permissions::from_mode(0o700)).unwrap();
+        std::os::unix::fs::chown(&theirs, Some(65534), Some(65534)).unwrap();
+        let e = molt::state::StateDir::open(&theirs, 16)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("belongs to user 65534"), "{e}");
+    }
+    // The server refuses to start on one.
+    let shared = d.path().join("shared-777");
+    let started = Server::start(
+        common::tiny_ladder().clone(),
+        ServerConfig {
+            addr: "127.0.0.1:0".parse().unwrap(),
+            state_dir: Some(shared.clone()),
+            ..ServerConfig::default()
+        },
+    )
+    .await;
+    let Err(e) = started else {
+        panic!("a state directory others can write must be refused")
+    };
+    assert!(e.to_string().contains(&shared.display().to_string()), "{e}");
+}
+
+/// Reads from `s` until the server closes the connection (end of stream or reset), at most
+/// `limit`; how long that took, or `None` if it stayed open.
+async fn closed_within(s: &mut tokio::net::TcpStream, limit: Duration) -> Option<Duration> {
+    use tokio::io::AsyncReadExt;
+    let t = Instant::now();
+    let mut buf = [0u8; 4096];
+    loop {
+        match tokio::time::timeout(limit.saturating_sub(t.elapsed()), s.read(&mut buf)).await {
+            Err(_) => return None,
+            Ok(Ok(0) | Err(_)) => return Some(t.elapsed()),
+            Ok(Ok(_)) => {}
+        }
+    }
+}
+
+/// Issue 49, hole 3, with real slow TCP clients: a connection that sends nothing, one that
+/// trickles its header bytes, and an idle kept-alive connection are all closed at the header
+/// deadline (twenty at once as well); and past the connection cap a new client waits until a
+/// connection closes, then is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue_49_slow_headers_meet_a_deadline_and_open_connections_a_cap() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+    let _serial = serial().await;
+    let deadline = Duration::from_millis(1500);
+    let cap = 24;
+    let srv = start(|c| {
+        c.header_timeout = deadline;
+        c.max_connections = cap;
+    })
+    .await;
+    let addr = srv.addr;
+    // The cap's worth of clients that connect and send nothing (twenty and more at once).
+    let mut silent = Vec::new();
+    for _ in 0..cap {
+        silent.push(TcpStream::connect(addr).await.unwrap());
+    }
+    let opened = Instant::now();
+    // One more client, with a whole request: it waits for a connection to close.
+    let waiting = tokio::spawn(async move {
+        let t = Instant::now();
+        let r = client::request(addr, "GET", "/v1/models", None)
+            .await
+            .unwrap();
+        (r.status, t.elapsed())
+    });
+    let mut cut = Vec::new();
+    for mut s in silent {
+        cut.push(tokio::spawn(async move {
+            closed_within(&mut s, Duration::from_secs(8)).await
+        }));
+    }
+    for c in cut {
+        let after = c
+            .await
+            .unwrap()
+            .expect("a silent connection is closed at the deadline");
+        assert!(
+            after >= deadline - Duration::from_millis(300) && after < deadline * 3,
+            "a silent connection closed after {after:?} (deadline {deadline:?})"
+        );
+    }
+    let (status, waited) = tokio::time::timeout(Duration::from_secs(10), waiting)
+        .await
+        .expect("the waiting client is answered once connections close")
+        .unwrap();
+    assert_eq!(status, 200);
+    assert!(
+        waited >= deadline - Duration::from_millis(300),
+        "past the cap of {cap} a client must wait for a connection to close; it was answered after {waited:?}"
+    );
+    assert!(opened.elapsed() < Duration::from_secs(8));
+
+    // A client that trickles its header, a byte every 100 ms: cut at the deadline, not
+    // when it finishes (it would take over 5 s).
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "GET /v1/models HTTP/1.1\r\nHost: {addr}\r\nUser-Agent: trickle\r\nAccept: */*\r\n\r\n"
+    );
+    assert!(head.len() > 50);
+    let t = Instant::now();
+    let mut sent = 0;
+    let mut closed = None;
+    let mut buf = [0u8; 1024];
+    for b in head.bytes() {
+        if s.write_all(&[b]).await.is_err() {
+            closed = Some(t.elapsed());
+            break;
+        }
+        sent += 1;
+        match tokio::time::timeout(Duration::from_millis(100), s.read(&mut buf)).await {
+            Ok(Ok(0) | Err(_)) => {
+                closed = Some(t.elapsed());
+                break;
+            }
+            Ok(Ok(n)) => panic!(
+                "answered a trickled header: {:?}",
+                String::from_utf8_lossy(&buf[..n])
+            ),
+            Err(_) => {}
+        }
+    }
+    let closed = closed.expect("a trickling client is cut at the header deadline");
+    assert!(
+        sent < head.len() && closed < deadline * 3,
+        "cut after {closed:?}, {sent} of {} bytes sent",
+        head.len()
+    );
+
+    // A kept-alive connection, idle after its answer, is closed at the same deadline.
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(format!("GET /v1/models HTTP/1.1\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    while !String::from_utf8_lossy(&got).contains("\"object\":\"list\"") {
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .expect("an answer")
+            .unwrap();
+        assert!(n > 0, "closed before the answer");
+        got.extend_from_slice(&buf[..n]);
+    }
+    let idle = closed_within(&mut s, Duration::from_secs(8))
+        .await
+        .expect("an idle kept-alive connection is closed at the header deadline");
+    assert!(idle < deadline * 3, "{idle:?}");
+    srv.shutdown().await;
+}
+
+/// Issue 49, hole 4: an inline trace is held to the rule of every other budget — a step
+/// below 1 MiB (`initial: 0`, or 1 B) is a 400 and changes nothing, where it used to be taken
+/// (shown as `budget_mib: null`) and fail every answer after with a 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue_49_inline_traces_are_held_to_the_budget_s_range() {
+    let _serial = serial().await;
+    let srv = start(|_| {}).await;
+    let addr = srv.addr;
+    for trace in [
+        json!({"name": "x", "initial": 0, "events": []}),
+        json!({"name": "x", "unit": "B", "initial": 1}),
+        json!({"name": "x", "initial": 100_000, "events": [{"at": 3, "budget": 0}]}),
+        json!({"name": "x", "unit": "GiB", "initial": 1u64 << 30}),
+    ] {
+        let r = client::post_json(addr, "/v1/molt/budget", &json!({ "trace": trace }))
+            .await
+            .unwrap();
+        let text = String::from_utf8_lossy(&r.body);
+        assert_eq!(r.status, 400, "{trace}: {text}");
+        assert!(text.contains("from 1 MiB"), "{text}");
+    }
+    let st = status(addr).await;
+    assert_eq!(st["budget"]["mode"], "unlimited", "{st}");
+    let r = client::post_json(addr, "/v1/chat/completions", &chat(2, false))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    srv.shutdown().await;
+}
+
+/// Issue 49, hole 5 (the refused file): a conversation whose state file was refused at start
+/// is answered from the messages sent, and the note says the file was refused and why — not
+/// just "unknown conversation".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue_49_a_refused_state_file_is_named_in_the_note() {
+    let _serial = serial().await;
+    let d = tempfile::tempdir().unwrap();
+    let state = d.path().join("state");
+    std::fs::create_dir(&state).unwrap();
+    let file = state.join("conv-x.molt-state");
+    std::fs::write(&file, b"these bytes were never a Molt state file".repeat(4)).unwrap();
+    let dir = state.clone();
+    let srv = start(|c| c.state_dir = Some(dir)).await;
+    assert!(!file.exists(), "a refused file is removed");
+    let mut body = chat(2, false);
+    body["molt"] = json!({"conversation": "conv-x"});
+    let r = client::post_json(srv.addr, "/v1/chat/completions", &body)
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let v = r.json().unwrap();
+    let note = v["molt"]["conversation"]["note"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        note.contains("refused") && note.contains("corrupt") && note.contains("Molt state header"),
+        "{note}"
+    );
+    assert!(
+        !note.contains(&*state.display().to_string()),
+        "no server path in a note: {note}"
+    );
+    assert_eq!(v["molt"]["conversation"]["id"], "conv-x");
+    // Told once: named again, it is the conversation just started.
+    let r = client::post_json(srv.addr, "/v1/chat/completions", &body)
+        .await
+        .unwrap();
+    assert_eq!(r.header("x-molt-conversation-new"), Some("false"));
     srv.shutdown().await;
 }

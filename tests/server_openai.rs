@@ -495,6 +495,73 @@ async fn plain_completions_stream_and_not_with_the_same_fields() {
     srv.shutdown().await;
 }
 
+/// Issue 49, hole 5 (completions): an over-long prompt names `param: "prompt"`, the field a
+/// text completion has (not a chat's `messages`); and a `molt.conversation` (or class, or
+/// priority), which a text completion cannot honour, is a 400 naming `molt` instead of being
+/// ignored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue_49_completions_name_their_own_fields() {
+    let _serial = harness::serial().await;
+    let srv = harness::start(|_| {}).await;
+    let addr = srv.addr;
+    let long = "memory pressure ".repeat(1500);
+    let (status, e) = post(addr, "/v1/completions", &json!({"prompt": long})).await;
+    assert_eq!(status, 400, "{e}");
+    assert_eq!(e["error"]["code"], "context_length_exceeded", "{e}");
+    assert_eq!(e["error"]["param"], "prompt", "{e}");
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("the prompt takes"),
+        "{e}"
+    );
+    let (status, e) = post(
+        addr,
+        "/v1/chat/completions",
+        &chat(&json!({"messages": [{"role": "user", "content": long}]})),
+    )
+    .await;
+    assert_eq!(
+        (status, e["error"]["param"].as_str()),
+        (400, Some("messages")),
+        "{e}"
+    );
+    for molt in [
+        json!({"conversation": "c1"}),
+        json!({"class": "background"}),
+        json!({"priority": 2}),
+    ] {
+        let (status, e) = post(
+            addr,
+            "/v1/completions",
+            &json!({"prompt": "x", "max_tokens": 1, "molt": molt}),
+        )
+        .await;
+        assert_eq!(
+            (status, e["error"]["param"].as_str()),
+            (400, Some("molt")),
+            "{molt}: {e}"
+        );
+        assert!(
+            e["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("no conversation"),
+            "{e}"
+        );
+    }
+    // A forced switch is still a completion's to ask for.
+    let v = ok(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": "x", "max_tokens": 4, "molt": {"force_switch": {"at": 2, "to": "small"}}}),
+    )
+    .await;
+    assert_eq!(v["object"], "text_completion");
+    srv.shutdown().await;
+}
+
 /// The stock `openai` Python client against this server (`scripts/openai_client_check.py`:
 /// a budget cut mid-stream with logprobs, stop, seed, json_object, `/v1/completions`). Runs
 /// when `$MOLT_PYTHON` (default `python3`) can import `openai`; otherwise says so and passes.

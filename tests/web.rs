@@ -73,6 +73,11 @@ impl Drop for Browser {
 impl Browser {
     /// Starts Chromium on a fresh profile and attaches to a new blank page.
     async fn launch(binary: &str) -> Self {
+        Self::launch_with(binary, &[]).await
+    }
+
+    /// [`Browser::launch`] with further command-line switches.
+    async fn launch_with(binary: &str, extra: &[&str]) -> Self {
         let profile = tempfile::tempdir().unwrap();
         let mut child = Command::new(binary)
             .args([
@@ -87,6 +92,7 @@ impl Browser {
                 "--window-size=1280,1000",
             ])
             .arg(format!("--user-data-dir={}", profile.path().display()))
+            .args(extra)
             .arg("about:blank")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -211,10 +217,23 @@ impl Browser {
     }
 
     async fn open(&mut self, url: &str) {
-        self.call("Page.navigate", json!({"url": url})).await;
+        self.navigate(url).await;
         self.wait_for(
             "document.readyState === 'complete' && document.getElementById('legend') !== null",
             "the page to load",
+        )
+        .await;
+    }
+
+    /// Goes to `url` (any page) and waits for it to finish loading.
+    async fn navigate(&mut self, url: &str) {
+        self.call("Page.navigate", json!({"url": url})).await;
+        self.wait_for(
+            &format!(
+                "document.readyState === 'complete' && location.href.startsWith({})",
+                json!(url)
+            ),
+            "a page to load",
         )
         .await;
     }
@@ -574,6 +593,94 @@ async fn stop_refusals_and_a_vanished_server_reach_the_user() {
 /// It replays `traces/spike_mid_answer.json` (tier0 → q3km at token 32, → tier1 at 64, → tier2
 /// at 96), asks a question through the page and writes `results/figures/web.png` once the
 /// answer has ended.
+/// A web server for one page on another origin (another port of 127.0.0.1): every request gets
+/// `html`. Runs until the test's runtime ends.
+async fn serve_page(html: String) -> std::net::SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let html = html.clone();
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let _ = s.read(&mut buf).await;
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\nContent-Type: text/html; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                    html.len()
+                );
+                let _ = s.write_all(head.as_bytes()).await;
+                let _ = s.write_all(html.as_bytes()).await;
+            });
+        }
+    });
+    addr
+}
+
+/// Issue 49, hole 1, in a real browser: a page of another origin (here another port of
+/// 127.0.0.1, so no browser rule about private networks is what stops it) posts a budget to
+/// the open server as `text/plain` — a request a browser sends without asking first — and a
+/// JSON one; neither changes the budget. A name that resolves to the server (DNS rebinding,
+/// here Chromium's host-resolver rule) gets a 403 instead of the page, while the page served
+/// under the server's own address keeps working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn issue_49_a_page_of_another_origin_cannot_drive_the_server() {
+    let Some(binary) = chromium() else {
+        eprintln!("skipped: no chromium (apt-get install chromium, or set MOLT_CHROMIUM)");
+        return;
+    };
+    let _serial = harness::serial().await;
+    let srv = harness::start(|_| {}).await;
+    let addr = srv.addr;
+    let target = format!("http://{addr}/v1/molt/budget");
+    let attacker = serve_page(format!(
+        r#"<!doctype html><title>elsewhere</title><script>
+const post = (type) => fetch({target}, {{method: "POST", mode: "no-cors",
+  headers: {{"Content-Type": type}}, body: '{{"mib": 1}}'}}).then(() => "sent", (e) => "failed: " + e);
+Promise.all([post("text/plain"), post("application/json")]).then((r) => {{ document.title = "done " + r.join(", "); }});
+</script>"#,
+        target = json!(target),
+    ))
+    .await;
+    let rule = "--host-resolver-rules=MAP rebound.test 127.0.0.1";
+    let mut b = Browser::launch_with(&binary, &[rule]).await;
+    b.navigate(&format!("http://{attacker}/")).await;
+    let done = b
+        .wait_for(
+            "document.title.startsWith('done') && document.title",
+            "the other origin's requests",
+        )
+        .await;
+    let st = client::request(addr, "GET", "/v1/molt/status", None)
+        .await
+        .unwrap()
+        .json()
+        .unwrap();
+    assert_eq!(
+        st["budget"]["mode"], "unlimited",
+        "a page of another origin changed the budget ({done}): {}",
+        st["budget"]
+    );
+
+    // DNS rebinding: the browser takes rebound.test for the server's address.
+    let rebound = format!("http://rebound.test:{}/", addr.port());
+    b.navigate(&rebound).await;
+    let body = b.eval("document.body.innerText").await;
+    let body = body.as_str().unwrap_or_default();
+    assert!(
+        body.contains("host_not_allowed") && !body.contains("Molt"),
+        "a rebound name must not reach the page: {body}"
+    );
+    // The same browser, on the server's own address, gets the page, which works.
+    b.open(&format!("http://{addr}/")).await;
+    b.wait_for(
+        "document.getElementById('conn').textContent.startsWith('connected')",
+        "the status",
+    )
+    .await;
+    srv.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a running server on a real ladder (MOLT_WEB_URL)"]
 async fn screenshot_of_a_real_answer() {

@@ -6,6 +6,11 @@
 //! else. The oldest hibernated conversation is the one least likely to come back, and losing
 //! its file loses nothing but time — the client still has the messages, and the next request
 //! re-reads them.
+//!
+//! Why private: a state file holds a conversation's tokens, so the directory is its owner's
+//! alone (0700, its files 0600, whatever the umask), and one that other users can write is
+//! refused at start — another user could plant a file under a conversation id a client will
+//! name, and the server would continue that conversation from it.
 
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
@@ -25,6 +30,16 @@ pub enum StateDirError {
         path: PathBuf,
         /// Why.
         source: std::io::Error,
+    },
+    /// Other users could write it (or it is theirs): refused, never used.
+    #[error(
+        "state directory {path} {why}: another user could replace or plant state files in it; give a --state-dir of your own (or make this one yours alone: chmod 700)"
+    )]
+    NotPrivate {
+        /// The directory.
+        path: PathBuf,
+        /// What is wrong with it.
+        why: String,
     },
     /// No directory given and no per-user data directory known.
     #[error("no state directory: set HOME or XDG_DATA_HOME, or give --state-dir")]
@@ -81,18 +96,97 @@ pub fn valid_id(id: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
 }
 
+/// Creates `path` and its missing parents for this user alone (0700, whatever the umask; the
+/// mode of a directory that already exists is not changed).
+///
+/// # Errors
+/// The I/O error of the step that failed.
+pub fn create_private_dir(path: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    if path.is_dir() {
+        return Ok(());
+    }
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o700))
+}
+
+/// Refuses a directory other users can write (or that is not this user's); one they can only
+/// read, this user's own, is made 0700 and said so, and so are its state files (0600: files a
+/// version that did not set modes left to the umask).
+fn make_private(path: &Path) -> Result<(), StateDirError> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let meta = std::fs::metadata(path).map_err(|source| StateDirError::NotWritable {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let refuse = |why: String| StateDirError::NotPrivate {
+        path: path.to_path_buf(),
+        why,
+    };
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if meta.uid() != me {
+        return Err(refuse(format!(
+            "belongs to user {}, not to this user ({me})",
+            meta.uid()
+        )));
+    }
+    let mode = meta.mode() & 0o7777;
+    if mode & 0o022 != 0 {
+        return Err(refuse(format!(
+            "can be written by other users (mode {mode:04o})"
+        )));
+    }
+    let tighten = |p: &Path, private: u32| {
+        if let Ok(m) = std::fs::metadata(p)
+            && m.mode() & 0o077 != 0
+        {
+            let _ = std::fs::set_permissions(p, std::fs::Permissions::from_mode(private));
+        }
+    };
+    if mode & 0o077 != 0 {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o700)).map_err(
+            |source| StateDirError::NotWritable {
+                path: path.to_path_buf(),
+                source,
+            },
+        )?;
+        eprintln!(
+            "state directory {} could be read by other users (mode {mode:04o}): made it 0700",
+            path.display()
+        );
+    }
+    let aside = path.join("aside");
+    if aside.is_dir() {
+        tighten(&aside, 0o700);
+    }
+    for dir in [path, aside.as_path()] {
+        for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            if e.file_type().is_ok_and(|t| t.is_file()) {
+                tighten(&e.path(), 0o600);
+            }
+        }
+    }
+    Ok(())
+}
+
 impl StateDir {
-    /// Opens (creating it if needed) `path`, checks that a file can be written in it, and
-    /// removes temporary files a killed write left behind.
+    /// Opens (creating it, 0700, if needed) `path`, refuses it if other users can write it,
+    /// makes it and its files private if others can read them, checks that a file can be
+    /// written in it, and removes temporary files a killed write left behind.
     ///
     /// # Errors
-    /// [`StateDirError::NotWritable`] naming the directory.
+    /// [`StateDirError::NotWritable`] or [`StateDirError::NotPrivate`], naming the directory.
     pub fn open(path: &Path, max_mib: u64) -> Result<Self, StateDirError> {
         let bad = |source| StateDirError::NotWritable {
             path: path.to_path_buf(),
             source,
         };
-        std::fs::create_dir_all(path).map_err(bad)?;
+        create_private_dir(path).map_err(bad)?;
+        make_private(path)?;
         let probe = path.join(format!(".probe-{}", std::process::id()));
         std::fs::write(&probe, b"").map_err(bad)?;
         let _ = std::fs::remove_file(&probe);

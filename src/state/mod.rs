@@ -34,7 +34,8 @@
 mod dir;
 
 pub use dir::{
-    DEFAULT_MAX_MIB, Entry, Evicted, StateDir, StateDirError, default_state_dir, valid_id,
+    DEFAULT_MAX_MIB, Entry, Evicted, StateDir, StateDirError, create_private_dir,
+    default_state_dir, valid_id,
 };
 
 use std::path::{Path, PathBuf};
@@ -115,6 +116,21 @@ impl StateError {
             StateError::Corrupt { .. } => "corrupt",
             StateError::Foreign { .. } => "foreign",
             StateError::Stale { .. } => "stale",
+        }
+    }
+
+    /// Why the file was refused, without its path (for a client, who has no business knowing
+    /// where the server keeps its files): `corrupt: checksum mismatch`.
+    #[must_use]
+    pub fn reason(&self) -> String {
+        match self {
+            StateError::Io { source, .. } => format!("unreadable: {source}"),
+            StateError::Truncated {
+                expected, actual, ..
+            } => format!("truncated: {actual} bytes, its header needs {expected}"),
+            StateError::Corrupt { reason, .. }
+            | StateError::Foreign { reason, .. }
+            | StateError::Stale { reason, .. } => format!("{}: {reason}", self.kind()),
         }
     }
 
@@ -360,7 +376,8 @@ impl StateFile {
     }
 
     /// Writes the file atomically: a temporary file beside it, fsync, rename, fsync of the
-    /// directory. Returns the bytes written.
+    /// directory. The file is its owner's alone (mode 0600, whatever the umask): it holds the
+    /// conversation's tokens. Returns the bytes written.
     ///
     /// # Errors
     /// [`StateError::Io`] (a full disk among them: [`StateError::is_disk_full`]); the
@@ -376,7 +393,8 @@ impl StateFile {
         if crate::fault::hit(crate::fault::Site::StateDiskFull) {
             return Err(io(std::io::Error::from_raw_os_error(libc::ENOSPC)));
         }
-        crate::durable::write_at(crate::fault::Site::StateWrite, path, &bytes).map_err(io)?;
+        crate::durable::write_private_at(crate::fault::Site::StateWrite, path, &bytes)
+            .map_err(io)?;
         Ok(bytes.len() as u64)
     }
 }

@@ -9,7 +9,7 @@
 //!   scenario's checks held;
 //! - `soak`: one row per ladder, from `results/soak.json` — written by [`run_soak`] (`molt-run
 //!   bench --soak` on any ladder; `tests/soak.rs` on the tiny one);
-//! - `probes`: the hostile-client probes of issue 20, from `benches/reliability/probes.json`.
+//! - `probes`: the hostile-client probes (issues 20 and 49), from `benches/reliability/probes.json`.
 //!
 //! [`Reliability::check`] states the goals the results page and the check test hold it to: no
 //! crash open, nothing lost under any fault, resident set growing at most 1 KiB per switch, no

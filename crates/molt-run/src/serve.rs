@@ -21,8 +21,9 @@ pub struct Args {
     /// --api-key or --insecure-no-auth.
     #[arg(long, default_value = "127.0.0.1")]
     pub host: IpAddr,
-    /// Require this key as `Authorization: Bearer KEY` on every request (visible in the
-    /// process list: prefer --api-key-file).
+    /// Require this key as `Authorization: Bearer KEY` on every request (the scheme's case
+    /// does not matter: `bearer KEY` is taken too; the key's does). Visible in the process
+    /// list: prefer --api-key-file.
     #[arg(long, conflicts_with = "api_key_file")]
     pub api_key: Option<String>,
     /// Read the key from this file (surrounding whitespace ignored).
@@ -32,6 +33,18 @@ pub struct Args {
     /// the service.
     #[arg(long)]
     pub insecure_no_auth: bool,
+    /// Without a key, also answer requests whose Host is NAME (any port), e.g. a reverse
+    /// proxy's name; repeatable. By default only localhost, loopback addresses and the --host
+    /// address on --port are answered, which keeps web pages out through DNS rebinding.
+    #[arg(long = "allow-host", value_name = "NAME")]
+    pub allow_host: Vec<String>,
+    /// Seconds a request's headers may take to arrive (from when the connection opened, or
+    /// the previous answer on it ended); past it the connection is closed.
+    #[arg(long, default_value_t = molt_server::DEFAULT_HEADER_TIMEOUT_S, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub header_timeout_s: u64,
+    /// Connections served at once; while all are open, new ones wait to be accepted.
+    #[arg(long, default_value_t = molt_server::DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: usize,
     /// Rung to start on and never exceed (default: the largest).
     #[arg(long)]
     pub rung: Option<String>,
@@ -49,7 +62,8 @@ pub struct Args {
     /// MiB, or `trace:NAME` / `trace:PATH.json`. Change it later with POST /v1/molt/budget.
     #[arg(long, default_value = "unlimited")]
     pub budget: String,
-    /// Directory of budget traces looked up by name (default: $MOLT_HOME/traces, ./traces).
+    /// Directory of budget traces looked up by name, searched before $MOLT_HOME/traces and
+    /// ./traces (which are always searched).
     #[arg(long)]
     pub traces: Option<PathBuf>,
     /// Requests that may wait for the engine; one more gets 503.
@@ -175,6 +189,9 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     if a.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
+    if a.max_connections == 0 {
+        bail!("--max-connections must be at least 1");
+    }
     let budget = budget_request(&a.budget)?;
     let api_key = api_key(a)?;
     if !a.host.is_loopback() && api_key.is_none() && !a.insecure_no_auth {
@@ -237,6 +254,9 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         record: a.record.clone(),
         api_key,
         insecure_no_auth: a.insecure_no_auth,
+        allowed_hosts: a.allow_host.clone(),
+        header_timeout: Duration::from_secs(a.header_timeout_s),
+        max_connections: a.max_connections,
         token_pace: (a.pace_ms > 0).then(|| Duration::from_millis(a.pace_ms)),
         state_dir: Some(state_dir),
         state_max_mib: a.state_max_mib,

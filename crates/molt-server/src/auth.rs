@@ -4,7 +4,9 @@
 //! web page's own files are served without it, so a user can load the page and type the key
 //! its calls then send). The check compares SHA-256 digests of the two keys byte by byte
 //! without stopping at the first difference, so neither the time it takes nor its outcome
-//! tells a client how much of a guess was right, or how long the key is. A refusal is a 401 in OpenAI's error shape with
+//! tells a client how much of a guess was right, or how long the key is. The scheme's case
+//! does not matter (`bearer KEY` is taken as `Bearer KEY`: HTTP authentication schemes are
+//! case-insensitive, RFC 9110 §11.1); the key's does. A refusal is a 401 in OpenAI's error shape with
 //! `WWW-Authenticate: Bearer`, so OpenAI client libraries report it as an authentication
 //! error.
 

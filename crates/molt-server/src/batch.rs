@@ -1204,6 +1204,7 @@ fn read_over_projected(shared: &Shared, l: &Ladders, engine: &mut Engine, t: &mu
 }
 
 fn refuse(shared: &Shared, job: &Job, e: &ApiError) {
+    let e = &e.clone().for_prompt(&job.prompt);
     shared.conversations.unqueue(job.conversation.as_ref());
     shared.counters.failed.fetch_add(1, Ordering::Relaxed);
     shared.recorder.service(&job.id, "failed", e.json());

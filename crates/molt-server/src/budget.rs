@@ -126,7 +126,8 @@ impl ServerBudget {
     /// files, or to learn whether they exist, on the serving machine.
     ///
     /// # Errors
-    /// A message for a 400: no field or several, a negative budget, an unreadable trace.
+    /// A message for a 400: no field or several, a negative budget, an unreadable trace, a
+    /// trace with a step outside the fixed budget's range.
     pub fn apply(
         &self,
         req: &BudgetRequest,
@@ -193,6 +194,7 @@ impl ServerBudget {
         }
         if let Some(t) = &req.trace {
             let trace = load_trace(t, trace_dirs, refs, access)?;
+            check_trace_range(&trace)?;
             self.set_mode(Mode::Trace(TraceBudget::new(trace)));
             return Ok(());
         }
@@ -309,6 +311,31 @@ fn fixed_range_error(field: &str) -> String {
         "\"{field}\" must be a budget from 1 MiB up to {} MiB; for no budget send \"unlimited\": true",
         (UNLIMITED_BYTES / MIB) - 1
     )
+}
+
+/// A trace, however it is given (a name, an inline object, the operator's path), is held to
+/// the fixed budget's rule at every step: a step below 1 MiB would read as "unlimited" on the
+/// wire and fail every answer after, and one at [`UNLIMITED_BYTES`] or above would silently
+/// mean no budget. The step at fault is named as the trace names it (`initial`, `events[2]`),
+/// in whole bytes, since the trace's unit may be any.
+fn check_trace_range(trace: &Trace) -> Result<(), String> {
+    let steps = std::iter::once(("initial".to_string(), trace.initial_bytes)).chain(
+        trace
+            .steps
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (format!("events[{i}]"), s.budget_bytes)),
+    );
+    for (field, bytes) in steps {
+        if !(MIB..UNLIMITED_BYTES).contains(&bytes) {
+            return Err(format!(
+                "trace {:?}: {field} is {bytes} bytes; every budget a trace sets must be from 1 MiB up to {} MiB, as a fixed budget's",
+                trace.name.chars().take(64).collect::<String>(),
+                (UNLIMITED_BYTES / MIB) - 1
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The pressure reference: the largest footprint among the references (the largest rung with
@@ -474,6 +501,27 @@ mod tests {
             .bytes
         };
         assert_eq!((at(2), at(3)), (100 * MIB, 40 * MIB));
+    }
+
+    #[test]
+    fn a_trace_is_held_to_the_fixed_budget_s_range() {
+        let b = ServerBudget::unlimited();
+        for bad in [
+            r#"{"trace": {"name": "x", "initial": 0, "events": []}}"#,
+            r#"{"trace": {"name": "x", "unit": "B", "initial": 1}}"#,
+            r#"{"trace": {"name": "x", "initial": 100, "events": [{"at": 2, "budget": 0.5}]}}"#,
+            r#"{"trace": {"name": "x", "unit": "GiB", "initial": 1073741824}}"#,
+        ] {
+            let e = b.apply(&req(bad), &[], &TraceRefs::new()).unwrap_err();
+            assert!(e.contains("from 1 MiB"), "{bad}: {e}");
+        }
+        assert_eq!(b.report().mode, "unlimited");
+        b.apply(
+            &req(r#"{"trace": {"name": "x", "unit": "B", "initial": 1048576}}"#),
+            &[],
+            &TraceRefs::new(),
+        )
+        .unwrap();
     }
 
     #[test]

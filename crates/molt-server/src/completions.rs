@@ -103,6 +103,16 @@ impl CompletionRequest {
         if prompt.contains('\0') {
             return Err(("prompt contains a NUL character".into(), "prompt"));
         }
+        // A text completion belongs to no conversation: naming one (or a class or priority,
+        // which are a conversation's) would be silently ignored, so it is refused.
+        if let Some(m) = &self.molt
+            && (m.conversation.is_some() || m.class.is_some() || m.priority.is_some())
+        {
+            return Err((
+                "molt.conversation, molt.class and molt.priority are for chats (/v1/chat/completions): a text completion belongs to no conversation".into(),
+                "molt",
+            ));
+        }
         for (bad, name, what) in [
             (
                 self.n.is_some_and(|n| n != 1),

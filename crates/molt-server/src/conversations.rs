@@ -16,7 +16,8 @@
 //! request's conversation from its file if it has one, so only the new turn is read. A file
 //! that is refused (truncated, corrupt, foreign, stale) is named in a log line and removed,
 //! and the conversation is re-read from the request's messages — never lost, since the client
-//! sends them with every request. After the answer, [`Conversations::after_answer`] records
+//! sends them with every request; a file refused at start is also told, with why, to the first
+//! request that names its conversation (its `note`). After the answer, [`Conversations::after_answer`] records
 //! what the session now holds.
 
 use std::collections::HashMap;
@@ -151,6 +152,9 @@ pub struct Takeover {
 
 struct Store {
     convs: HashMap<String, Conversation>,
+    /// Conversations whose state file was refused when the store was opened, and why (without
+    /// the path): a request that names one is told, not just "unknown". Taken when told.
+    refused: HashMap<String, String>,
     /// The conversation the session holds.
     live: Option<String>,
     clock: u64,
@@ -182,6 +186,7 @@ impl Conversations {
         recorder: &Recorder,
     ) -> Self {
         let mut convs = HashMap::new();
+        let mut refused = HashMap::new();
         let mut clock = 0;
         if let Some(d) = &dir {
             let expect = Expect {
@@ -219,6 +224,9 @@ impl Conversations {
                             serde_json::json!({"file": e.path, "kind": err.kind(), "reason": err.to_string()}),
                         );
                         let _ = std::fs::remove_file(&e.path);
+                        if valid_id(&e.conversation) && refused.len() < MAX_CONVERSATIONS {
+                            refused.insert(e.conversation.clone(), err.reason());
+                        }
                     }
                 }
             }
@@ -233,6 +241,7 @@ impl Conversations {
         Self {
             inner: Mutex::new(Store {
                 convs,
+                refused,
                 live: None,
                 clock,
             }),
@@ -266,15 +275,20 @@ impl Conversations {
             Some(id) if s.convs.contains_key(id) => (id.to_string(), false, None),
             Some(id) => {
                 let named = valid_id(id).then(|| id.to_string());
-                let note = format!(
-                    "unknown conversation {:?}: started a new conversation{}",
-                    id.chars().take(64).collect::<String>(),
-                    if named.is_some() {
-                        " under that id"
-                    } else {
-                        " (ids are 1–64 letters, digits, - or _)"
-                    }
-                );
+                let note = match s.refused.remove(id) {
+                    Some(why) => format!(
+                        "conversation {id:?}: its state file was refused ({why}) and removed; started it again under that id from the messages sent"
+                    ),
+                    None => format!(
+                        "unknown conversation {:?}: started a new conversation{}",
+                        id.chars().take(64).collect::<String>(),
+                        if named.is_some() {
+                            " under that id"
+                        } else {
+                            " (ids are 1–64 letters, digits, - or _)"
+                        }
+                    ),
+                };
                 (named.unwrap_or_else(fresh_id), true, Some(note))
             }
             None => {

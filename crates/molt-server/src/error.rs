@@ -150,6 +150,18 @@ impl ApiError {
         serde_json::from_str(&self.body()).unwrap_or(serde_json::Value::Null)
     }
 
+    /// The error as the client of a request for `prompt` sees it: a text completion's prompt
+    /// is its `prompt` field, where a chat's is `messages`.
+    #[must_use]
+    pub fn for_prompt(mut self, prompt: &molt::session::Prompt) -> Self {
+        if matches!(prompt, molt::session::Prompt::Standalone(_))
+            && self.param.as_deref() == Some("messages")
+        {
+            self.param = Some("prompt".into());
+        }
+        self
+    }
+
     /// How the engine's error looks to a client.
     #[must_use]
     pub fn from_session(e: &SessionError) -> Self {

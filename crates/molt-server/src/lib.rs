@@ -27,7 +27,9 @@ pub mod completions;
 mod control;
 pub mod conversations;
 mod error;
+mod guard;
 mod limits;
+mod listen;
 pub mod openai;
 mod record;
 mod routes;
@@ -76,6 +78,15 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// How long a request body may take to arrive in full before the request fails with 408.
     pub body_timeout: Duration,
+    /// How long a request's headers may take to arrive, counted from when the server starts
+    /// waiting for them (the connection opened, or the previous answer on it ended); past it
+    /// the connection is closed.
+    pub header_timeout: Duration,
+    /// Connections served at once; while all are open, new ones wait to be accepted.
+    pub max_connections: usize,
+    /// Further names a request's `Host` may give when no key is set (besides `localhost`,
+    /// loopback addresses and the bound address), on any port: a reverse proxy's name.
+    pub allowed_hosts: Vec<String>,
     /// The budget at start (the body `POST /v1/molt/budget` takes).
     pub budget: BudgetRequest,
     /// Where trace names are looked up.
@@ -137,6 +148,9 @@ impl Default for ServerConfig {
             default_max_tokens: 256,
             max_body_bytes: 4 << 20,
             body_timeout: Duration::from_secs(30),
+            header_timeout: Duration::from_secs(DEFAULT_HEADER_TIMEOUT_S),
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            allowed_hosts: Vec::new(),
             budget: BudgetRequest {
                 unlimited: Some(true),
                 ..BudgetRequest::default()
@@ -157,6 +171,17 @@ impl Default for ServerConfig {
         }
     }
 }
+
+/// Seconds a request's headers may take (`serve --header-timeout-s`): a local client sends them
+/// in milliseconds, and an idle kept-alive connection is closed after as long — longer than the
+/// stock clients keep an idle connection for reuse (Python's httpx 5 s, Node's undici 4 s), so
+/// they never reuse one the server is closing.
+pub const DEFAULT_HEADER_TIMEOUT_S: u64 = 10;
+
+/// Connections served at once (`serve --max-connections`): a browser opens at most six per
+/// server, and a queue of 8 requests with 4 answered together needs a dozen; far below the
+/// 1024 descriptors a process gets by default.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 64;
 
 /// The answers `serve` decodes together unless told otherwise: the batched loop passes every
 /// server test the serial one passes (`MOLT_TEST_PARALLEL` runs them against either), and four
@@ -193,7 +218,9 @@ pub struct Server {
     state: AppState,
     max_body_bytes: usize,
     body_timeout: Duration,
+    connections: listen::ConnectionLimits,
     api_key: Option<ApiKey>,
+    allowed_hosts: Vec<String>,
     engine: std::thread::JoinHandle<()>,
 }
 
@@ -347,7 +374,12 @@ impl Server {
             },
             max_body_bytes: config.max_body_bytes,
             body_timeout: config.body_timeout,
+            connections: listen::ConnectionLimits {
+                header_timeout: config.header_timeout,
+                max_connections: config.max_connections.max(1),
+            },
             api_key: config.api_key,
+            allowed_hosts: config.allowed_hosts,
             engine,
         })
     }
@@ -374,8 +406,14 @@ impl Server {
     /// (its client gets the summary so far), tells queued clients the server is going away,
     /// and waits for the engine thread.
     ///
+    /// In front of the routes, outermost first: without a key, a `Host` that is not this
+    /// server's address is refused (403, every route); on the API, a browser's request from
+    /// another origin (403), a missing or wrong key (401), a POST body that is not JSON (415),
+    /// too large (413) or too slow (408). Each connection's headers have a deadline, and the
+    /// open connections a cap (see `listen`).
+    ///
     /// # Errors
-    /// [`ServerError::Serve`] when the listener fails.
+    /// None today; the signature keeps [`ServerError::Serve`] for a listener that fails.
     pub async fn serve(
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,
@@ -388,12 +426,19 @@ impl Server {
             self.body_timeout,
             Arc::clone(&shared),
         );
-        // Outermost: a client without the key gets nothing read, not even its body.
+        // A client without the key gets nothing read, not even its body.
+        let keyed = self.api_key.is_some();
         if let Some(key) = self.api_key {
             app = auth::protect(app, key);
         }
+        // Outside the key check: a page of another site is refused whether or not it has a key.
+        app = guard::origins(app);
         // Outside the key check: the page must load for the user to type the key it sends.
         app = app.merge(web::router());
+        // Outermost, the web page included: a rebound name reaches nothing of an open server.
+        if !keyed {
+            app = guard::hosts(app, guard::HostPolicy::new(self.addr, &self.allowed_hosts));
+        }
         let stop = {
             let shared = Arc::clone(&shared);
             async move {
@@ -404,16 +449,13 @@ impl Server {
                 }
             }
         };
-        let served = axum::serve(self.listener, app)
-            .with_graceful_shutdown(stop)
-            .await
-            .map_err(ServerError::Serve);
+        listen::serve(self.listener, app, self.connections, stop).await;
         shared.queue.close();
         let engine = self.engine;
         let _ = tokio::task::spawn_blocking(move || engine.join()).await;
         shared
             .recorder
             .service("", "stopped", serde_json::Value::Null);
-        served
+        Ok(())
     }
 }

@@ -261,11 +261,15 @@ async fn prepare(
     // The session's own rule: the prompt plus a small reserve for the answer must fit.
     let reserve = max_tokens.clamp(1, 16);
     if prompt_tokens + reserve > n_ctx {
+        let (field, takes) = match endpoint {
+            Endpoint::Chat => ("messages", "the messages take"),
+            Endpoint::Text => ("prompt", "the prompt takes"),
+        };
         return Err(ApiError::invalid(format!(
-            "this model's context window is {n_ctx} tokens; the messages take {prompt_tokens} tokens and at least {reserve} are needed for the answer"
+            "this model's context window is {n_ctx} tokens; {takes} {prompt_tokens} tokens and at least {reserve} are needed for the answer"
         ))
         .code("context_length_exceeded")
-        .param("messages"));
+        .param(field));
     }
     check_fits_machine(st, prompt_tokens.saturating_add(max_tokens))?;
     if st.shared.budget.is_trace()

@@ -935,7 +935,7 @@ fn answer(
         );
     }
     if let Err(e) = choose_start(session, shared, job, projected) {
-        let api = ApiError::from_session(&e);
+        let api = ApiError::from_session(&e).for_prompt(&job.prompt);
         shared.counters.failed.fetch_add(1, Ordering::Relaxed);
         shared.recorder.service(&job.id, "failed", api.json());
         return Some(Update::Failed(api));

@@ -44,7 +44,7 @@
 //! - `run.rs`: route resolution, the cost probe, one run, and the passes' orchestration.
 //! - `summary.rs`: statistics over the cells, the comparisons, and the output files.
 //!
-//! Every public item is re-exported here, so `molt::bench::conditions::X` is the one path to
+//! Every public item is re-exported here, so `molt_bench::conditions::X` is the one path to
 //! each of them.
 
 mod arms;

@@ -328,7 +328,7 @@ pub(super) fn set_aside(
                     blob: x.blob,
                 };
                 let written = within_bound(shared, &dir, file.blob.len() as u64)
-                    .and_then(|()| std::fs::create_dir_all(&dir).map_err(|e| e.to_string()))
+                    .and_then(|()| molt::state::create_private_dir(&dir).map_err(|e| e.to_string()))
                     .and_then(|()| {
                         file.write_atomic(&path).map_err(|e| {
                             if e.is_disk_full() {
