@@ -42,7 +42,7 @@ pub fn write(path: &Path, bytes: &[u8]) -> io::Result<()> {
     write_at(crate::fault::Site::Write, path, bytes)
 }
 
-/// [`write`] whose kill-mid-write fault is counted on `site` (a writer with a fault site of
+/// `write` whose kill-mid-write fault is counted on `site` (a writer with a fault site of
 /// its own, such as the state files of hibernated conversations).
 ///
 /// # Errors

@@ -15,7 +15,7 @@
 //! (whose `l_out` llama.cpp cuts down to the output rows), so every decoded token has a row.
 //!
 //! A third use, the *attention mass* of selective token recompute: while mass is armed
-//! ([`arm_mass`]), every softmax node adds, for every key cell, the attention weight it gets
+//! (`arm_mass`), every softmax node adds, for every key cell, the attention weight it gets
 //! from every query row of the decode, summed over heads and layers. Decoding a prompt's last
 //! tokens (the question) armed says which earlier positions the model reads to answer it (as
 //! SnapKV's observation window does); a size switch re-reads those positions natively.

@@ -1,6 +1,6 @@
 //! A ladder of the user's own GGUF files: [`plan`] checks the files (each a GGUF model, no
 //! file twice, one tokenizer, sizes that order them) and builds the manifest, largest first;
-//! [`write`] puts it in a models directory, linking the files that live elsewhere.
+//! `write` puts it in a models directory, linking the files that live elsewhere.
 //!
 //! Fitting the projectors is the caller's next step (`molt-run ladder init` runs the same fit
 //! as `train-projectors`); a manifest alone already makes a ladder that re-prefills on a switch.

@@ -2,7 +2,7 @@
 //!
 //! Main types: [`Manifest`] (the TOML that names the rungs and their sources), [`Ladder`] (an
 //! opened manifest whose files exist, with every rung's GGUF facts read *before* any weights
-//! are loaded, and its tokenizer checked against the first rung's), and [`fetch()`], which
+//! are loaded, and its tokenizer checked against the first rung's), and `fetch()`, which
 //! downloads, assembles, verifies and builds the files.
 //!
 //! Sharing a tokenizer is what makes a between-tokens migration meaningful at all: the token

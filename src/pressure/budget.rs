@@ -461,7 +461,7 @@ impl BudgetSource for SystemBudget {
     }
 }
 
-/// Genuine pressure, replayed: a [`HogChild`] allocates and touches what a [`Trace`] says the
+/// Genuine pressure, replayed: a `HogChild` allocates and touches what a [`Trace`] says the
 /// rest of the device takes, and the budget is read back from the operating system.
 ///
 /// A trace budgets Molt for a device of `ceiling` bytes (by default the trace's initial

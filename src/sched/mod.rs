@@ -3,7 +3,7 @@
 //!
 //! Following llama.cpp's `llama-memory.h` ("the only method that should mutate the memory …
 //! is `apply()`"), nothing in this room touches an engine. The session takes a [`Snapshot`]
-//! (rung costs, tenants, budget), asks [`plan`] for a [`Plan`] — a list of
+//! (rung costs, tenants, budget), asks `plan` for a [`Plan`] — a list of
 //! `(TenantId, Lever)` actions plus the usage they project — and performs those actions on
 //! the engines in one apply step of its own. [`apply`] is the same step over the snapshot
 //! alone, for simulation ([`simulate`]) and tests.
@@ -13,7 +13,7 @@
 //! - [`RungCost`], [`TenantView`], [`Snapshot`], [`Policy`] — the inputs ([`model`]).
 //! - [`usage`] — bytes a snapshot occupies; the accounting every decision is checked against.
 //! - [`decide_one`] → [`Decision`] — the one-tenant policy ([`one`]).
-//! - [`plan`] → [`Plan`] of [`Lever`]s, and [`apply`] — the multi-tenant scheduler ([`plan`
+//! - `plan` → [`Plan`] of [`Lever`]s, and [`apply`] — the multi-tenant scheduler ([`plan`
 //!   module](mod@plan)).
 //! - [`simulate`] → [`RoundReport`]s — deterministic multi-round replay ([`sim`]).
 //!

@@ -110,7 +110,7 @@ impl Session {
     /// The footprint the policy assigns the session's present state: the current rung's
     /// resident cost (unless parked) plus the KV of `tokens` context tokens, plus what the
     /// standby rungs hold (measured), plus a rung loading in the background for a switch up
-    /// (its whole footprint at `tokens`: see [`super::prepare`]).
+    /// (its whole footprint at `tokens`: see `super::prepare`).
     pub fn modelled_now(&self, tokens: u64) -> u64 {
         let costs = self.rung_costs();
         let c = &costs[self.current];

@@ -108,7 +108,7 @@ pub struct SwitchTimings {
     /// Tokens the source decoded while the destination loaded in the background.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub prepared_tokens: usize,
-    /// A switch up carried in the background (see [`super::prepare`]): the time the loading
+    /// A switch up carried in the background (see `super::prepare`): the time the loading
     /// thread spent projecting, importing and re-reading (`project_ms`, `import_ms`,
     /// `head_ms`, `spans_ms` are its parts) while the source went on answering, ms. `cost_ms`
     /// is then only what the answer waited for: `caught_up` tokens and the sampled one
@@ -259,13 +259,13 @@ pub(crate) fn project_blob_spliced(
     project_blob_general(blob, projector, dst_cache, recomputed, native_head)
 }
 
-/// [`project_blob_spliced`] the general way, whatever the route: the blob parsed into f32
+/// `project_blob_spliced` the general way, whatever the route: the blob parsed into f32
 /// arrays, projected ([`project`]), the recomputed layers and the head spliced in, and a new
 /// blob written in the destination's layout. What a precision route projected in place
 /// ([`crate::transplant::in_place`]) must equal.
 ///
 /// # Errors
-/// As [`project_blob_spliced`].
+/// As `project_blob_spliced`.
 pub fn project_blob_general(
     blob: &[u8],
     projector: &Projector,

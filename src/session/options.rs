@@ -102,7 +102,7 @@ pub struct SessionOptions {
     pub head_later: bool,
     /// Refill: after a Molt switch on a size route, the destination re-reads the history
     /// natively in place, this many positions in the batch of every token it decodes, until
-    /// every cell is its own ([`super::refill`]). The switch's selective recompute re-reads
+    /// every cell is its own (`super::refill`). The switch's selective recompute re-reads
     /// what the question looked at; a summary looks at everything, and without the refill one
     /// caught by a size switch states a third of its notes' facts where a re-prefill states
     /// three quarters (`bench --recall --recall-items benches/recall/summaries.jsonl`). The
@@ -158,12 +158,12 @@ pub struct SessionOptions {
     /// ladder, 2 cores). On by default; off, standby rungs always wait with their pages
     /// released.
     pub standby_hot: bool,
-    /// Prepare a switch up in the background ([`super::prepare`]): when the policy moves up to
+    /// Prepare a switch up in the background (`super::prepare`): when the policy moves up to
     /// a rung that is neither loaded nor on standby, load it on a thread of its own while the
     /// answer goes on on the current rung, and switch at the first token after the load
     /// finished. On by default; off, the switch up loads its destination on the spot.
     pub prepare_up: bool,
-    /// Prepare a switch down ahead while the budget falls ([`super::shadow`]): when, at the
+    /// Prepare a switch down ahead while the budget falls (`super::shadow`): when, at the
     /// slope of the last readings, the budget would fall below the current rung's footprint
     /// within [`SessionOptions::shadow_horizon`], the conversation is carried onto the rung
     /// below in the background and kept caught up, so the switch down, when it comes, is one
@@ -176,7 +176,7 @@ pub struct SessionOptions {
     pub shadow_horizon: Duration,
     /// How soon the current rung must be predicted to stop fitting for a carried shadow to be
     /// taken early once the budget no longer holds both rungs (5 s by default); otherwise the
-    /// shadow is dropped ([`super::shadow`]).
+    /// shadow is dropped (`super::shadow`).
     pub shadow_early: Duration,
     /// Where what a carry onto each rung cost on this machine is kept between processes
     /// ([`crate::session::pace`]), so a new process decides its first shadow on a measurement

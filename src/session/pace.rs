@@ -2,7 +2,7 @@
 //! ([`SessionOptions::pace_file`](super::SessionOptions::pace_file)).
 //!
 //! The shadow is not started when its carry could not finish before the falling budget stops
-//! holding both rungs ([`super::shadow`]); that needs the carry's pace, which a process only
+//! holding both rungs (`super::shadow`); that needs the carry's pace, which a process only
 //! learns from its own carries, so a new process (a one-shot `generate`, a restarted server)
 //! tried its first shadow blind. The file keeps the last pace measured per rung file and thread
 //! count, bound to the processor ([`crate::speed::this_cpu`]): a file of another processor, of
@@ -26,7 +26,7 @@ pub fn default_pace_file() -> Option<PathBuf> {
     crate::state::default_state_dir().and_then(|d| d.parent().map(|p| p.join("carry_pace.json")))
 }
 
-/// One rung's pace, as [`CarryPace`] keeps it.
+/// One rung's pace, as `CarryPace` keeps it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct PaceEntry {
     /// ms per carried cell on a background carry's share of the cores.

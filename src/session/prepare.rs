@@ -57,7 +57,7 @@ use super::{Event, LiveRung, PrepareInfo, PrepareState, Session, SessionError, m
 /// switch waits until it is within [`SHADOW_STEP`].
 pub const CATCH_UP_STEP: usize = 8;
 
-/// Most tokens a shadow (a switch down prepared ahead, [`super::shadow`]) is let fall behind
+/// Most tokens a shadow (a switch down prepared ahead, `super::shadow`) is let fall behind
 /// the source before it re-reads them, and how close any carried destination gets before its
 /// switch: the switch re-reads at most this many with the sampled token, and the user's gap is
 /// that short batch.

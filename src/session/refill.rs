@@ -477,7 +477,7 @@ pub fn hurry_split(
 }
 
 /// Takes the next `step` positions (at least one) from the front of `first`, below `n_past`,
-/// in at most [`CHUNK_SPANS`] pieces: the chunk a token carries, in position order with
+/// in at most `CHUNK_SPANS` pieces: the chunk a token carries, in position order with
 /// touching pieces merged (as [`Context::recompute_spans_then_decode`] wants them).
 pub fn take_chunk(
     first: &mut VecDeque<Range<usize>>,

@@ -47,7 +47,7 @@ pub struct LiveRung {
     /// The part of `context_bytes` llama.cpp's model itself holds (its tensor and tokenizer
     /// tables; repacked weights too, when repacked), measured as the change of `RssAnon` over
     /// the model's load: what a model kept after its context is freed still holds
-    /// ([`super::Session::reap_rungs`]).
+    /// (`super::Session::reap_rungs`).
     pub model_bytes: u64,
 }
 
@@ -389,7 +389,7 @@ impl StandbyRung {
     }
 
     /// Takes the rung live without mapping its pages back: for a caller that maps them on a
-    /// thread of its own ([`populate`]) while it does other work.
+    /// thread of its own (`populate`) while it does other work.
     pub fn into_live(self) -> LiveRung {
         self.live
     }

@@ -63,7 +63,7 @@ impl Session {
     }
 
     /// What the models of rungs let go during the answer still hold, bytes (0 between
-    /// answers: [`Session::free_held_models`]).
+    /// answers: `Session::free_held_models`).
     pub fn held_model_bytes(&self) -> u64 {
         self.held_bytes()
     }

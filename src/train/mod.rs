@@ -8,7 +8,7 @@
 //! fitted on exactly the numbers a migration will carry, no eval tap needed.
 //!
 //! Main items: [`collect`] (one rung's activations), [`fit_ladder`] (every route and variant),
-//! [`RouteResult`] / [`TrainReport`] (the serialisable residuals), [`corpus_tokens`], and in
+//! [`RouteResult`] / [`TrainReport`] (the serialisable residuals), `corpus_tokens`, and in
 //! [`topk`] the hidden maps of selective top-k recompute ([`topk::fit_topk_maps`]).
 
 pub mod curve;

@@ -59,7 +59,7 @@ pub struct LayerFitReport {
     pub candidates: Vec<CandidateScore>,
 }
 
-/// Everything [`fit_route`] measured, serialisable for the results JSON.
+/// Everything `fit_route` measured, serialisable for the results JSON.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct FitReport {
     /// `"src→dst"`.
