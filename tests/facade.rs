@@ -13,8 +13,16 @@ fn manifest() -> PathBuf {
 }
 
 /// An engine on the tiny ladder with its fitted projectors (the library ships none for it).
+/// Several engines share this test process: what the process's anonymous memory shows cannot
+/// be told apart between them, so the policy decides on the modelled costs alone.
 fn builder() -> molt::MoltBuilder {
-    Molt::builder(manifest().as_path()).projectors(common::tiny_projectors().clone())
+    Molt::builder(manifest().as_path())
+        .options(molt::session::SessionOptions {
+            observe_footprint: false,
+            park_deadline: Some(std::time::Duration::from_secs(20)),
+            ..molt::session::SessionOptions::default()
+        })
+        .projectors(common::tiny_projectors().clone())
 }
 
 /// A budget only the smallest rung fits: halfway between its estimate and the next one's.

@@ -117,6 +117,10 @@ pub struct Estimate {
     pub rungs: Vec<RungEstimate>,
 }
 
+/// How long an answer may stay parked (no rung fits the budget) before it ends with
+/// [`StopReason::ParkDeadline`], unless [`MoltBuilder::options`] says otherwise.
+pub const DEFAULT_PARK_DEADLINE: std::time::Duration = std::time::Duration::from_secs(120);
+
 /// What [`MoltBuilder::on_progress`] is given.
 type ProgressFn = Box<dyn FnMut(&LoadProgress) + Send>;
 
@@ -177,7 +181,9 @@ impl MoltBuilder {
     }
 
     /// The session's options: how a switch carries the cache, the levers, standby rungs, …
-    /// (default: [`SessionOptions::default`], what `molt-run` uses).
+    /// (default: [`SessionOptions::default`], what `molt-run` uses, with a park deadline of
+    /// [`DEFAULT_PARK_DEADLINE`]). Replaces what [`MoltBuilder::projectors`] added: call that
+    /// after this.
     #[must_use]
     pub fn options(mut self, options: SessionOptions) -> Self {
         self.options = options;
@@ -321,6 +327,7 @@ impl MoltBuilder {
             budget: swappable,
             thread: Some(thread),
             names,
+            refs,
         })
     }
 }
@@ -348,6 +355,8 @@ pub struct Molt {
     budget: Swappable,
     thread: Option<JoinHandle<()>>,
     names: Vec<String>,
+    /// What a trace's `{"frac": …, "of": "rung"}` events resolve against.
+    refs: crate::pressure::TraceRefs,
 }
 
 impl Molt {
@@ -360,7 +369,13 @@ impl Molt {
             budget: Budget::Unlimited,
             start: None,
             config: ContextConfig::default(),
-            options: SessionOptions::default(),
+            options: SessionOptions {
+                // An answer parked (no rung fits the budget) ends after two minutes, its text
+                // and the conversation kept, rather than holding the application's thread
+                // until memory returns.
+                park_deadline: Some(DEFAULT_PARK_DEADLINE),
+                ..SessionOptions::default()
+            },
             progress: None,
         }
     }
@@ -387,8 +402,7 @@ impl Molt {
     /// # Errors
     /// [`Error::Budget`] when the new source cannot be read (the old one stays).
     pub fn set_budget(&self, budget: Budget) -> Result<(), Error> {
-        let costs: crate::pressure::TraceRefs = crate::pressure::TraceRefs::new();
-        let source = budget.into_source(&costs)?;
+        let source = budget.into_source(&self.refs)?;
         self.budget.replace(source);
         Ok(())
     }

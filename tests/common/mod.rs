@@ -6,28 +6,13 @@
 pub mod events;
 
 use molt::engine::{ContextConfig, Token};
-use molt::ladder::{FetchOptions, Ladder, Manifest, fetch};
+use molt::ladder::Ladder;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 /// The tiny ladder's manifest: a big rung, its Q8_0 requantization (the precision route), and
 /// a small rung with other head_dim and layer count (the size route).
-pub const TINY_MANIFEST: &str = r#"
-name = "tiny"
-description = "random-weight qwen2 models for hermetic tests"
-[[rung]]
-name = "big"
-file = "tiny-big.gguf"
-source = { local = {} }
-[[rung]]
-name = "big-q8"
-file = "tiny-big-q8_0.gguf"
-source = { requantize = { from = "big", type = "Q8_0" } }
-[[rung]]
-name = "small"
-file = "tiny-small.gguf"
-source = { local = {} }
-"#;
+pub const TINY_MANIFEST: &str = molt::tiny::TINY_MANIFEST;
 
 /// A directory under target/ for generated fixtures (kept between runs: generation is
 /// deterministic and skipped when current).
@@ -40,19 +25,7 @@ pub fn tiny_ladder() -> &'static Ladder {
     static L: OnceLock<Ladder> = OnceLock::new();
     L.get_or_init(|| {
         let dir = fixture_dir();
-        molt::tiny::standard_ladder(&dir).expect("tiny models");
-        let manifest_path = dir.join("tiny.toml");
-        std::fs::write(&manifest_path, TINY_MANIFEST).expect("manifest");
-        let m = Manifest::load(&manifest_path).expect("manifest parses");
-        fetch::fetch(
-            &m,
-            &dir,
-            &FetchOptions {
-                threads: 2,
-                ..FetchOptions::default()
-            },
-        )
-        .expect("tiny fetch");
+        let manifest_path = molt::tiny::ladder(&dir).expect("tiny ladder");
         Ladder::open(&manifest_path, &dir).expect("tiny ladder opens")
     })
 }
