@@ -16,6 +16,7 @@ use molt::routes::RouteKind;
 
 mod aside;
 mod concurrency;
+pub mod headline;
 mod precision;
 mod qos;
 mod recall;
