@@ -3,7 +3,7 @@
 # make sure the shipped projectors match the local rungs, fit the ablation and top-k maps the
 # conditions arms need (skipped when they are present and bound to these rungs), run every
 # benchmark program, then draw the figures and write the results page (results/README.md) and
-# the figure block of the top README from the JSON they wrote. About two hours on 2 cores;
+# the top README's results table from the JSON they wrote. About two hours on 2 cores;
 # run it on a quiet machine (timings are compared side by side, but a loaded machine widens
 # the spread). Pass `--quick` for one repetition and three prompts (a smoke run, ~20 min).
 set -euo pipefail

@@ -1,5 +1,6 @@
-//! `molt-run figures`: PNG figures and the results page, generated from the JSON under
-//! `results/`.
+//! `molt-run figures`: PNG figures, the results page and the top README's generated blocks
+//! (the headline table, the included examples), generated from the JSON under `results/` and
+//! the files the README includes.
 
 use anyhow::Result;
 use molt_bench::{figures, page};
@@ -14,9 +15,11 @@ pub struct Args {
     /// Figure directory, relative to --results.
     #[arg(long, default_value = "figures")]
     pub figures_dir: String,
-    /// The top README: its block between `<!-- molt-run figures: begin -->` and
-    /// `<!-- molt-run figures: end -->` is replaced by the generated figures (left alone when
-    /// the file or the markers are absent).
+    /// The top README: its block between `<!-- results: headline -->` and
+    /// `<!-- end results -->` is replaced by the headline table generated from --results, and
+    /// every `<!-- include: PATH -->` … `<!-- end include -->` block by the file at PATH
+    /// (relative to the README's directory, the repository root) as a code block. Left alone
+    /// when the file is absent.
     #[arg(long, default_value = "README.md")]
     pub readme: PathBuf,
 }
@@ -45,22 +48,36 @@ pub fn run(a: &Args) -> Result<()> {
     )? {
         eprintln!("wrote {}", p.display());
     }
-    let snippet = std::fs::read_to_string(a.results.join("figures.md"))?;
     match std::fs::read_to_string(&a.readme) {
-        Ok(text) => match page::splice_readme(&text, &snippet)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", a.readme.display()))?
-        {
-            Some(new) if new != text => {
-                std::fs::write(&a.readme, new)?;
-                eprintln!("updated the figure block of {}", a.readme.display());
+        Ok(text) => {
+            let root = match a.readme.parent() {
+                Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+                _ => PathBuf::from("."),
+            };
+            let r = page::readme::refresh(&text, &root, &a.results)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", a.readme.display()))?;
+            match &r.headline {
+                Some(h) => {
+                    for why in &h.left_out {
+                        eprintln!("{}: headline row left out: {why}", a.readme.display());
+                    }
+                }
+                None => eprintln!(
+                    "{}: no {:?} marker, headline table not written",
+                    a.readme.display(),
+                    page::readme::HEADLINE_BEGIN
+                ),
             }
-            Some(_) => eprintln!("{}: figure block already current", a.readme.display()),
-            None => eprintln!(
-                "{}: no {:?} marker, figure block not written",
-                a.readme.display(),
-                page::README_BEGIN
-            ),
-        },
+            for p in &r.includes {
+                eprintln!("{}: included {p}", a.readme.display());
+            }
+            if r.text == text {
+                eprintln!("{}: generated blocks already current", a.readme.display());
+            } else {
+                std::fs::write(&a.readme, &r.text)?;
+                eprintln!("updated the generated blocks of {}", a.readme.display());
+            }
+        }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(anyhow::anyhow!("{}: {e}", a.readme.display())),
     }
