@@ -1,8 +1,9 @@
 //! The documents can be trusted: every relative link in `README.md` and `docs/*.md` resolves,
-//! every code block included from `examples/` is the file as it is (the examples themselves are
-//! built and run by `tests/examples.rs`), and every shell command they show is one this
-//! checkout has — a script that exists, a `molt-run` subcommand with flags its `--help` lists,
-//! an example, a package or a test of the workspace.
+//! and every shell command they show is one this checkout has — a script that exists, a
+//! `molt-run` subcommand with flags its `--help` lists, an example, a package or a test of the
+//! workspace. (The README's included example is the file itself, and its results table the one
+//! `results/` gives: `molt-bench`'s `page::readme` tests check both; the examples are built and
+//! run by `tests/examples.rs`.)
 
 mod common;
 
@@ -110,36 +111,6 @@ fn every_relative_link_resolves() {
     }
     assert!(checked > 10, "only {checked} relative links found");
     assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
-}
-
-#[test]
-fn included_examples_are_the_files_themselves() {
-    let mut checked = 0;
-    for doc in documents() {
-        let text = std::fs::read_to_string(&doc).unwrap();
-        let mut rest = text.as_str();
-        while let Some(i) = rest.find("<!-- include: ") {
-            let after = &rest[i + "<!-- include: ".len()..];
-            let j = after.find(" -->").expect("include marker closes");
-            let file = &after[..j];
-            let end = after
-                .find("<!-- end include -->")
-                .expect("include block ends");
-            let body = after[j + " -->".len()..end].trim();
-            let want = std::fs::read_to_string(root().join(file))
-                .unwrap_or_else(|e| panic!("{}: {file}: {e}", doc.display()));
-            let fenced = format!("```rust\n{want}```");
-            assert_eq!(
-                body,
-                fenced.trim(),
-                "{}: the block included from {file} differs from the file (`molt-run figures` refreshes it)",
-                doc.display()
-            );
-            checked += 1;
-            rest = &after[end..];
-        }
-    }
-    assert!(checked > 0, "no included example in the documents");
 }
 
 /// The flags `molt-run ARGS --help` lists, `None` when `ARGS` is not a command.
