@@ -128,11 +128,10 @@ impl Engine {
         }
     }
 
-    /// Puts the live conversation aside (in memory) and `conv`'s cache in the session.
-    fn bring(&mut self, conv: u64) -> Result<(), Error> {
-        if self.live == Some(conv) {
-            return Ok(());
-        }
+    /// Keeps the live conversation in memory — its cache exported when it is the session's own
+    /// (cells a switch projected are not: it is then kept as messages) — so that another can
+    /// take the session.
+    fn put_live_aside(&mut self) -> Result<(), Error> {
         if let Some(old) = self.live.take() {
             let first_turn_len = self.live_first_turn;
             let file = self.session.hibernate(&old.to_string(), first_turn_len)?;
@@ -146,6 +145,15 @@ impl Engine {
                 },
             );
         }
+        Ok(())
+    }
+
+    /// Puts the live conversation aside (in memory) and `conv`'s cache in the session.
+    fn bring(&mut self, conv: u64) -> Result<(), Error> {
+        if self.live == Some(conv) {
+            return Ok(());
+        }
+        self.put_live_aside()?;
         self.session.reset();
         let stored = self.stored.remove(&conv).unwrap_or_default();
         self.live_first_turn = stored.first_turn_len;
@@ -241,19 +249,7 @@ impl Engine {
             },
         )?;
         // The live conversation is put aside first: the file takes the session's cache.
-        if let Some(old) = self.live.take() {
-            let first_turn_len = self.live_first_turn;
-            let kept = self.session.hibernate(&old.to_string(), first_turn_len)?;
-            let messages = self.session.conversation().to_vec();
-            self.stored.insert(
-                old,
-                Stored {
-                    file: kept,
-                    messages,
-                    first_turn_len,
-                },
-            );
-        }
+        self.put_live_aside()?;
         self.stored.remove(&conv);
         let woken = match target {
             Some(to) => self.session.wake_on(&file, to),
