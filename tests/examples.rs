@@ -7,13 +7,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 fn example(name: &str) -> PathBuf {
-    // target/<profile>/deps/<this test> -> target/<profile>/examples/<name>
-    let exe = std::env::current_exe().expect("test binary path");
-    let dir = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .expect("target/<profile>");
-    let path = dir.join("examples").join(name);
+    let path = common::target_profile_dir().join("examples").join(name);
     assert!(
         path.exists(),
         "{} is not built (cargo test builds the examples)",

@@ -96,11 +96,6 @@ impl Swappable {
         }
     }
 
-    /// Whether a source is set.
-    pub(super) fn is_set(&self) -> bool {
-        self.0.lock().map(|g| g.is_some()).unwrap_or(false)
-    }
-
     /// The budget now, `None` when unlimited.
     pub(super) fn read_now(&self) -> Option<u64> {
         let mut g = self.0.lock().ok()?;

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
 
 use crate::engine::ChatMessage;
-use crate::session::{Event, GenerateOptions, Generation, Prompt, Session, SessionError};
+use crate::session::{Event, GenerateOptions, Prompt, Session, SessionError};
 use crate::state::{Expect, StateFile};
 
 use super::Error;
@@ -189,10 +189,9 @@ impl Engine {
                 session_cancel.store(true, Ordering::SeqCst);
             }
         };
-        let generation: Result<Generation, SessionError> =
-            self.session
-                .generate(&Prompt::User(text.to_string()), opts, &mut sink);
-        let generation = generation?;
+        let generation = self
+            .session
+            .generate(&Prompt::User(text.to_string()), opts, &mut sink)?;
         if self.live_first_turn == 0 {
             self.live_first_turn = generation.prompt_tokens;
         }

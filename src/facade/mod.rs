@@ -410,11 +410,7 @@ impl Molt {
     /// The budget now, bytes (`None`: unlimited).
     #[must_use]
     pub fn budget_bytes(&self) -> Option<u64> {
-        if self.budget.is_set() {
-            self.budget.read_now()
-        } else {
-            None
-        }
+        self.budget.read_now()
     }
 
     /// The rung the engine is on now (after the last answer, or the one streaming).

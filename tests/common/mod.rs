@@ -258,18 +258,22 @@ pub fn speed_row(
     }
 }
 
+/// `target/<profile>`: this test binary lives in its `deps/`.
+pub fn target_profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    exe.parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>")
+        .to_path_buf()
+}
+
 /// The `molt-run` binary of this build (`target/<profile>/molt-run`), built by the workspace's
 /// `cargo build` / `cargo test` (it lives in the `molt-run` crate beside this one).
 ///
 /// # Panics
 /// When it has not been built: `cargo build --release -p molt-run` (the test script does).
 pub fn molt_run() -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let path = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>")
-        .join(format!("molt-run{}", std::env::consts::EXE_SUFFIX));
+    let path = target_profile_dir().join(format!("molt-run{}", std::env::consts::EXE_SUFFIX));
     assert!(
         path.exists(),
         "{} is not built: run `cargo build --release -p molt-run` (scripts/test.sh does)",
