@@ -537,8 +537,10 @@ fn a_size_switch_over_a_short_history_re_reads_all_of_it_and_refills_nothing() {
 /// imported, the destination reads the head, the positions the question looked at and the
 /// question, and leaves the rest out. The refill then reads what was left out behind the
 /// answer, and from the token after it the answer is what a native cache of the same text
-/// gives. With the refill off, what was left out is read when the answer ends (a `fill`
-/// lever): the cache the answer leaves holds every position, natively.
+/// gives. With the refill off, the answer ends as soon as its last token is written, with
+/// what was left out still due: read between answers ([`Session::fill_idle`], a micro-batch
+/// at a time), or when the answer ends with `fill_at_end` (a `fill` lever) — either way the
+/// cache then holds every position, natively.
 #[test]
 fn a_default_size_switch_reads_sparsely_and_leaves_a_whole_native_cache() {
     let long = [TEXT; 4].join(" ");
@@ -572,15 +574,71 @@ fn a_default_size_switch_reads_sparsely_and_leaves_a_whole_native_cache() {
         "after the refill the answer is the native cache's"
     );
 
-    let (g0, levers0, s0) = run(0);
+    let (g0, levers0, mut s0) = run(0);
     assert!(g0.switches[0].timings.sparse);
     assert_eq!(g0.tokens[..2], g.tokens[..2]);
     assert!(levers0.iter().all(|x| x.lever != "refill"), "{levers0:?}");
-    let fills: Vec<_> = levers0.iter().filter(|x| x.lever == "fill").collect();
-    assert_eq!(fills.len(), 1, "{levers0:?}");
-    assert_eq!(fills[0].at_token, g0.tokens.len());
-    assert_eq!(fills[0].tokens, left_out, "{:?}", fills[0]);
+    assert!(levers0.iter().all(|x| x.lever != "fill"), "{levers0:?}");
+    assert_eq!(s0.fill_due(), left_out);
+    // Between answers, a micro-batch at a time.
+    let mut read = 0;
+    let mut steps = 0;
+    while s0.fill_due() > 0 {
+        let step = s0.fill_idle(1).unwrap();
+        assert!(step.read > 0, "{step:?}");
+        assert_eq!(step.due, s0.fill_due());
+        read += step.read;
+        steps += 1;
+        assert!(steps <= left_out, "the fill makes progress");
+    }
+    assert!(
+        steps > 1,
+        "{left_out} positions in micro-batches: {steps} steps"
+    );
+    assert_eq!(read, left_out);
     assert_eq!(s0.projected_positions(), 0);
+    assert_eq!(
+        s0.fill_idle(1).unwrap().read,
+        0,
+        "nothing left: nothing read"
+    );
+
+    // A prompt that comes before the fill is done reads what is left first (a `fill` lever at
+    // its token 0), then itself.
+    let (_, _, mut s2) = run(0);
+    let first = s2.fill_idle(1).unwrap();
+    assert!(first.read > 0 && first.due > 0, "{first:?}");
+    let mut next = Vec::new();
+    s2.generate(
+        &Prompt::Text(" Again.".into()),
+        &GenerateOptions {
+            max_tokens: 4,
+            ..GenerateOptions::default()
+        },
+        &mut |e| {
+            if let Event::Lever(x) = e {
+                next.push(x.clone());
+            }
+        },
+    )
+    .unwrap();
+    let fills: Vec<_> = next.iter().filter(|x| x.lever == "fill").collect();
+    assert_eq!(fills.len(), 1, "{next:?}");
+    assert_eq!((fills[0].at_token, fills[0].tokens), (0, first.due));
+    assert_eq!(s2.fill_due(), 0);
+
+    let opts = SessionOptions {
+        refill_chunk: 0,
+        fill_at_end: true,
+        ..SessionOptions::default()
+    };
+    let (g1, levers1, s1) = common::events::forced_switch(opts, &long, 2, 2);
+    let fills: Vec<_> = levers1.iter().filter(|x| x.lever == "fill").collect();
+    assert_eq!(fills.len(), 1, "{levers1:?}");
+    assert_eq!(fills[0].at_token, g1.tokens.len());
+    assert_eq!(fills[0].tokens, left_out, "{:?}", fills[0]);
+    assert_eq!(s1.projected_positions(), 0);
+    assert_eq!(s1.fill_due(), 0);
 }
 
 /// A hurried size switch (`SessionOptions::hurry`) reads only the head and the newest
@@ -588,8 +646,8 @@ fn a_default_size_switch_reads_sparsely_and_leaves_a_whole_native_cache() {
 /// answer, then the refill's pass, and from the token after it the answer is what a native
 /// cache of the same text gives. With the refill's pass off, the chosen positions are still
 /// read behind the answer, and what the switch did not choose is read when the answer ends
-/// (a `fill` lever, as many positions as the unhurried switch left out): the cache the answer
-/// leaves holds every position, natively.
+/// (with `fill_at_end`: a `fill` lever, as many positions as the unhurried switch left out):
+/// the cache the answer leaves holds every position, natively.
 #[test]
 fn a_hurried_size_switch_reads_the_newest_positions_first_and_the_rest_behind_the_answer() {
     let long = [TEXT; 4].join(" ");
@@ -600,6 +658,7 @@ fn a_hurried_size_switch_reads_the_newest_positions_first_and_the_rest_behind_th
             // Unpaced: how many positions each token carries does not hang on timings.
             refill_pace: 1.0,
             hurry,
+            fill_at_end: true,
             ..SessionOptions::default()
         };
         common::events::forced_switch(opts, &long, 2, 2)

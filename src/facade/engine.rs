@@ -89,7 +89,7 @@ impl Engine {
 
     /// Answers jobs until every sender is gone.
     pub(super) fn run(mut self, jobs: &Receiver<Job>) {
-        while let Ok(job) = jobs.recv() {
+        while let Some(job) = self.next_job(jobs) {
             match job {
                 Job::Send {
                     conv,
@@ -128,12 +128,38 @@ impl Engine {
         }
     }
 
+    /// The next job, or `None` once every sender is gone. While none waits, the live
+    /// conversation's cache is made whole: what its last answer's size switch left out is
+    /// read a micro-batch at a time ([`Session::fill_idle`]), so its next message does not
+    /// wait for it; a job that comes is taken at once (the answer reads what is left first).
+    fn next_job(&mut self, jobs: &Receiver<Job>) -> Option<Job> {
+        while self.session.fill_due() > 0 {
+            match jobs.try_recv() {
+                Ok(job) => return Some(job),
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => return None,
+                Err(std::sync::mpsc::TryRecvError::Empty) => {}
+            }
+            // A failure cut the cache before what it could not read: the next message reads
+            // the rest again from the conversation.
+            if self.session.fill_idle(1).is_err() {
+                break;
+            }
+        }
+        jobs.recv().ok()
+    }
+
     /// Keeps the live conversation in memory — its cache exported when it is the session's own
     /// (cells a switch projected are not: it is then kept as messages) — so that another can
     /// take the session.
     fn put_live_aside(&mut self) -> Result<(), Error> {
         if let Some(old) = self.live.take() {
             let first_turn_len = self.live_first_turn;
+            // What a size switch left out is read first: a cache with absent cells is not kept.
+            while self.session.fill_due() > 0 {
+                if self.session.fill_idle(usize::MAX).is_err() {
+                    break;
+                }
+            }
             let file = self.session.hibernate(&old.to_string(), first_turn_len)?;
             let messages = self.session.conversation().to_vec();
             self.stored.insert(

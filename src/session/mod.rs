@@ -40,6 +40,7 @@ pub use options::{
     refill_step,
 };
 pub use prepare::{CATCH_UP_STEP, SHADOW_STEP};
+pub use refill::{FILL_JOIN, FillStep};
 pub use rest::IdleMove;
 pub use rung::{LiveRung, LoadParts, ParkedRung, StandbyRung};
 pub use shadow::TREND_WINDOW;
@@ -926,13 +927,13 @@ impl Session {
         self.flush_footprint(sink);
         // A refill still behind when the answer ends is dropped: what it re-read stays native,
         // and the next prompt re-reads the projected cells it looks at. Positions a sparse
-        // read left out are read now, so the cache the answer leaves is whole (a later
-        // prompt, a state file, a park build on it).
+        // read left out are read between answers ([`Session::fill_idle`], while the user reads
+        // and types) or by the next prompt before it is read; with `fill_at_end`, now.
         if !killed {
             self.finish_head_behind();
         }
         self.drop_refill();
-        if !killed {
+        if !killed && self.opts.fill_at_end {
             self.fill_holes(out_tokens.len(), sink);
         }
         // The models of the rungs the answer's switches let go of go now, after its last token

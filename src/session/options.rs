@@ -183,6 +183,12 @@ pub struct SessionOptions {
     /// (`None`, the library's default: kept in the process only; the CLI passes the per-user
     /// file, [`crate::session::pace::default_pace_file`]).
     pub pace_file: Option<std::path::PathBuf>,
+    /// Read what a size switch's sparse read left out when the answer ends, before its last
+    /// event (off by default: the answer ends as soon as its last token is written, and the
+    /// positions are read between answers by [`Session::fill_idle`](super::Session::fill_idle)
+    /// — `chat`, the facade and the server call it while no prompt waits — or by the next
+    /// prompt, before it is read, when none did).
+    pub fill_at_end: bool,
     /// Switches for benchmarks and ablations, not for products ([`Research`]): the defaults
     /// are what Molt ships.
     pub research: Research,
@@ -319,6 +325,7 @@ impl Default for SessionOptions {
             shadow_horizon: Duration::from_secs(30),
             shadow_early: Duration::from_secs(5),
             pace_file: None,
+            fill_at_end: false,
             research: Research::default(),
             speed: crate::speed::SpeedPolicy::from_env(),
         }

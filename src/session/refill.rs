@@ -325,49 +325,68 @@ impl Session {
         }
     }
 
+    /// Positions a size switch's sparse read left without a cell that are still to be read
+    /// ([`Session::fill_idle`]): 0 when the cache is whole (or parked, or the answer's refill
+    /// re-read them). A prompt answered on this cache reads them first: nothing can attend to a
+    /// position with no cell.
+    #[must_use]
+    pub fn fill_due(&self) -> usize {
+        if !self.holes || self.parked.is_some() || self.rungs[self.current].is_none() {
+            return 0;
+        }
+        due(&self.projected, self.history.len())
+    }
+
+    /// Between answers, while the user reads and types: reads at least `max` of the positions
+    /// a size switch left out (or all that are left), natively in place, as
+    /// [`Session::fill_holes`] reads them, one micro-batch per `llama_decode` — so a caller
+    /// that calls it again while no prompt is waiting yields to a new prompt within one
+    /// micro-batch, and that prompt reads only what is left ([`Session::generate`] does).
+    ///
+    /// # Errors
+    /// [`SessionError::Engine`] when llama.cpp fails: the cache and the history are then cut
+    /// before the first stretch not read (what is left is native), and the next prompt reads
+    /// the rest again from the conversation.
+    pub fn fill_idle(&mut self, max: usize) -> Result<FillStep, SessionError> {
+        let t0 = Instant::now();
+        let rung = self.current_rung().to_string();
+        let (read, result) = self.fill_some(max.max(1));
+        result.map_err(|source| SessionError::Engine {
+            rung: rung.clone(),
+            source,
+        })?;
+        Ok(FillStep {
+            read,
+            due: self.fill_due(),
+            ms: t0.elapsed().as_secs_f64() * 1e3,
+            rung,
+        })
+    }
+
     /// Reads the positions a sparse read left out and no refill has read yet, natively in
     /// place, each stretch attending to every cell before it (the head, the positions the
     /// switch read, the stretches read before it): afterwards the cache is what a re-prefill
-    /// builds. Called when an answer ends before its refill did, and before a prompt is read
-    /// on the cache — nothing can attend to a position with no cell, so the next question
-    /// could not find what it asks about. A `fill` lever (`↻` in `chat`) says how many
-    /// positions and how long. Nothing happens when no cell is absent. Never fatal: if the
-    /// engine fails, the cache and the history are cut before the first stretch not read
-    /// (what is left is native), the next prompt reads the rest again from the conversation,
-    /// and the lever says `fill abandoned: …`.
+    /// builds. Called before a prompt is read on the cache — nothing can attend to a position
+    /// with no cell, so the next question could not find what it asks about — and, with
+    /// [`SessionOptions::fill_at_end`](super::SessionOptions::fill_at_end), when an answer ends
+    /// before its refill did. A `fill` lever (`↻` in `chat`) says how many positions and how
+    /// long. Nothing happens when no cell is absent. Never fatal: if the engine fails, the
+    /// cache and the history are cut before the first stretch not read (what is left is
+    /// native), the next prompt reads the rest again from the conversation, and the lever says
+    /// `fill abandoned: …`.
     pub(super) fn fill_holes(&mut self, at_token: usize, sink: &mut dyn FnMut(&Event)) {
-        if !self.holes || self.projected.is_empty() || self.rungs[self.current].is_none() {
+        if self.fill_due() == 0 {
+            self.holes = self.holes && !self.projected.is_empty();
             return;
         }
         self.drop_refill();
         let t0 = Instant::now();
-        let holes = std::mem::take(&mut self.projected);
-        self.holes = false;
         let rung = self.current;
-        let live = self.rungs[rung].as_mut().expect("checked above");
-        let n_past = live.ctx.n_past().min(self.history.len());
-        let mut done = 0;
-        let mut what = "fill".to_string();
-        for h in &holes {
-            let end = h.end.min(n_past);
-            if h.start >= end {
-                continue;
-            }
-            let span = Span {
-                start: h.start,
-                tokens: &self.history[h.start..end],
-            };
-            match live.ctx.recompute_spans(&[span]) {
-                Ok(n) => done += n,
-                Err(e) => {
-                    live.ctx.truncate(h.start);
-                    self.history.truncate(h.start);
-                    self.pinned = self.pinned.min(h.start);
-                    what = format!("fill abandoned: {e}");
-                    break;
-                }
-            }
-        }
+        let (done, result) = self.fill_some(usize::MAX);
+        let what = match result {
+            Ok(()) => "fill".to_string(),
+            Err(e) => format!("fill abandoned: {e}"),
+        };
         let info = LeverInfo::refill(
             at_token,
             &what,
@@ -378,6 +397,56 @@ impl Session {
         );
         sink(&Event::Lever(info.clone()));
         self.answer_levers.push(info);
+    }
+
+    /// Reads left-out positions in position order until at least `max` are read or none is
+    /// left: each stretch in pieces of the rung's micro-batch, a piece per `llama_decode` (the
+    /// destination's own prefill rate, not a trickle of small batches), stretches closer than
+    /// [`FILL_JOIN`] read as one with the positions between them ([`fill_runs`]). Returns the
+    /// left-out positions read; on an engine failure, the cache and the history are cut
+    /// before the piece that failed.
+    fn fill_some(&mut self, max: usize) -> (usize, Result<(), EngineError>) {
+        if self.fill_due() == 0 {
+            return (0, Ok(()));
+        }
+        let n = self.history.len();
+        let Some(live) = self.rungs[self.current].as_mut() else {
+            return (0, Ok(()));
+        };
+        let n_past = live.ctx.n_past().min(n);
+        let piece = live.ctx.config().n_ubatch.max(1) as usize;
+        let mut read = 0;
+        let mut result = Ok(());
+        while read < max {
+            let Some(run) = fill_runs(&self.projected, n_past).into_iter().next() else {
+                break;
+            };
+            let range = run.start..(run.start + piece).min(run.end);
+            let span = Span {
+                start: range.start,
+                tokens: &self.history[range.clone()],
+            };
+            match live.ctx.recompute_spans(&[span]) {
+                Ok(_) => {
+                    let before = due(&self.projected, n_past);
+                    self.projected = subtract(&self.projected, std::slice::from_ref(&range));
+                    read += before - due(&self.projected, n_past);
+                }
+                Err(e) => {
+                    live.ctx.truncate(range.start);
+                    self.history.truncate(range.start);
+                    self.pinned = self.pinned.min(range.start);
+                    self.projected.clear();
+                    result = Err(e);
+                    break;
+                }
+            }
+        }
+        if due(&self.projected, n_past) == 0 {
+            self.projected.clear();
+            self.holes = false;
+        }
+        (read, result)
     }
 
     fn refill_done(
@@ -519,6 +588,50 @@ fn merged(spans: impl Iterator<Item = Range<usize>>) -> Vec<Range<usize>> {
         }
     }
     out
+}
+
+/// Left-out stretches closer than this are read as one run, the positions between them read
+/// again with them: on a CPU a batch of a few dozen positions costs nearly what a micro-batch
+/// costs (the weights are read once per batch), so reading a short stretch twice is cheaper
+/// than a batch of its own.
+pub const FILL_JOIN: usize = 64;
+
+/// What one [`Session::fill_idle`] did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FillStep {
+    /// Left-out positions read now.
+    pub read: usize,
+    /// Left-out positions still due.
+    pub due: usize,
+    /// How long it took, ms.
+    pub ms: f64,
+    /// The rung it read on.
+    pub rung: String,
+}
+
+/// Positions of `spans` below `n`.
+fn due(spans: &[Range<usize>], n: usize) -> usize {
+    spans
+        .iter()
+        .map(|r| r.end.min(n).saturating_sub(r.start))
+        .sum()
+}
+
+/// The runs a fill reads, in position order: `spans` (ordered, disjoint) cut at `n`, those
+/// less than [`FILL_JOIN`] apart joined.
+fn fill_runs(spans: &[Range<usize>], n: usize) -> Vec<Range<usize>> {
+    let mut runs: Vec<Range<usize>> = Vec::new();
+    for r in spans {
+        let r = r.start..r.end.min(n);
+        if r.is_empty() {
+            continue;
+        }
+        match runs.last_mut() {
+            Some(last) if r.start.saturating_sub(last.end) < FILL_JOIN => last.end = r.end,
+            _ => runs.push(r),
+        }
+    }
+    runs
 }
 
 /// The positions of `spans` (ordered, disjoint) not in `cut`, ordered.

@@ -84,6 +84,7 @@ impl Session {
             && to > from
             && self.opts.strategy != Strategy::Reprefill
             && self.parked.is_none()
+            && self.fill_due() == 0
             && self.rungs[from]
                 .as_ref()
                 .is_some_and(|s| s.ctx.seq_pos_min() <= 0 && s.ctx.n_past() == self.history.len())

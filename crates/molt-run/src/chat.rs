@@ -685,11 +685,39 @@ impl Chat {
         self.snapshot = s;
     }
 
+    /// Shows what the session read between answers of what a size switch left out.
+    fn on_filled(&mut self, f: Result<worker::Filled, String>) {
+        let line = match f {
+            Ok(f) if f.due == 0 => format!(
+                "↻ {} read the {} positions the switch left out while you typed ({:.0} ms): \
+                 its cache is whole and its own",
+                self.renderer.rung_name(&f.rung),
+                f.read,
+                f.ms
+            ),
+            Ok(f) => format!(
+                "↻ {} read {} of the positions the switch left out while you typed ({:.0} ms); \
+                 this message reads the other {} first",
+                self.renderer.rung_name(&f.rung),
+                f.read,
+                f.ms,
+                f.due
+            ),
+            Err(e) => format!(
+                "↻ reading what the switch left out failed ({e}): the next message reads the \
+                 rest again"
+            ),
+        };
+        self.renderer.note(&line);
+    }
+
     /// Reads the reports that came while the main thread waited for input.
     fn drain_idle(&mut self, reports: &Receiver<Report>) {
         while let Ok(r) = reports.try_recv() {
-            if let Report::Idle(m, s) = r {
-                self.on_idle(m, s, None);
+            match r {
+                Report::Idle(m, s) => self.on_idle(m, s, None),
+                Report::Filled(f) => self.on_filled(f),
+                _ => {}
             }
         }
     }
@@ -850,6 +878,7 @@ impl Chat {
                     return Ok(());
                 }
                 Report::Idle(m, s) => self.on_idle(m, s, None),
+                Report::Filled(f) => self.on_filled(f),
                 Report::Event(_) | Report::Answered(_) => {}
             }
         }
@@ -897,6 +926,7 @@ impl Chat {
                         break 'answer;
                     }
                     Report::Idle(m, s) => self.on_idle(m, s, Some(sent.elapsed())),
+                    Report::Filled(f) => self.on_filled(f),
                 }
             }
             if input::take_interrupt() && !stopping {

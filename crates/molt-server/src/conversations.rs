@@ -482,6 +482,13 @@ impl Conversations {
     /// and empties the session. Also what a server shutting down calls.
     pub fn hibernate_live(&self, session: &mut Session, id: &str, recorder: &Recorder) {
         let first = self.first_turn_len(id);
+        // What a size switch left out is read first: a cache with absent cells is not kept
+        // (its conversation would be read again from its messages).
+        while session.fill_due() > 0 {
+            if session.fill_idle(usize::MAX).is_err() {
+                break;
+            }
+        }
         let snapshot = session.hibernate(id, first);
         session.reset();
         {

@@ -631,8 +631,26 @@ pub fn run(mut session: Session, shared: &Shared, settled: tokio::sync::oneshot:
     retune_at_start(&mut session, shared);
     let _ = settled.send(());
     loop {
-        let mut job = match shared.queue.next(IDLE_POLL) {
+        // While what an answer's size switch left out is still to read, the queue is only
+        // looked at: the read goes on between requests, a micro-batch at a time, and a
+        // request that comes reads what is left first.
+        let wait = if session.fill_due() > 0 {
+            Duration::ZERO
+        } else {
+            IDLE_POLL
+        };
+        let mut job = match shared.queue.next(wait) {
             Next::Job(job) => job,
+            Next::Idle if session.fill_due() > 0 => {
+                if let Err(e) = session.fill_idle(1) {
+                    shared.recorder.service(
+                        "",
+                        "fill failed",
+                        serde_json::json!({"rung": session.current_rung(), "error": e.to_string()}),
+                    );
+                }
+                continue;
+            }
             Next::Idle => {
                 follow_budget_idle(&mut session, shared, &mut projected, None);
                 continue;

@@ -31,6 +31,23 @@ pub enum Report {
     /// why it could not), with its state after. Sent after the job's [`Report::Snapshot`], so
     /// the main thread reads it with whatever it does next.
     Idle(Result<molt::session::IdleMove, String>, Snapshot),
+    /// Between answers: the session read what the last answer's size switch left out, while
+    /// the user read and typed ([`Session::fill_idle`]); `due` were still to read when a new
+    /// job came (the next answer reads them first), or why it stopped.
+    Filled(Result<Filled, String>),
+}
+
+/// What the fill between answers did.
+#[derive(Debug, Clone)]
+pub struct Filled {
+    /// The rung it read on.
+    pub rung: String,
+    /// Positions read.
+    pub read: usize,
+    /// Positions left for the next answer to read first.
+    pub due: usize,
+    /// Time spent, ms.
+    pub ms: f64,
 }
 
 /// The session's state, as `/status` shows it.
@@ -195,7 +212,15 @@ pub fn spawn(
     let handle = std::thread::Builder::new()
         .name("molt-generate".into())
         .spawn(move || {
-            for job in job_rx {
+            let mut next = None;
+            loop {
+                let job = match next.take() {
+                    Some(j) => j,
+                    None => match job_rx.recv() {
+                        Ok(j) => j,
+                        Err(_) => break,
+                    },
+                };
                 let settle = matches!(job, Job::Settle);
                 match job {
                     Job::Answer(prompt, opts) => {
@@ -241,7 +266,10 @@ pub fn spawn(
                 // budget holds a larger rung again, so that the next answer does not start
                 // with the load and the conversation's re-read.
                 let moved = match session.promote_idle() {
-                    Ok(None) => continue,
+                    Ok(None) => {
+                        next = fill_while_idle(&mut session, &mut keeper, &job_rx, &tx);
+                        continue;
+                    }
                     Ok(Some(m)) => {
                         if let Some(k) = keeper.as_mut() {
                             k.save(&mut session);
@@ -256,6 +284,7 @@ pub fn spawn(
                 {
                     break;
                 }
+                next = fill_while_idle(&mut session, &mut keeper, &job_rx, &tx);
             }
             // On exit: what is in RAM goes to its file.
             if let Some(k) = keeper.as_mut()
@@ -267,4 +296,66 @@ pub fn spawn(
         })
         .expect("spawning the generation thread");
     (job_tx, rx, handle)
+}
+
+/// While no job waits: reads what the last answer's size switch left out, a micro-batch at a
+/// time ([`Session::fill_idle`]), so the next prompt does not wait for it — and yields to the
+/// job that comes (returned; the answer then reads what is left before its prompt). Says what
+/// it did ([`Report::Filled`]) and keeps the conversation's file once the cache is whole.
+fn fill_while_idle(
+    session: &mut Session,
+    keeper: &mut Option<Keeper>,
+    jobs: &Receiver<Job>,
+    tx: &Sender<Report>,
+) -> Option<Job> {
+    if session.fill_due() == 0 {
+        return None;
+    }
+    let t0 = std::time::Instant::now();
+    let rung = session.current_rung().to_string();
+    let mut read = 0;
+    let mut next = None;
+    let mut failed = None;
+    loop {
+        match jobs.try_recv() {
+            Ok(j) => {
+                next = Some(j);
+                break;
+            }
+            Err(std::sync::mpsc::TryRecvError::Disconnected) => break,
+            Err(std::sync::mpsc::TryRecvError::Empty) => {}
+        }
+        match session.fill_idle(1) {
+            Ok(step) => {
+                read += step.read;
+                if step.due == 0 {
+                    break;
+                }
+            }
+            Err(e) => {
+                failed = Some(e.to_string());
+                break;
+            }
+        }
+    }
+    let due = session.fill_due();
+    if due == 0
+        && failed.is_none()
+        && let Some(k) = keeper.as_mut()
+    {
+        k.save(session);
+    }
+    let report = failed.map_or_else(
+        || {
+            Ok(Filled {
+                rung,
+                read,
+                due,
+                ms: t0.elapsed().as_secs_f64() * 1e3,
+            })
+        },
+        Err,
+    );
+    let _ = tx.send(Report::Filled(report));
+    next
 }
