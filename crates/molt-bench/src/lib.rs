@@ -18,6 +18,7 @@
 //!   `results/reliability.json` (fuzz, faults, soak, probes).
 //! - [`figures`] and [`page`]: PNG figures and the results page, generated from the JSON.
 
+pub mod bill;
 pub mod conditions;
 pub mod cost_sweep;
 pub mod figures;

@@ -16,6 +16,7 @@ use super::speed::Rate;
 use molt::routes::RouteKind;
 
 mod aside;
+mod bill;
 mod concurrency;
 pub mod headline;
 mod precision;
@@ -550,6 +551,7 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
     let precision_doc: Option<super::precision::PrecisionDoc> =
         optional(&dir.join("precision_rungs.json"))?;
     let stall_doc: Option<super::stall::StallDoc> = optional(&dir.join("switch_stall.json"))?;
+    let bill_doc: Option<super::bill::BillDoc> = optional(&dir.join("switch_bill.json"))?;
     let reliability: Option<super::reliability::Reliability> =
         optional(&dir.join("reliability.json"))?;
     let speed_doc: Option<super::speed::SpeedDoc> = optional(&dir.join("speed.json"))?;
@@ -571,6 +573,7 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
         (summaries.is_some(), "recall_summaries.json"),
         (precision_doc.is_some(), "precision_rungs.json"),
         (stall_doc.is_some(), "switch_stall.json"),
+        (bill_doc.is_some(), "switch_bill.json"),
         (reliability.is_some(), "reliability.json"),
         (speed_doc.is_some(), "speed.json"),
         (sampling_doc.is_some(), "sampling.json"),
@@ -759,6 +762,9 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
     }
     if let Some(doc) = &stall_doc {
         s.push_str(&stall::section(doc, figures, &opts.figures_rel_results));
+    }
+    if let Some(doc) = &bill_doc {
+        s.push_str(&bill::section(doc));
     }
     if let Some(doc) = &resid {
         let _ = writeln!(s, "\n## How well the maps fit\n");

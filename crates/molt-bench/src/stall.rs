@@ -139,7 +139,9 @@ pub struct Spread {
 }
 
 impl Spread {
-    fn of(v: &[f64]) -> Self {
+    /// The spread of `v`.
+    #[must_use]
+    pub fn of(v: &[f64]) -> Self {
         let r = Rate::from(v.to_vec());
         Self {
             median: r.median,

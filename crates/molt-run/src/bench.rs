@@ -134,6 +134,15 @@ pub struct Args {
     /// newest N positions before its first token, what it chose after it.
     #[arg(long, value_name = "N", default_value_t = molt::session::DEFAULT_HURRY)]
     pub stall_hurry: usize,
+    /// The size switch's whole bill (results/switch_bill.json): in a conversation, the budget
+    /// cut to the smallest rung before answer token 1, then a second question — the stall, the
+    /// destination's whole work for the switch, the wait after the answer and the next
+    /// prompt's first token, beside a re-prefill's and a native cache's.
+    #[arg(long)]
+    pub bill: bool,
+    /// Context lengths of the bill bench, tokens (about).
+    #[arg(long, value_delimiter = ',', default_values_t = vec![1000usize, 4000])]
+    pub bill_lengths: Vec<usize>,
     /// Output directory.
     #[arg(long, default_value = "results")]
     pub out_dir: PathBuf,
@@ -266,6 +275,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         && !a.serve_aside
         && !a.recall
         && !a.stall
+        && !a.bill
         && !a.soak
         && !a.sampling
         && !a.reliability
@@ -274,7 +284,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         && a.conditions.is_none()
     {
         bail!(
-            "nothing to run: pass --conditions all, --cost-sweep, --speed, --footprint, --recall, --precision, --stall, --serve-qos, --serve-aside, --soak, --sampling and/or --reliability"
+            "nothing to run: pass --conditions all, --cost-sweep, --speed, --footprint, --recall, --precision, --stall, --bill, --serve-qos, --serve-aside, --soak, --sampling and/or --reliability"
         );
     }
     if a.stall && (a.stall_lengths.is_empty() || a.stall_lengths.contains(&0)) {
@@ -318,6 +328,9 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     }
     if a.stall {
         run_stall(g, a)?;
+    }
+    if a.bill {
+        run_bill(g, a)?;
     }
     if a.soak {
         run_soak(g, a)?;
@@ -434,6 +447,79 @@ fn run_reliability(a: &Args) -> Result<()> {
     if !bad.is_empty() {
         bail!("reliability goals not met: {}", bad.join("; "));
     }
+    Ok(())
+}
+
+fn run_bill(g: &GlobalArgs, a: &Args) -> Result<()> {
+    use molt_bench::bill::{self, BillDoc, BillOptions};
+    let ladder = g.open_ladder()?;
+    if ladder.rungs.len() < 2 {
+        bail!("--bill needs a ladder of two rungs or more");
+    }
+    if a.bill_lengths.is_empty() || a.bill_lengths.contains(&0) {
+        bail!("--bill-lengths must be positive");
+    }
+    let lengths = if a.quick {
+        vec![a.bill_lengths[0]]
+    } else {
+        a.bill_lengths.clone()
+    };
+    let mut config = g.context_config()?;
+    // Room for the longest context, its turns and a reserve.
+    let longest = lengths.iter().copied().max().unwrap_or(0);
+    config.n_ctx = config
+        .n_ctx
+        .max(u32::try_from(longest + 512).unwrap_or(u32::MAX));
+    let opts = BillOptions {
+        lengths,
+        reps: if a.quick { 1 } else { a.reps },
+        from: 0,
+        to: ladder.rungs.len() - 1,
+        max_tokens: 24,
+        projector_dirs: a.projectors.iter().cloned().collect(),
+    };
+    let info = RunInfo::now();
+    let rows = bill::run(&ladder, config, &opts, &mut |m| {
+        eprintln!("bench --bill: {m}")
+    })?;
+    let doc = BillDoc {
+        run: serde_json::to_value(&info)?,
+        threads: config.n_threads,
+        contention: format!(
+            "a shared {}-CPU machine, load average {:.2} at the start; every decode on {} thread(s)",
+            info.cpus, info.loadavg_1m, config.n_threads
+        ),
+        rows,
+        ahead: Vec::new(),
+    };
+    std::fs::create_dir_all(&a.out_dir)?;
+    let path = a.out_dir.join("switch_bill.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&doc)?)?;
+    for r in &doc.rows {
+        eprintln!(
+            "{} at {} tokens: stall {:.0} ms, whole bill {:.0} ms ({:.0} positions), re-prefill \
+             {:.0} ms; fill {:.0} positions in {:.0} ms ({:.2} × the prefill rate); wait after \
+             the answer {:.0} ms (fill at end {:.0}); next TTFT {:.0} ms at once, {:.0} after \
+             the fill, {:.0} after a re-prefill, {:.0} native; recall {:?}",
+            r.route,
+            r.context_tokens,
+            r.stall_ms.median,
+            r.whole_bill_ms.median,
+            r.whole_bill_positions.median,
+            r.reprefill_ms.median,
+            r.fill_positions.median,
+            r.fill_ms.median,
+            r.fill_rate_ratio,
+            r.wait_after_answer_ms.median,
+            r.wait_after_answer_fill_at_end_ms.median,
+            r.next_ttft_ms.median,
+            r.next_ttft_after_fill_ms.median,
+            r.next_ttft_reprefill_ms.median,
+            r.next_ttft_native_ms.median,
+            r.recall
+        );
+    }
+    eprintln!("wrote {}", path.display());
     Ok(())
 }
 

@@ -290,6 +290,8 @@ pub fn spawn(
             if let Some(k) = keeper.as_mut()
                 && !session.history().is_empty()
             {
+                // A cache with positions still left out is not kept: they are read first.
+                while session.fill_due() > 0 && session.fill_idle(usize::MAX).is_ok() {}
                 k.save(&mut session);
                 eprintln!("conversation {}", k.last);
             }
