@@ -179,6 +179,45 @@ fn budget_cut_mid_answer_switches_and_the_conversation_goes_on() {
     }
 }
 
+/// What a size switch left out is read while the user types, not before the prompt: the answer
+/// ends with its summary and the prompt, and the next message says what was read meanwhile
+/// (all of it, or the part before the message came; the message reads the rest first).
+#[test]
+fn what_a_size_switch_left_out_is_read_while_the_user_types() {
+    let home = tempfile::tempdir().unwrap();
+    // No refill: the positions the switch's sparse read left out all wait for the fill.
+    let cmd = chat(home.path(), 4000, &["--refill", "0"]);
+    let mut p = spawn_command(cmd, Some(120_000)).unwrap();
+    expect(&mut p, "› ");
+    let notes = (1..=40)
+        .map(|i| format!("Note {i}: the lamp in room {i} was checked and it works."))
+        .collect::<Vec<_>>()
+        .join(" ");
+    p.send_line(&format!("{notes} Tell me a long story about the rooms."))
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(400));
+    p.send_line("/budget small").unwrap();
+    expect(&mut p, "⇆ ");
+    std::thread::sleep(Duration::from_millis(300));
+    p.send_control('c').unwrap();
+    let (before, _) = expect_summary(&mut p);
+    assert!(
+        !before.contains("left out"),
+        "nothing is read between the answer's last token and its summary: {before:?}"
+    );
+    expect(&mut p, "› ");
+    // The user takes a moment to type.
+    std::thread::sleep(Duration::from_millis(1500));
+    p.send_line("And then?").unwrap();
+    let said = expect(&mut p, "while you typed");
+    assert!(said.contains("positions the switch left out"), "{said:?}");
+    let (_, line) = expect_summary(&mut p);
+    assert!(regex_lite(&line).is_some(), "{line:?}");
+    expect(&mut p, "› ");
+    p.send_line("/quit").unwrap();
+    p.exp_eof().unwrap();
+}
+
 #[test]
 fn no_color_and_ctrl_c_at_the_prompt() {
     let home = tempfile::tempdir().unwrap();
