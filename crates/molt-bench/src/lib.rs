@@ -20,6 +20,7 @@
 
 pub mod conditions;
 pub mod cost_sweep;
+pub mod families;
 pub mod figures;
 pub mod footprint;
 pub mod metrics;
