@@ -8,6 +8,12 @@
 //! `<projectors>/<ladder>/ablations/`), each bound to the sha256 of both
 //! rungs' files; [`Routes`] loads them on first use and caches them. The naive truncated map
 //! and the identity need no fitting and are built in memory.
+//!
+//! A ladder switches well the moment it is made: with the shipped variant ([`Variant::Auto`])
+//! a precision route without a fitted map carries the cache as it is (the identity, same
+//! weights' geometry: [`Routes::is_unfitted_identity`] says when that happened), and the size
+//! route's default switch reads natively and projects nothing, so the session does not ask
+//! for its map at all (see `session::switch`). Fitting is only for what uses the maps.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -222,6 +228,8 @@ pub struct Routes {
     bindings: Vec<RungBinding>,
     variant: Variant,
     cache: HashMap<(usize, usize), Arc<Projector>>,
+    /// Precision routes carried by the identity because no map was fitted for them.
+    unfitted: std::collections::HashSet<(usize, usize)>,
     hidden: HashMap<(usize, usize, usize), Arc<HiddenMap>>,
     anchors: HashMap<usize, Option<Arc<Anchor>>>,
 }
@@ -258,6 +266,7 @@ impl Routes {
             bindings: ladder.rungs.iter().map(binding).collect(),
             variant,
             cache: HashMap::new(),
+            unfitted: std::collections::HashSet::new(),
             hidden: HashMap::new(),
             anchors: HashMap::new(),
         }
@@ -345,11 +354,20 @@ impl Routes {
         &self.bindings[i]
     }
 
-    /// The projector from rung `src` to rung `dst`.
+    /// Whether the route `src → dst` is a precision route that [`Routes::get`] carries by the
+    /// identity because no map is fitted for it (a switch's note says so).
+    #[must_use]
+    pub fn is_unfitted_identity(&self, src: usize, dst: usize) -> bool {
+        self.unfitted.contains(&(src, dst))
+    }
+
+    /// The projector from rung `src` to rung `dst`. With [`Variant::Auto`], a precision route
+    /// without a fitted file is carried by the identity (two quantizations of the same weights
+    /// cache nearly the same K/V; measured by `molt-run bench --recall-identity`).
     ///
     /// # Errors
-    /// [`RouteError::Missing`] when no file exists, [`RouteError::Projector`] when the file is
-    /// bound to other GGUF files or is corrupt.
+    /// [`RouteError::Missing`] when no file exists (a size route, or an ablation variant),
+    /// [`RouteError::Projector`] when the file is bound to other GGUF files or is corrupt.
     pub fn get(&mut self, src: usize, dst: usize) -> Result<Arc<Projector>, RouteError> {
         if let Some(p) = self.cache.get(&(src, dst)) {
             return Ok(Arc::clone(p));
@@ -372,17 +390,24 @@ impl Routes {
             v => {
                 let tag = v.tag(kind);
                 let file = file_name(&s.name, &d.name, tag);
-                let found = self.find_file(&file);
-                let Some(path) = found else {
-                    return Err(RouteError::Missing {
-                        src: s.name.clone(),
-                        dst: d.name.clone(),
-                        tag: tag.to_string(),
-                        file,
-                        searched: self.searched(),
-                    });
-                };
-                Projector::load(&path, &s.sha256, &d.sha256)?
+                match self.find_file(&file) {
+                    Some(path) => Projector::load(&path, &s.sha256, &d.sha256)?,
+                    None if v == Variant::Auto && kind == RouteKind::Precision => {
+                        let mut p = identity_projector(s);
+                        p.dst = d.clone();
+                        self.unfitted.insert((src, dst));
+                        p
+                    }
+                    None => {
+                        return Err(RouteError::Missing {
+                            src: s.name.clone(),
+                            dst: d.name.clone(),
+                            tag: tag.to_string(),
+                            file,
+                            searched: self.searched(),
+                        });
+                    }
+                }
             }
         };
         let p = Arc::new(p);

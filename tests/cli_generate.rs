@@ -305,6 +305,39 @@ fn inspect_on_a_directory_says_it_is_not_a_file() {
     assert!(!stderr.contains("os error"), "{stderr}");
 }
 
+/// `inspect` prints a table a user reads: one labelled row per fact, no Rust debug dump.
+#[test]
+fn inspect_prints_a_readable_table() {
+    let ladder = common::tiny_ladder();
+    let out = assert_cmd::Command::new(common::molt_run())
+        .arg("inspect")
+        .arg(&ladder.rungs[0].path)
+        .timeout(Duration::from_secs(60))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        !text.contains('{') && !text.contains("ModelFacts"),
+        "{text}"
+    );
+    for (label, value) in [
+        ("architecture", "qwen2"),
+        ("layers", "4"),
+        ("embedding", "256"),
+        ("heads", "4 query, 2 key/value; head size 64"),
+        ("context", "2048 tokens"),
+        ("type", "F16"),
+    ] {
+        assert!(
+            text.lines().any(|l| l.starts_with(label)
+                && l.split_whitespace().count() > 1
+                && l.contains(value)),
+            "no {label} row with {value}: {text}"
+        );
+    }
+}
+
 /// The speed policy at the command line: measured rows of another file are refused with a
 /// warning naming the rung, the load line says which micro-batch and repack the rung runs
 /// with and why, and `--ubatch` is reported as forced.

@@ -192,3 +192,162 @@ fn ladder_init_fits_a_ladder_a_session_switches_on() {
         "{g}"
     );
 }
+
+fn log_of(out: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// Generates 8 tokens on ladder `name` (found through `MOLT_HOME`) under a budget cut to
+/// `mib` MiB at token 3, and returns the first switch (null: none).
+fn switch_under_cut(home: &Path, name: &str, mib: u64) -> serde_json::Value {
+    let trace = home.join(format!("cut-{mib}.json"));
+    std::fs::write(
+        &trace,
+        format!(
+            r#"{{"name":"cut","clock":"token","unit":"MiB","initial":100000,"events":[{{"at":3,"budget":{mib}}}]}}"#
+        ),
+    )
+    .unwrap();
+    let out = molt_run()
+        .env("MOLT_HOME", home)
+        .args(["--ladder", name, "--threads", "1", "generate"])
+        .args(["--prompt", "hello there", "--max-tokens", "8", "--trace"])
+        .arg(&trace)
+        .output()
+        .unwrap();
+    let g = log_of(&out);
+    match serde_json::from_slice::<serde_json::Value>(&out.stdout) {
+        Ok(row) => row["switches"][0].clone(),
+        // Below every rung: the answer parks, and the token clock cannot resume it.
+        Err(_) if g.contains("below every rung") => serde_json::Value::Null,
+        Err(e) => panic!("{e}: {g}"),
+    }
+}
+
+/// The first switch onto rung `to` among budgets falling from 24 MiB (the tiny rungs' needs
+/// depend on the machine's buffers, so the budget between two rungs is found, not assumed).
+fn first_switch_to(home: &Path, name: &str, to: &str) -> serde_json::Value {
+    (4..=24)
+        .rev()
+        .map(|mib| switch_under_cut(home, name, mib))
+        .find(|sw| sw["to"] == to)
+        .unwrap_or_else(|| panic!("no budget moved {name} onto {to}"))
+}
+
+/// One file and `--requantize`: the precision rung is built with llama.cpp's quantizer beside
+/// the manifest and ordered under its source; with no map fitted, a switch onto it carries the
+/// cache as it is (a Molt switch, not a re-prefill), and so does a switch onto the smaller
+/// model of another ladder made without a fit (its sparse native read projects nothing).
+#[test]
+fn one_file_and_requantize_make_a_ladder_that_switches_without_a_fit() {
+    let (big, _, small, _) = files();
+    let home = tempfile::tempdir().unwrap();
+    let models = home.path().join("models");
+    let out = molt_run()
+        .args(["--threads", "2", "ladder", "init", "one", "--no-fit"])
+        .arg("--rung")
+        .arg(&big)
+        .args(["--requantize", "q8_0", "--dir"])
+        .arg(&models)
+        .output()
+        .unwrap();
+    let log = log_of(&out);
+    assert!(out.status.success(), "{log}");
+    assert!(
+        log.contains("[1/1] requantizing") && log.contains("written"),
+        "{log}"
+    );
+    let built = models.join("tiny-big-q8_0.gguf");
+    let facts =
+        molt::gguf::ModelFacts::from_gguf(&molt::gguf::GgufFile::open(&built).unwrap()).unwrap();
+    assert_eq!(facts.file_type_name(), Some("Q8_0"));
+    let ladder = Ladder::open(&models.join("one.toml"), &models).expect("opens");
+    assert_eq!(ladder.names(), vec!["tier0", "tier1"]);
+    assert_eq!(ladder.rungs[1].path.file_name(), built.file_name());
+    let sw = first_switch_to(home.path(), "one", "tier1");
+    assert_eq!(sw["method"], "molt", "{sw}");
+    assert!(
+        sw["note"].as_str().is_some_and(|n| n.contains("as it is")),
+        "{sw}"
+    );
+
+    // A size route with no map: the default switch reads natively and projects nothing.
+    let out = molt_run()
+        .args(["ladder", "init", "two", "--no-fit", "--rung"])
+        .arg(&big)
+        .arg("--rung")
+        .arg(&small)
+        .arg("--dir")
+        .arg(&models)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", log_of(&out));
+    let sw = first_switch_to(home.path(), "two", "tier1");
+    assert_eq!(sw["method"], "molt", "{sw}");
+    assert_eq!(sw["sparse"], true, "{sw}");
+}
+
+/// Requantize requests that cannot make a rung are refused by name before anything is built,
+/// and a ladder refused after its rung was built leaves no file behind.
+#[test]
+fn requantize_requests_that_cannot_make_a_rung_are_refused_by_name() {
+    let (big, q8, _, alt) = files();
+    let home = tempfile::tempdir().unwrap();
+    let models = home.path().join("models");
+    let init = |rungs: &[&Path], types: &[&str]| {
+        let mut c = molt_run();
+        c.args(["ladder", "init", "bad", "--no-fit", "--dir"])
+            .arg(&models);
+        for r in rungs {
+            c.arg("--rung").arg(r);
+        }
+        for t in types {
+            c.args(["--requantize", t]);
+        }
+        let out = c.output().unwrap();
+        assert!(!out.status.success(), "{}", log_of(&out));
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let e = init(&[&big], &["IQ2_XXS"]);
+    assert!(
+        e.contains("IQ2_XXS") && e.contains("importance matrix"),
+        "{e}"
+    );
+    let e = init(&[&big], &["Q3_K_XL"]);
+    assert!(e.contains("unknown quantization type \"Q3_K_XL\""), "{e}");
+    let e = init(&[&q8], &["Q8_0"]);
+    assert!(e.contains("tiny-big-q8_0.gguf is already Q8_0"), "{e}");
+    let e = init(&[&big], &["Q8_0", "q8_0"]);
+    assert!(e.contains("Q8_0 given twice"), "{e}");
+    // Built, then refused for the other file's tokenizer: the built rung is removed.
+    let e = init(&[&big, &alt], &["Q8_0"]);
+    assert!(e.contains("tokenizer"), "{e}");
+    // Fitting a ladder other than the shipped one never writes over another ladder's report.
+    let other = home.path().join("report.json");
+    std::fs::write(&other, r#"{"ladder": "qwen2.5-coder", "report": {}}"#).unwrap();
+    let out = molt_run()
+        .args(["--ladder"])
+        .arg({
+            common::tiny_ladder();
+            common::fixture_dir().join("tiny.toml")
+        })
+        .args(["train-projectors", "--report"])
+        .arg(&other)
+        .output()
+        .unwrap();
+    let e = log_of(&out);
+    assert!(!out.status.success() && e.contains("qwen2.5-coder"), "{e}");
+    assert!(
+        std::fs::read_to_string(&other)
+            .unwrap()
+            .contains("qwen2.5-coder")
+    );
+    let left: Vec<_> = std::fs::read_dir(&models)
+        .map(|d| d.filter_map(Result::ok).map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}

@@ -391,6 +391,14 @@ fn missing_and_foreign_projectors_are_clear_errors() {
         e.contains("train-projectors") && e.contains("big -> small"),
         "{e}"
     );
+    // A precision route without a file is carried by the identity, and says so; an
+    // ablation's variant is not stood in for.
+    let p = routes.get(0, 1).expect("the identity stands in");
+    assert_eq!(p.kind, molt::transplant::projector::ProjectorKind::Identity);
+    assert_eq!(p.dst.name, "big-q8");
+    assert!(routes.is_unfitted_identity(0, 1) && !routes.is_unfitted_identity(0, 2));
+    let mut dense = Routes::new(l, vec![empty.path().to_path_buf()], Variant::Dense);
+    assert!(dense.get(0, 1).is_err());
     // A projector fitted for other files: copy big->small over small->big's name.
     let dir = common::tiny_projectors();
     let tmp = tempfile::tempdir().unwrap();

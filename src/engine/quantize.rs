@@ -35,11 +35,32 @@ pub enum QuantType {
     /// 8-bit (`Q8_0`), used for tiny test models whose rows are too short for K-quants.
     #[serde(rename = "Q8_0")]
     Q8_0,
+    /// 4-bit legacy quant (`Q4_0`).
+    #[serde(rename = "Q4_0")]
+    Q4_0,
+    /// 4-bit K-quant, small (`Q4_K_S`).
+    #[serde(rename = "Q4_K_S")]
+    Q4KS,
+    /// 4-bit K-quant, medium (`Q4_K_M`).
+    #[serde(rename = "Q4_K_M")]
+    Q4KM,
+    /// 5-bit K-quant, medium (`Q5_K_M`).
+    #[serde(rename = "Q5_K_M")]
+    Q5KM,
+    /// 6-bit K-quant (`Q6_K`).
+    #[serde(rename = "Q6_K")]
+    Q6K,
 }
+
+/// Types llama.cpp refuses to build without an importance matrix, which Molt does not make:
+/// named so that asking for one says why it is refused rather than that it does not exist.
+pub const NEEDS_IMATRIX: [&str; 8] = [
+    "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "Q2_K_S",
+];
 
 impl QuantType {
     /// Every type, in the order the manifest's error message lists them.
-    pub const ALL: [Self; 8] = [
+    pub const ALL: [Self; 13] = [
         Self::Q2K,
         Self::Q3KS,
         Self::Q3KM,
@@ -48,10 +69,26 @@ impl QuantType {
         Self::IQ3M,
         Self::IQ4XS,
         Self::Q8_0,
+        Self::Q4_0,
+        Self::Q4KS,
+        Self::Q4KM,
+        Self::Q5KM,
+        Self::Q6K,
     ];
+
+    /// The `general.file_type` (`enum llama_ftype`) a file of this type records.
+    #[must_use]
+    pub fn file_type(self) -> u32 {
+        self.ftype()
+    }
 
     fn ftype(self) -> llama_cpp_sys_2::llama_ftype {
         match self {
+            Self::Q4_0 => llama_cpp_sys_2::LLAMA_FTYPE_MOSTLY_Q4_0,
+            Self::Q4KS => llama_cpp_sys_2::LLAMA_FTYPE_MOSTLY_Q4_K_S,
+            Self::Q4KM => llama_cpp_sys_2::LLAMA_FTYPE_MOSTLY_Q4_K_M,
+            Self::Q5KM => llama_cpp_sys_2::LLAMA_FTYPE_MOSTLY_Q5_K_M,
+            Self::Q6K => llama_cpp_sys_2::LLAMA_FTYPE_MOSTLY_Q6_K,
             Self::Q2K => llama_cpp_sys_2::LLAMA_FTYPE_MOSTLY_Q2_K,
             Self::Q3KS => llama_cpp_sys_2::LLAMA_FTYPE_MOSTLY_Q3_K_S,
             Self::Q3KM => llama_cpp_sys_2::LLAMA_FTYPE_MOSTLY_Q3_K_M,
@@ -74,17 +111,48 @@ impl QuantType {
             Self::IQ3M => "IQ3_M",
             Self::IQ4XS => "IQ4_XS",
             Self::Q8_0 => "Q8_0",
+            Self::Q4_0 => "Q4_0",
+            Self::Q4KS => "Q4_K_S",
+            Self::Q4KM => "Q4_K_M",
+            Self::Q5KM => "Q5_K_M",
+            Self::Q6K => "Q6_K",
         }
     }
 }
 
-/// A quantization type name Molt does not build (a typo, or a type that needs an importance
-/// matrix).
+/// A quantization type name Molt does not build: a typo, or a type that needs an importance
+/// matrix ([`NEEDS_IMATRIX`]), each said as such.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown quantization type {given:?}; accepted: {}", QuantType::ALL.map(QuantType::name).join(", "))]
+#[error("{}", self.message())]
 pub struct UnknownQuantType {
     /// The name as given.
     pub given: String,
+}
+
+impl UnknownQuantType {
+    /// Whether the name is a type llama.cpp builds only with an importance matrix.
+    #[must_use]
+    pub fn needs_imatrix(&self) -> bool {
+        NEEDS_IMATRIX
+            .iter()
+            .any(|n| n.eq_ignore_ascii_case(self.given.trim()))
+    }
+
+    fn message(&self) -> String {
+        let accepted = QuantType::ALL.map(QuantType::name).join(", ");
+        if self.needs_imatrix() {
+            format!(
+                "quantization type {:?} needs an importance matrix, which Molt does not make; \
+                 accepted: {accepted}",
+                self.given
+            )
+        } else {
+            format!(
+                "unknown quantization type {:?}; accepted: {accepted}",
+                self.given
+            )
+        }
+    }
 }
 
 impl std::str::FromStr for QuantType {
@@ -93,7 +161,7 @@ impl std::str::FromStr for QuantType {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         Self::ALL
             .into_iter()
-            .find(|t| t.name().eq_ignore_ascii_case(s))
+            .find(|t| t.name().eq_ignore_ascii_case(s.trim()))
             .ok_or_else(|| UnknownQuantType { given: s.into() })
     }
 }
@@ -156,6 +224,14 @@ mod tests {
         let e = "IQ3_XXS".parse::<QuantType>().unwrap_err().to_string();
         assert!(
             e.contains("IQ3_XXS") && e.contains("Q3_K_M") && e.contains("IQ3_S"),
+            "{e}"
+        );
+        assert!(e.contains("importance matrix"), "{e}");
+        let e = "Q3_K_XL".parse::<QuantType>().unwrap_err();
+        assert!(!e.needs_imatrix());
+        assert!(
+            e.to_string()
+                .starts_with("unknown quantization type \"Q3_K_XL\""),
             "{e}"
         );
     }

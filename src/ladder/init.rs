@@ -2,6 +2,11 @@
 //! file twice, one tokenizer, sizes that order them) and builds the manifest, largest first;
 //! `write` puts it in a models directory, linking the files that live elsewhere.
 //!
+//! [`make`] is the whole of it for `molt-run ladder init`: it first builds the precision rungs
+//! asked for (`--requantize TYPE`) from the largest file with llama.cpp's quantizer, then plans
+//! and writes, and removes the files it built if anything after fails — a failed init leaves
+//! nothing half-made behind.
+//!
 //! Fitting the projectors is the caller's next step (`molt-run ladder init` runs the same fit
 //! as `train-projectors`); a manifest alone already makes a ladder that re-prefills on a switch.
 
@@ -9,6 +14,7 @@ use std::path::{Path, PathBuf};
 
 use super::lock::{Lock, sha256_file};
 use super::manifest::{Manifest, RungSpec, Source};
+use crate::engine::QuantType;
 use crate::gguf::{GgufError, GgufFile, ModelFacts, TokenizerIdentity};
 
 /// Why a ladder cannot be made of these files.
@@ -73,6 +79,27 @@ pub enum InitError {
         /// The file the rung needs there.
         wanted: PathBuf,
     },
+    /// A precision rung asked of a file that is already at that type.
+    #[error("{file} is already {ty}: requantizing it to {ty} would make the same rung again")]
+    AlreadyAt {
+        /// The source file.
+        file: PathBuf,
+        /// The type.
+        ty: QuantType,
+    },
+    /// The same type asked twice.
+    #[error("--requantize {0} given twice; give each type once")]
+    SameType(QuantType),
+    /// llama.cpp's quantizer failed.
+    #[error("requantizing {file} to {ty}: {source}")]
+    Requantize {
+        /// The source file.
+        file: PathBuf,
+        /// The type.
+        ty: QuantType,
+        /// What llama.cpp said.
+        source: crate::engine::EngineError,
+    },
     /// Reading or writing.
     #[error("{path}: {source}")]
     Io {
@@ -112,6 +139,15 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> InitError + '_ {
     }
 }
 
+/// A ladder name that can be a file name.
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && !name.starts_with('.')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'))
+}
+
 /// Checks `files` and builds the ladder `name` of them, largest first. `progress` gets a line
 /// per file (hashing a model file takes seconds).
 ///
@@ -122,12 +158,7 @@ pub fn plan(
     files: &[PathBuf],
     progress: &mut dyn FnMut(&str),
 ) -> Result<Plan, InitError> {
-    if name.is_empty()
-        || name.starts_with('.')
-        || !name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'))
-    {
+    if !valid_name(name) {
         return Err(InitError::BadName(name.to_string()));
     }
     if files.len() < 2 {
@@ -208,6 +239,143 @@ pub fn plan(
         },
         rungs,
     })
+}
+
+/// What [`make`] builds and where.
+#[derive(Debug, Clone)]
+pub struct MakeOptions<'a> {
+    /// The ladder's name.
+    pub name: &'a str,
+    /// The files given (`--rung`).
+    pub files: &'a [PathBuf],
+    /// Precision rungs to build from the largest file (`--requantize`), in any order.
+    pub requantize: &'a [QuantType],
+    /// The models directory the manifest, links and built rungs go to.
+    pub dir: &'a Path,
+    /// Replace a manifest of the same name and rebuild a requantized file already there.
+    pub force: bool,
+    /// Threads of the quantizer.
+    pub threads: u32,
+}
+
+/// Builds the requantized rungs, plans the ladder of them and the given files, and writes it
+/// into `o.dir`: the manifest's path and the plan. `progress` gets a line per step.
+///
+/// # Errors
+/// [`InitError::AlreadyAt`] for a type the largest file already has, [`InitError::SameType`],
+/// [`InitError::Occupied`] for a built rung's name taken by a file (without `force`),
+/// [`InitError::Requantize`] when llama.cpp fails, and everything [`plan`] and [`write`]
+/// refuse. On any error the files built here are removed again (a requantized file is
+/// written through a partial file, so none is ever half-written in place).
+pub fn make(
+    o: &MakeOptions<'_>,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(PathBuf, Plan), InitError> {
+    let mut built = Vec::new();
+    let result = make_inner(o, &mut built, progress);
+    if result.is_err() {
+        for f in &built {
+            let _ = std::fs::remove_file(f);
+        }
+    }
+    result
+}
+
+fn make_inner(
+    o: &MakeOptions<'_>,
+    built: &mut Vec<PathBuf>,
+    progress: &mut dyn FnMut(&str),
+) -> Result<(PathBuf, Plan), InitError> {
+    let mut files = o.files.to_vec();
+    // What `plan` and `write` would refuse only after the quantizer's minutes.
+    if !valid_name(o.name) {
+        return Err(InitError::BadName(o.name.to_string()));
+    }
+    let manifest_path = o.dir.join(format!("{}.toml", o.name));
+    if manifest_path.exists() && !o.force {
+        return Err(InitError::Exists(manifest_path));
+    }
+    if !o.requantize.is_empty() {
+        if files.len() + o.requantize.len() < 2 {
+            return Err(InitError::TooFew(files.len() + o.requantize.len()));
+        }
+        std::fs::create_dir_all(o.dir).map_err(io(o.dir))?;
+        let from = largest(&files)?;
+        let gguf_err = |source| InitError::Gguf {
+            path: from.clone(),
+            source,
+        };
+        let facts =
+            ModelFacts::from_gguf(&GgufFile::open(&from).map_err(gguf_err)?).map_err(gguf_err)?;
+        // Every request checked before the first minute of quantizing is spent.
+        let mut targets = Vec::new();
+        for (i, &ty) in o.requantize.iter().enumerate() {
+            if o.requantize[..i].contains(&ty) {
+                return Err(InitError::SameType(ty));
+            }
+            if facts.file_type == Some(ty.file_type()) {
+                return Err(InitError::AlreadyAt { file: from, ty });
+            }
+            let at = o.dir.join(requantized_name(&from, ty));
+            if at.symlink_metadata().is_ok() && !o.force {
+                return Err(InitError::Occupied {
+                    path: at,
+                    wanted: PathBuf::from(format!("{} requantized to {ty}", from.display())),
+                });
+            }
+            targets.push((ty, at));
+        }
+        let n = targets.len();
+        for (i, (ty, at)) in targets.into_iter().enumerate() {
+            progress(&format!(
+                "[{}/{n}] requantizing {} to {ty} …",
+                i + 1,
+                from.display()
+            ));
+            let t = std::time::Instant::now();
+            crate::engine::quantize(&from, &at, ty, o.threads.max(1)).map_err(|source| {
+                InitError::Requantize {
+                    file: from.clone(),
+                    ty,
+                    source,
+                }
+            })?;
+            built.push(at.clone());
+            let bytes = std::fs::metadata(&at).map_err(io(&at))?.len();
+            progress(&format!(
+                "[{}/{n}] {} written: {:.1} MiB in {:.1} s",
+                i + 1,
+                at.display(),
+                bytes as f64 / f64::from(1 << 20),
+                t.elapsed().as_secs_f64()
+            ));
+            files.push(at);
+        }
+    }
+    let plan = plan(o.name, &files, progress)?;
+    let manifest = write(&plan, o.dir, o.force)?;
+    Ok((manifest, plan))
+}
+
+/// The largest of `files` (the rung the precision rungs are made of).
+fn largest(files: &[PathBuf]) -> Result<PathBuf, InitError> {
+    let mut best: Option<(u64, &PathBuf)> = None;
+    for f in files {
+        let bytes = std::fs::metadata(f).map_err(io(f))?.len();
+        if best.is_none_or(|(b, _)| bytes > b) {
+            best = Some((bytes, f));
+        }
+    }
+    best.map(|(_, f)| f.clone()).ok_or(InitError::TooFew(0))
+}
+
+/// `model.gguf` requantized to Q2_K: `model-q2_k.gguf`.
+#[must_use]
+pub fn requantized_name(from: &Path, ty: QuantType) -> String {
+    let stem = from
+        .file_stem()
+        .map_or_else(|| "model".to_string(), |s| s.to_string_lossy().into_owned());
+    format!("{stem}-{}.gguf", ty.name().to_lowercase())
 }
 
 fn file_name(path: &Path) -> String {

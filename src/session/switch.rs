@@ -673,20 +673,48 @@ impl Session {
 
     /// The route's projector, or why there is none (then the switch re-reads, and the note
     /// says so): resolved once, before anything is freed or loaded.
+    ///
+    /// Two routes switch without a fitted map: a precision route carries its cache as it is
+    /// ([`routes::Routes::get`] gives the identity, and the note says so), and a size route
+    /// whose switch reads sparsely projects nothing ([`migrate::read_sparse`]), so it stands
+    /// on the naive truncated map, which that read never applies. A size route that would
+    /// project falls back to a re-prefill.
     pub(super) fn resolve_route(
         &mut self,
         from: usize,
         to: usize,
     ) -> (Option<Arc<Projector>>, Option<String>) {
-        match self.opts.strategy {
-            Strategy::Reprefill => (None, None),
+        if self.opts.strategy == Strategy::Reprefill {
+            return (None, None);
+        }
+        match self.routes.get(from, to) {
+            Ok(p) if self.routes.is_unfitted_identity(from, to) => (
+                Some(p),
+                Some("no fitted map for this precision route: the cache carried as it is".into()),
+            ),
+            Ok(p) => (Some(p), None),
+            Err(routes::RouteError::Missing { .. }) if self.reads_sparse_now(from, to) => {
+                let (s, d) = (self.routes.binding(from), self.routes.binding(to));
+                (
+                    Some(Arc::new(routes::truncate_projector(s, d))),
+                    Some("no fitted map for this size route: a sparse native read, nothing projected".into()),
+                )
+            }
             // Without a usable projector the answer must still survive: fall back to a
             // re-prefill, named as such in the switch event, rather than lose it.
-            _ => match self.routes.get(from, to) {
-                Ok(p) => (Some(p), None),
-                Err(e) => (None, Some(format!("fell back to a re-prefill: {e}"))),
-            },
+            Err(e) => (None, Some(format!("fell back to a re-prefill: {e}"))),
         }
+    }
+
+    /// Whether a switch `from → to` made now, over the current rung's cache, reads sparsely
+    /// (the same decision the switch makes once its projector is resolved).
+    fn reads_sparse_now(&self, from: usize, to: usize) -> bool {
+        let Some(src) = self.rungs[from].as_ref() else {
+            return false;
+        };
+        let n_past = src.ctx.n_past();
+        let ranges = self.recompute_ranges(from, to, n_past);
+        self.reads_sparse(from, to, &ranges, n_past)
     }
 
     /// The method a switch reports: a re-read is a fallback when the strategy wanted a

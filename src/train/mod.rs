@@ -144,7 +144,8 @@ pub fn read_chats(dir: &Path) -> Result<Vec<ChatSample>, TrainError> {
 /// one window per chat — the conversation rendered with `model`'s chat template exactly as a
 /// session renders a prompt (system turn included), followed by the answer, cut at `window`
 /// tokens. The chats put the attention sink and the template's fixed tokens where a real
-/// conversation has them.
+/// conversation has them. A model without a chat template (a base model) is prompted with raw
+/// text, so its chats are fitted as it reads them: the prompt, a blank line, the answer.
 ///
 /// # Errors
 /// [`TrainError::Corpus`] if the template cannot be rendered or the text tokenized.
@@ -160,9 +161,14 @@ pub fn corpus_windows(
         .into_iter()
         .map(<[Token]>::to_vec)
         .collect();
+    let templated = model.chat_template().is_some();
     for c in chats {
-        let conv = [crate::engine::ChatMessage::new("user", &c.prompt)];
-        let mut rendered = model.apply_chat_template(&conv, true).map_err(err)?;
+        let mut rendered = if templated {
+            let conv = [crate::engine::ChatMessage::new("user", &c.prompt)];
+            model.apply_chat_template(&conv, true).map_err(err)?
+        } else {
+            format!("{}\n\n", c.prompt)
+        };
         rendered.push_str(&c.answer);
         let mut t = model.tokenize(&rendered, true).map_err(err)?;
         t.truncate(window.max(1));

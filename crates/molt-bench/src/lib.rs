@@ -21,6 +21,7 @@
 pub mod bill;
 pub mod conditions;
 pub mod cost_sweep;
+pub mod families;
 pub mod figures;
 pub mod footprint;
 pub mod metrics;

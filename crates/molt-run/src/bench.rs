@@ -1,7 +1,7 @@
 //! `molt-run bench`: the benchmark programs, JSON under `results/`.
 
 use crate::common::GlobalArgs;
-use anyhow::{Result, bail};
+use anyhow::{Context as _, Result, bail};
 use molt_bench::{RunInfo, speed};
 use std::path::{Path, PathBuf};
 
@@ -170,6 +170,14 @@ pub struct Args {
     /// Skip the seam-measurement pass (handoff JSD, attention flatness).
     #[arg(long)]
     pub no_quality: bool,
+    /// Summarise a family's switch into `<out-dir>/families.json` (the row of this ladder and
+    /// route replaced): this recall.json of the ladder's recall run, with the answers of
+    /// `--families-answers`.
+    #[arg(long, value_name = "RECALL.json", requires = "families_answers")]
+    pub families_recall: Option<PathBuf>,
+    /// `molt-run generate --trace … --out FILE` answers on the ladder, each switching once.
+    #[arg(long, value_name = "ANSWERS.jsonl", requires = "families_recall")]
+    pub families_answers: Option<PathBuf>,
     /// The recall benchmark: context-QA items answered across a switch, scored by expected
     /// strings beside the native destination's recall (results/recall.json).
     #[arg(long)]
@@ -282,6 +290,7 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         && !a.precision
         && a.precision_repool.is_none()
         && a.conditions.is_none()
+        && a.families_recall.is_none()
     {
         bail!(
             "nothing to run: pass --conditions all, --cost-sweep, --speed, --footprint, --recall, --precision, --stall, --bill, --serve-qos, --serve-aside, --soak, --sampling and/or --reliability"
@@ -295,6 +304,9 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
     }
     if a.reps == 0 {
         bail!("--reps must be at least 1");
+    }
+    if let (Some(recall), Some(answers)) = (&a.families_recall, &a.families_answers) {
+        run_families(g, a, recall, answers)?;
     }
     if a.serve_qos {
         run_serve_qos(g, a)?;
@@ -1341,6 +1353,44 @@ fn run_serve_qos(g: &GlobalArgs, a: &Args) -> Result<()> {
 
 /// One `--tails` item: a token count, or nothing (`--tails ''` measures no tail).
 /// Writes a benchmark's JSON document as `dir/name` (creating `dir`) and says so.
+/// One row of `<out-dir>/families.json` from a recall run and generate answers on the ladder.
+fn run_families(g: &GlobalArgs, a: &Args, recall: &Path, answers: &Path) -> Result<()> {
+    let ladder = g.open_ladder()?;
+    let family = ladder.rungs[0].facts.architecture.clone();
+    let recall_doc: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(recall).with_context(|| format!("reading {}", recall.display()))?,
+    )
+    .with_context(|| format!("{} is not JSON", recall.display()))?;
+    let text = std::fs::read_to_string(answers)
+        .with_context(|| format!("reading {}", answers.display()))?;
+    let row = molt_bench::families::row(&family, ladder.name(), &recall_doc, &text)?;
+    let path = a.out_dir.join("families.json");
+    let mut doc: molt_bench::families::FamiliesDoc = match std::fs::read(&path) {
+        Ok(b) => {
+            serde_json::from_slice(&b).with_context(|| format!("reading {}", path.display()))?
+        }
+        Err(_) => molt_bench::families::FamiliesDoc::default(),
+    };
+    println!(
+        "{} {} {} {}{}: recall {:.2} (destination {:.2}, {} items), stall {:.1} ms median, {:.1} ms/token",
+        row.family,
+        row.ladder,
+        row.route,
+        row.method,
+        row.carry
+            .as_deref()
+            .map_or_else(String::new, |c| format!(" ({c})")),
+        row.recall,
+        row.destination_recall,
+        row.items,
+        row.stall_ms.median,
+        row.itl_ms_median
+    );
+    molt_bench::families::merge(&mut doc, row);
+    doc.run = Some(serde_json::to_value(RunInfo::now())?);
+    write_result(&a.out_dir, "families.json", &doc)
+}
+
 fn write_result(dir: &Path, name: &str, doc: &impl serde::Serialize) -> Result<()> {
     std::fs::create_dir_all(dir)?;
     let path = dir.join(name);

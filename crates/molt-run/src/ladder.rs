@@ -32,9 +32,15 @@ pub enum LadderCommand {
 pub struct InitArgs {
     /// The ladder's name (its manifest becomes `NAME.toml`; use it as `--ladder NAME`).
     pub name: String,
-    /// A rung's GGUF file; give two or more, in any order.
+    /// A rung's GGUF file; give two or more, in any order (one is enough with
+    /// `--requantize`).
     #[arg(long = "rung", value_name = "FILE.gguf", required = true)]
     pub rungs: Vec<PathBuf>,
+    /// Also make a precision rung of the largest file at this llama.cpp type (e.g. Q3_K_M,
+    /// Q2_K) with llama.cpp's quantizer, written beside the manifest; repeat for more.
+    /// Types that need an importance matrix (IQ2_*, IQ1_*, IQ3_XXS, Q2_K_S) are refused.
+    #[arg(long, value_name = "TYPE")]
+    pub requantize: Vec<molt::engine::QuantType>,
     /// Where the manifest goes (files elsewhere are linked there); default: the per-user
     /// models directory.
     #[arg(long)]
@@ -49,7 +55,8 @@ pub struct InitArgs {
     /// Replace a manifest of the same name.
     #[arg(long)]
     pub force: bool,
-    /// Write the manifest only: no projectors (a switch then re-reads the context).
+    /// Write the manifest only, no projectors: a switch on a precision route then carries the
+    /// cache as it is, and one on a size route reads the context's chosen positions natively.
     #[arg(long)]
     pub no_fit: bool,
 }
@@ -71,8 +78,18 @@ fn run_init(g: &GlobalArgs, a: &InitArgs) -> Result<()> {
         None => search::user_models_dir()
             .context("no per-user data directory (set HOME or XDG_DATA_HOME, or give --dir)")?,
     };
-    let plan = init::plan(&a.name, &a.rungs, &mut |s| eprintln!("{s}"))?;
-    let manifest = init::write(&plan, &dir, a.force)?;
+    let threads = g.context_config()?.n_threads;
+    let (manifest, plan) = init::make(
+        &init::MakeOptions {
+            name: &a.name,
+            files: &a.rungs,
+            requantize: &a.requantize,
+            dir: &dir,
+            force: a.force,
+            threads,
+        },
+        &mut |s| eprintln!("{s}"),
+    )?;
     println!("ladder {} written to {}:", a.name, manifest.display());
     for (spec, r) in plan.manifest.rungs.iter().zip(&plan.rungs) {
         println!(
@@ -84,7 +101,8 @@ fn run_init(g: &GlobalArgs, a: &InitArgs) -> Result<()> {
     }
     if a.no_fit {
         println!(
-            "no projectors fitted (--no-fit): a switch re-reads the context; fit later with \
+            "no projectors fitted (--no-fit): precision switches carry the cache as it is, size \
+             switches read natively; fit later with \
              `molt-run --ladder {} train-projectors`",
             manifest.display()
         );

@@ -1,6 +1,8 @@
 //! `molt-run train-projectors`: fit the KV projectors of a ladder on the project's own corpus
 //! (`projectors/corpus/*.txt`), write them bound to the rungs' sha256, and write every residual
-//! to `results/projector_residuals.json`.
+//! to a report: `results/projector_residuals.json` for the shipped ladder, the projectors'
+//! folder (`<out>/<ladder>/fit_report.json`) for any other, and never over a report of
+//! another ladder, so fitting one's own ladder leaves the project's committed results alone.
 //!
 //! The corpus is text the team wrote (`notes.txt`, `code.txt`) plus answers tier0 generated
 //! from the team's own seed prompts (`seeds.txt` → `generated.txt` as raw text, and
@@ -67,9 +69,11 @@ pub struct Args {
     /// the demo and CI run: the shipped maps are reused unless the local rungs differ).
     #[arg(long)]
     pub if_stale: bool,
-    /// Residual report.
-    #[arg(long, default_value = "results/projector_residuals.json")]
-    pub report: PathBuf,
+    /// Residual report; default `results/projector_residuals.json` for the shipped ladder,
+    /// `<out>/<ladder>/fit_report.json` for any other. A report of another ladder is never
+    /// overwritten.
+    #[arg(long)]
+    pub report: Option<PathBuf>,
     /// Only write the rungs' anchors (each rung's own cache of the chat template's opening,
     /// `<out>/<ladder>/anchors/`), which every fit also writes.
     #[arg(long)]
@@ -82,6 +86,8 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         bail!("--topk values must be at least 1");
     }
     let ladder = g.open_ladder()?;
+    // Checked before any work: a fit of minutes must not end in a refused report.
+    let report_path = report_path(a, ladder.name())?;
     sweep_partials(&[&a.out, &a.out.join(ladder.name()), &a.corpus]);
     if a.anchors_only {
         return anchors(&ladder, config, a);
@@ -91,7 +97,16 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
         let n = ladder.rungs.len();
         let stale: Vec<String> = (0..n)
             .flat_map(|i| (0..n).filter(move |&j| j != i).map(move |j| (i, j)))
-            .filter_map(|(i, j)| routes.get(i, j).err().map(|e| e.to_string()))
+            .filter_map(|(i, j)| match routes.get(i, j) {
+                Err(e) => Some(e.to_string()),
+                // Carried by the identity until a map is fitted: a fit is still due.
+                Ok(_) if routes.is_unfitted_identity(i, j) => Some(format!(
+                    "no diagonal map for {} -> {}",
+                    ladder.rungs[i].name(),
+                    ladder.rungs[j].name()
+                )),
+                Ok(_) => None,
+            })
             .collect();
         if stale.is_empty() {
             let anchors_ok = (0..n).all(|i| matches!(routes.anchor(i), Ok(Some(_))));
@@ -180,19 +195,51 @@ pub fn run(g: &GlobalArgs, a: &Args) -> Result<()> {
             r.fit.v.train
         );
     }
-    if let Some(dir) = a.report.parent() {
+    if let Some(dir) = report_path.parent() {
         std::fs::create_dir_all(dir)?;
     }
     let doc = serde_json::json!({ "run": molt_bench::RunInfo::now(), "ladder": ladder.name(), "report": report });
-    std::fs::write(&a.report, serde_json::to_string_pretty(&doc)?)
-        .with_context(|| format!("writing {}", a.report.display()))?;
-    eprintln!("wrote {}", a.report.display());
+    molt::durable::write(&report_path, serde_json::to_string_pretty(&doc)?.as_bytes())
+        .with_context(|| format!("writing {}", report_path.display()))?;
+    eprintln!("wrote {}", report_path.display());
     eprintln!(
         "fitted {} route(s) in {}",
         report.routes.len(),
         fmt_secs(started.elapsed().as_secs_f64())
     );
     Ok(())
+}
+
+/// Where the residual report of ladder `ladder` goes (see the module docs).
+///
+/// # Errors
+/// When the file holds the report of another ladder (or something that is not a report).
+fn report_path(a: &Args, ladder: &str) -> Result<PathBuf> {
+    let path = a.report.clone().unwrap_or_else(|| {
+        if ladder == molt::ladder::search::DEFAULT_LADDER {
+            PathBuf::from("results/projector_residuals.json")
+        } else {
+            a.out.join(ladder).join("fit_report.json")
+        }
+    });
+    if let Ok(text) = std::fs::read_to_string(&path) {
+        let holds = serde_json::from_str::<serde_json::Value>(&text)
+            .ok()
+            .and_then(|v| v.get("ladder")?.as_str().map(str::to_string));
+        match holds {
+            Some(l) if l == ladder => {}
+            Some(l) => bail!(
+                "{} holds the fit report of ladder {l}; not overwriting it with {ladder}'s \
+                 (give another --report)",
+                path.display()
+            ),
+            None => bail!(
+                "{} is not a fit report; not overwriting it (give another --report)",
+                path.display()
+            ),
+        }
+    }
+    Ok(path)
 }
 
 /// Writes every rung's anchor under `<out>/<ladder>/anchors/`.
