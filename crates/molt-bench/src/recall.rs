@@ -1361,6 +1361,13 @@ pub fn from_partial(
     kinds: &BTreeMap<String, RouteKind>,
     options: RecallOptions,
 ) -> RecallDoc {
+    let mut answers = answers;
+    // An answer written by a build before answers named their kind takes its item's.
+    for a in &mut answers {
+        if let Some(i) = items.iter().find(|i| i.id == a.id) {
+            a.context_kind.clone_from(&i.context_kind);
+        }
+    }
     let ran: Vec<RecallItem> = items
         .iter()
         .filter(|i| answers.iter().any(|a| a.id == i.id))
