@@ -48,7 +48,7 @@ pub use switch::SwitchMethod;
 // What the server's batched loop (`molt-server`'s `batch.rs`) shares with the session's switch
 // and prompt read, until it runs on this loop; not part of the embedding API.
 #[doc(hidden)]
-pub use native::{minus as uncovered, refresh as refresh_projected, sentence_ends_of};
+pub use native::{minus as uncovered, refresh as refresh_projected, sentences_of};
 pub use refill::{PACE_PLAIN_TOKENS, RefillPace, hurry_split};
 #[doc(hidden)]
 pub use refill::{read_ranges_then_decode, reread_then_decode, take_chunk};

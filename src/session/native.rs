@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use crate::engine::{Context, EngineError, Model, Span, Token};
 use crate::transplant::select::{
-    SelectRule, TokenRecompute, Unit, covered, select_spans, sentence_ends,
+    SelectRule, Sentences, TokenRecompute, Unit, covered, select_spans,
 };
 
 use super::migrate::SwitchTimings;
@@ -101,11 +101,11 @@ impl Session {
 
     /// Where the first `n` positions of the history end a sentence, when `setting` re-reads
     /// whole sentences (empty otherwise: nothing to compute).
-    pub(super) fn sentence_ends(&self, setting: &TokenRecompute, n: usize) -> Vec<bool> {
+    pub(super) fn sentences(&self, setting: &TokenRecompute, n: usize) -> Sentences {
         let Some(live) = self.rungs.iter().flatten().next() else {
-            return Vec::new();
+            return Sentences::default();
         };
-        sentence_ends_of(
+        sentences_of(
             live.ctx.model(),
             setting,
             &self.history[..n.min(self.history.len())],
@@ -138,7 +138,7 @@ impl Session {
             return Ok(None);
         };
         let t0 = Instant::now();
-        let ends = self.sentence_ends(&setting, keep);
+        let text = self.sentences(&setting, keep);
         let name = self.current_rung().to_string();
         let mut projected = std::mem::take(&mut self.projected);
         let done = refresh(
@@ -146,7 +146,7 @@ impl Session {
             &mut projected,
             &mass,
             &setting,
-            &ends,
+            &text,
             tokens,
             keep,
         );
@@ -159,15 +159,16 @@ impl Session {
     }
 }
 
-/// Where each of `history`'s tokens ends a sentence, when `setting` re-reads whole sentences
+/// Where each of `history`'s tokens ends a sentence and which sentence it is in
+/// ([`Sentences::of`]), when `setting` re-reads whole sentences
 /// (empty otherwise: nothing to compute); `model` gives the tokens' text.
 #[must_use]
-pub fn sentence_ends_of(model: &Model, setting: &TokenRecompute, history: &[Token]) -> Vec<bool> {
+pub fn sentences_of(model: &Model, setting: &TokenRecompute, history: &[Token]) -> Sentences {
     if setting.unit != Unit::Sentence {
-        return Vec::new();
+        return Sentences::default();
     }
     let pieces: Vec<Vec<u8>> = history.iter().map(|&t| model.token_bytes(t)).collect();
-    sentence_ends(&pieces)
+    Sentences::of(&pieces)
 }
 
 /// The positions a Molt switch left projected in a cache of `timings.cells` cells: all but the
@@ -187,8 +188,8 @@ pub fn projected_after(timings: &SwitchTimings, mut spans: Vec<Range<usize>>) ->
 /// prompt's `tokens[keep..]` over a cache whose positions in `projected` (cut to the `keep`
 /// it reuses) were projected by a switch, and `mass` is the attention its last `window`
 /// tokens gave each position. The projected positions they attend to most (the share
-/// [`TokenRecompute::fraction`] of the projected ones, widened as at a switch; `ends` as
-/// [`sentence_ends_of`] gives them) are re-read natively, then the window is read again over
+/// [`TokenRecompute::fraction`] of the projected ones, widened as at a switch; `text` as
+/// [`sentences_of`] gives it) are re-read natively, then the window is read again over
 /// them, so it and the answer after it see the refreshed cells; `projected` keeps what is
 /// still projected. The positions re-read, `None` when there was nothing to do. Both the
 /// session and the batched server refresh through here.
@@ -201,7 +202,7 @@ pub fn refresh(
     projected: &mut Vec<Range<usize>>,
     mass: &[f32],
     setting: &TokenRecompute,
-    ends: &[bool],
+    text: &Sentences,
     tokens: &[Token],
     keep: usize,
 ) -> Result<Option<usize>, EngineError> {
@@ -220,7 +221,7 @@ pub fn refresh(
     let fraction = (setting.fraction * n_proj as f64 / (keep - lo) as f64).min(1.0);
     let chosen = select_spans(
         &scores,
-        ends,
+        text,
         lo,
         keep,
         keep,

@@ -173,10 +173,10 @@ pub fn recompute_ranges(
     // The question (the observation window at the prompt's end) and the answer so far.
     let prompt_end = if scores.is_empty() { hi } else { scores.len() };
     let always = prompt_end.saturating_sub(setting.window);
-    let ends = model.map_or_else(Vec::new, |m| {
-        super::native::sentence_ends_of(m, &setting, &history[..avail])
+    let text = model.map_or_else(Default::default, |m| {
+        super::native::sentences_of(m, &setting, &history[..avail])
     });
-    select_spans(scores, &ends, lo, hi, always, &setting, avail as u64)
+    select_spans(scores, &text, lo, hi, always, &setting, avail as u64)
 }
 
 /// Whether a switch over a route of `kind` that re-reads `ranges` of a cache of `n_past` cells

@@ -13,8 +13,13 @@
 //! round trip through the maps, [`residual_scores`]): the ablation that asks whether what
 //! the question reads matters more than what the projection damages.
 //!
-//! Main items: [`TokenRecompute`] (the setting), [`select_spans`] (the pure choice),
-//! [`residual_scores`].
+//! Text that repeats itself (templated documents, logs, transcripts, generated code) draws the
+//! question's attention to every copy of a sentence; ranked by mass alone the copies fill the
+//! read. [`Sentences`] gives each position a key naming its sentence's text, and
+//! [`TokenRecompute::distinct`] reads one copy of each.
+//!
+//! Main items: [`TokenRecompute`] (the setting), [`Sentences`] (the context as a selection
+//! sees it), [`select_spans`] (the pure choice), [`residual_scores`].
 
 use std::ops::Range;
 
@@ -132,6 +137,66 @@ pub fn sentence_ends<S: AsRef<[u8]>>(pieces: &[S]) -> Vec<bool> {
         .collect()
 }
 
+/// A context's sentences as a selection sees them: where each ends ([`sentence_ends`]) and,
+/// per position, a key naming its sentence's text ([`Sentences::of`]), so that copies of one
+/// sentence share a key. Templated documents, logs and transcripts repeat the same sentence
+/// many times, and each copy draws the question's attention again: ranked by mass alone, the
+/// copies fill the read and the one sentence that holds the fact is left out
+/// ([`TokenRecompute::distinct`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Sentences {
+    /// Whether each position ends a sentence or a line.
+    pub ends: Vec<bool>,
+    /// Each position's sentence key (equal for copies of one sentence; empty: unknown, every
+    /// sentence distinct).
+    pub keys: Vec<u64>,
+}
+
+impl Sentences {
+    /// Sentence ends and keys from each token's text. A sentence's key is a hash of its bytes
+    /// with the white space at either end trimmed, so a copy that opens a paragraph and one
+    /// that follows a sentence on the same line are one sentence.
+    #[must_use]
+    pub fn of<S: AsRef<[u8]>>(pieces: &[S]) -> Self {
+        let ends = sentence_ends(pieces);
+        let mut keys = vec![0u64; pieces.len()];
+        let mut start = 0;
+        for i in 0..pieces.len() {
+            if ends[i] || i + 1 == pieces.len() {
+                let bytes: Vec<u8> = pieces[start..=i]
+                    .iter()
+                    .flat_map(|p| p.as_ref().iter().copied())
+                    .collect();
+                let key = fnv1a(bytes.trim_ascii());
+                keys[start..=i].fill(key);
+                start = i + 1;
+            }
+        }
+        Self { ends, keys }
+    }
+
+    /// Ends only: every sentence distinct.
+    #[must_use]
+    pub fn from_ends(ends: Vec<bool>) -> Self {
+        Self {
+            ends,
+            keys: Vec::new(),
+        }
+    }
+
+    /// The key of the sentence holding `p` (`None`: unknown).
+    fn key(&self, p: usize) -> Option<u64> {
+        self.keys.get(p).copied()
+    }
+}
+
+/// FNV-1a, 64 bits: a stable hash for sentence keys (no seed, so a selection is reproducible).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
 /// The sentence around `p` inside `lo .. hi`, by `ends`, capped at [`MAX_SENTENCE`].
 fn sentence_around(ends: &[bool], p: usize, lo: usize, hi: usize) -> Range<usize> {
     let end_at = |q: usize| ends.get(q).copied().unwrap_or(false);
@@ -188,6 +253,13 @@ pub struct TokenRecompute {
     /// or nothing until a refill reads them ([`Rest::LeftOut`], a sparse read).
     #[serde(default, skip_serializing_if = "Rest::is_projected")]
     pub rest: Rest,
+    /// With [`Unit::Sentence`]: a sentence whose copy is already chosen is not chosen again
+    /// (by [`Sentences::keys`]), so repeated boilerplate spends the read once and the rest of
+    /// it goes to the sentences that say something new. The destination reads the chosen
+    /// sentences sparsely or over projected cells; one native copy of a repeated sentence
+    /// tells it what every copy says.
+    #[serde(default)]
+    pub distinct: bool,
 }
 
 /// What a size switch leaves at the cached positions its token recompute does not re-read.
@@ -241,13 +313,17 @@ impl TokenRecompute {
     /// else is projected ([`Rest::LeftOut`]): with the rest projected the
     /// default recalled 16/24 facts at ~1,800 tokens before answer token 1 and 6/24
     /// mid-answer, against the native destination's 21 and 10; read sparsely, 22 and 16 at
-    /// 11-13% of a re-prefill's cost (arm `sparse-r10-m64`).
+    /// 11-13% of a re-prefill's cost (arm `sparse-r10-m64`). A sentence whose copy is already
+    /// chosen is not chosen again ([`TokenRecompute::distinct`]): on a context that repeats a
+    /// few paragraphs many times, the copies took the whole read and the fact's sentence was
+    /// left out (arm `sparse-r10-m64-copies`, `results/recall_kinds.json`).
     #[must_use]
     pub fn default_size() -> Self {
         Self {
             min_positions: 64,
             whole_from: 0.5,
             rest: Rest::LeftOut,
+            distinct: true,
             ..Self::sentences(0.10)
         }
     }
@@ -266,6 +342,7 @@ impl TokenRecompute {
             min_positions: 0,
             whole_from: 0.0,
             rest: Rest::Projected,
+            distinct: false,
         }
     }
 
@@ -348,13 +425,14 @@ const MAX_SPANS: usize = 48;
 /// count as 0), after a max-pool over each position and its neighbours (SnapKV's clustering),
 /// or by chance from `seed` ([`SelectRule::Random`]); each chosen position is widened by
 /// `neighbours` each side, then spans closer than two positions are merged. With
-/// [`Unit::Sentence`] each chosen position brings its sentence (by `ends`, see
-/// [`sentence_ends`]; without them, a [`MAX_SENTENCE`] window) and `fraction` bounds the
-/// positions re-read in all.
+/// [`Unit::Sentence`] each chosen position brings its sentence (by `text.ends`, see
+/// [`Sentences`]; without them, a [`MAX_SENTENCE`] window) and `fraction` bounds the
+/// positions re-read in all; with [`TokenRecompute::distinct`] a sentence whose copy (same
+/// [`Sentences::keys`]) is already chosen is passed over.
 #[must_use]
 pub fn select_spans(
     scores: &[f32],
-    ends: &[bool],
+    text: &Sentences,
     lo: usize,
     hi: usize,
     always: usize,
@@ -410,6 +488,7 @@ pub fn select_spans(
         }
         Unit::Sentence => {
             let mut taken = 0;
+            let mut seen = std::collections::HashSet::new();
             for &p in &order {
                 if taken >= want {
                     break;
@@ -417,7 +496,14 @@ pub fn select_spans(
                 if chosen[p - lo] {
                     continue;
                 }
-                for q in sentence_around(ends, p, lo, hi) {
+                let sentence = sentence_around(&text.ends, p, lo, hi);
+                if setting.distinct
+                    && let Some(key) = text.key(p)
+                    && !seen.insert(key)
+                {
+                    continue;
+                }
+                for q in sentence {
                     if !chosen[q - lo] {
                         chosen[q - lo] = true;
                         taken += 1;
@@ -483,6 +569,7 @@ mod tests {
             min_positions: 0,
             whole_from: 0.0,
             rest: Rest::Projected,
+            distinct: false,
         }
     }
 
@@ -501,7 +588,7 @@ mod tests {
 
     /// 80 positions in three sentences ending at 9, 29 and 59 (then the question), the
     /// heaviest attention on 20, the next on 45.
-    fn three_sentences() -> (Vec<bool>, Vec<f32>) {
+    fn three_sentences() -> (Sentences, Vec<f32>) {
         let mut ends = vec![false; 80];
         ends[9] = true;
         ends[29] = true;
@@ -509,7 +596,7 @@ mod tests {
         let mut scores = vec![0.0f32; 80];
         scores[20] = 5.0;
         scores[45] = 1.0;
-        (ends, scores)
+        (Sentences::from_ends(ends), scores)
     }
 
     #[test]
@@ -594,7 +681,7 @@ mod tests {
 
     #[test]
     fn a_long_sentence_is_cut_around_the_chosen_position() {
-        let ends = vec![false; 300];
+        let ends = Sentences::from_ends(vec![false; 300]);
         let mut scores = vec![0.0f32; 300];
         scores[150] = 1.0;
         let s = select_spans(
@@ -616,7 +703,7 @@ mod tests {
         scores[30] = 1.0;
         let s = select_spans(
             &scores,
-            &[],
+            &Sentences::default(),
             0,
             100,
             100,
@@ -638,7 +725,7 @@ mod tests {
         scores[70] = 3.0;
         let s = select_spans(
             &scores,
-            &[],
+            &Sentences::default(),
             4,
             96,
             96,
@@ -651,7 +738,7 @@ mod tests {
         assert!(s.iter().all(|r| r.start >= 4 && r.end <= 96));
         let s = select_spans(
             &scores,
-            &[],
+            &Sentences::default(),
             4,
             96,
             96,
@@ -666,7 +753,15 @@ mod tests {
         let scores: Vec<f32> = (0..500).map(|i| ((i * 37) % 101) as f32).collect();
         for rule in [SelectRule::Attention, SelectRule::Random] {
             for frac in [0.01, 0.15, 0.5, 1.0] {
-                let s = select_spans(&scores, &[], 4, 480, 480, &setting(frac, rule), 7);
+                let s = select_spans(
+                    &scores,
+                    &Sentences::default(),
+                    4,
+                    480,
+                    480,
+                    &setting(frac, rule),
+                    7,
+                );
                 assert!(s.len() <= MAX_SPANS);
                 assert!(s.windows(2).all(|w| w[0].end + MERGE_GAP < w[1].start));
                 assert!(
@@ -681,7 +776,7 @@ mod tests {
         assert_eq!(
             select_spans(
                 &scores,
-                &[],
+                &Sentences::default(),
                 4,
                 480,
                 480,
@@ -699,7 +794,7 @@ mod tests {
         scores[190] = 100.0; // inside the window: ignored as a score
         let s = select_spans(
             &scores,
-            &[],
+            &Sentences::default(),
             4,
             200,
             160,
@@ -716,7 +811,7 @@ mod tests {
         // A short context still gets a position chosen before its window.
         let s = select_spans(
             &scores,
-            &[],
+            &Sentences::default(),
             4,
             200,
             160,
@@ -732,7 +827,7 @@ mod tests {
         assert!(
             select_spans(
                 &[],
-                &[],
+                &Sentences::default(),
                 10,
                 10,
                 10,
@@ -744,7 +839,7 @@ mod tests {
         assert!(
             select_spans(
                 &[1.0; 8],
-                &[],
+                &Sentences::default(),
                 0,
                 8,
                 8,
@@ -757,11 +852,98 @@ mod tests {
 
     #[test]
     fn random_depends_on_the_seed_only() {
-        let a = select_spans(&[], &[], 0, 300, 300, &setting(0.1, SelectRule::Random), 3);
-        let b = select_spans(&[], &[], 0, 300, 300, &setting(0.1, SelectRule::Random), 3);
-        let c = select_spans(&[], &[], 0, 300, 300, &setting(0.1, SelectRule::Random), 4);
+        let a = select_spans(
+            &[],
+            &Sentences::default(),
+            0,
+            300,
+            300,
+            &setting(0.1, SelectRule::Random),
+            3,
+        );
+        let b = select_spans(
+            &[],
+            &Sentences::default(),
+            0,
+            300,
+            300,
+            &setting(0.1, SelectRule::Random),
+            3,
+        );
+        let c = select_spans(
+            &[],
+            &Sentences::default(),
+            0,
+            300,
+            300,
+            &setting(0.1, SelectRule::Random),
+            4,
+        );
         assert_eq!(a, b);
         assert_ne!(a, c);
+    }
+
+    #[test]
+    fn copies_of_a_sentence_share_a_key_whatever_white_space_opens_them() {
+        let pieces = [
+            "Sign", " in", ".", "\n\n", "Port", " 7", "7", "1", "0", ".", " Sign", " in", ".",
+            "\n\n", "Sign", " in", ".",
+        ];
+        let text = Sentences::of(&pieces);
+        // Sentences: 0..3, 3..4 (the break), 4..10, 10..13, 13..14, 14..17.
+        assert_eq!(text.keys[0], text.keys[12], "{:?}", text.keys);
+        assert_eq!(text.keys[0], text.keys[16]);
+        assert_eq!(text.keys[3], text.keys[13]);
+        assert_ne!(text.keys[0], text.keys[5]);
+        assert!(text.keys[4..10].iter().all(|&k| k == text.keys[4]));
+    }
+
+    /// A context of one boilerplate sentence (ten positions) repeated ten times, with the
+    /// fact's sentence (positions 50..60) standing in for the sixth copy; the question's
+    /// attention gives every copy more mass than the fact's sentence.
+    fn repeated() -> (Sentences, Vec<f32>) {
+        let mut ends = vec![false; 110];
+        let mut keys = vec![0u64; 110];
+        for s in 0..10 {
+            ends[s * 10 + 9] = true;
+            keys[s * 10..s * 10 + 10].fill(if s == 5 { 2 } else { 1 });
+        }
+        let mut scores = vec![0.0f32; 110];
+        let mut copy = 2.0f32;
+        for s in 0..10 {
+            // Later copies a little heavier, as a question's attention leans to recent text.
+            copy += 0.01;
+            scores[s * 10 + 3] = if s == 5 { 1.0 } else { copy };
+        }
+        (Sentences { ends, keys }, scores)
+    }
+
+    #[test]
+    fn distinct_reads_one_copy_of_a_repeated_sentence_and_then_the_fact() {
+        let (text, scores) = repeated();
+        let by_mass = TokenRecompute::sentences(0.2);
+        // Twenty positions by mass alone: the two heaviest copies, not the fact.
+        let s = select_spans(&scores, &text, 0, 110, 100, &by_mass, 0);
+        assert_eq!(s, vec![80..110], "{s:?}");
+        // Distinct: the heaviest copy, then the fact's sentence.
+        let distinct = TokenRecompute {
+            distinct: true,
+            ..by_mass
+        };
+        let s = select_spans(&scores, &text, 0, 110, 100, &distinct, 0);
+        assert_eq!(s, vec![50..60, 90..110], "{s:?}");
+        // Without keys every sentence is distinct: as by mass alone.
+        let s = select_spans(
+            &scores,
+            &Sentences::from_ends(text.ends.clone()),
+            0,
+            110,
+            100,
+            &distinct,
+            0,
+        );
+        assert_eq!(s, vec![80..110], "{s:?}");
+        assert!(TokenRecompute::default_size().distinct);
     }
 
     #[test]

@@ -548,6 +548,7 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
     let qos: Option<super::serve_qos::ServeQosDoc> = optional(&dir.join("serve_qos.json"))?;
     let recall: Option<RecallDoc> = optional(&dir.join("recall.json"))?;
     let summaries: Option<RecallDoc> = optional(&dir.join("recall_summaries.json"))?;
+    let by_kind: Option<RecallDoc> = optional(&dir.join("recall_kinds.json"))?;
     let precision_doc: Option<super::precision::PrecisionDoc> =
         optional(&dir.join("precision_rungs.json"))?;
     let stall_doc: Option<super::stall::StallDoc> = optional(&dir.join("switch_stall.json"))?;
@@ -571,6 +572,7 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
         (qos.is_some(), "serve_qos.json"),
         (recall.is_some(), "recall.json"),
         (summaries.is_some(), "recall_summaries.json"),
+        (by_kind.is_some(), "recall_kinds.json"),
         (precision_doc.is_some(), "precision_rungs.json"),
         (stall_doc.is_some(), "switch_stall.json"),
         (bill_doc.is_some(), "switch_bill.json"),
@@ -756,6 +758,9 @@ pub fn write(opts: &PageOptions, figures: &FigureSet) -> Result<Vec<PathBuf>, Be
     }
     if let Some(doc) = &summaries {
         s.push_str(&recall::summaries_section(doc));
+    }
+    if let Some(doc) = &by_kind {
+        s.push_str(&recall::kinds_section(doc));
     }
     if let Some(doc) = &precision_doc {
         s.push_str(&precision::section(doc));

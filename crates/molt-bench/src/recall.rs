@@ -31,7 +31,7 @@ use molt::routes::{RouteKind, Routes, Variant, route_kind};
 use molt::session::migrate::{self, Exported, Reread};
 use molt::session::{DEFAULT_HEAD_REREAD, LiveRung, SessionOptions};
 use molt::transplant::select::{
-    Rest, SelectRule, TokenRecompute, Unit, residual_scores, select_spans, sentence_ends,
+    Rest, SelectRule, Sentences, TokenRecompute, Unit, residual_scores, select_spans,
 };
 
 /// Where the switch falls in the answer.
@@ -51,6 +51,11 @@ pub struct RecallItem {
     pub id: String,
     /// Kind of fact (number, identifier, name, string, two-part).
     pub kind: String,
+    /// Kind of context the fact stands in: `notes` (prose paragraphs, the default),
+    /// `repetitive` (the same few paragraphs again and again), `code`, `log`, `conversation`
+    /// (a transcript, the fact many turns back), `two-place` (the answer joins two sentences).
+    #[serde(default = "notes")]
+    pub context_kind: String,
     /// Intended context length in tokens (the row's bucket; the measured length is reported).
     pub length: usize,
     /// Where the fact sits: start, middle, end.
@@ -73,7 +78,24 @@ pub struct RecallItem {
     pub switch_token: Option<usize>,
 }
 
+fn notes() -> String {
+    "notes".into()
+}
+
 impl RecallItem {
+    /// Whether the text `read` holds every expected string the context holds (what an
+    /// answer needs from it; a value the answer must infer, as a two-place item's weekday,
+    /// is not asked of it), matched as [`RecallItem::scores`] does.
+    #[must_use]
+    pub fn read_in(&self, read: &str) -> bool {
+        let (r, c) = (normalised(read), normalised(&self.context));
+        self.expected
+            .iter()
+            .map(|e| e.to_lowercase())
+            .filter(|e| c.contains(e))
+            .all(|e| r.contains(&e))
+    }
+
     /// The user message: the notes, then the question.
     #[must_use]
     pub fn message(&self) -> String {
@@ -514,6 +536,17 @@ pub fn default_arms(names: &[String]) -> Vec<Arm> {
         .paced(3.0, "sparse-r10-m64+refill64-w8-p3")
         .hurried(8, "sparse-r10-m64+refill64-w8-p3-h8"),
         Arm::transplant("sparse-r10-m64", h, 0, Some(TokenRecompute::default_size())),
+        // The default with every copy of a repeated sentence ranked on its own: the ablation
+        // of [`TokenRecompute::distinct`].
+        Arm::transplant(
+            "sparse-r10-m64-copies",
+            h,
+            0,
+            Some(TokenRecompute {
+                distinct: false,
+                ..TokenRecompute::default_size()
+            }),
+        ),
     ];
     if names.is_empty() {
         return all;
@@ -569,6 +602,9 @@ pub struct RecallAnswer {
     pub arm: String,
     /// Route `src→dst`.
     pub route: String,
+    /// The item's kind of context ([`RecallItem::context_kind`]).
+    #[serde(default = "notes")]
+    pub context_kind: String,
     /// Prompt tokens.
     pub context_tokens: usize,
     /// Generated-token index of the switch (0 for the natives).
@@ -587,6 +623,10 @@ pub struct RecallAnswer {
     /// Their text, span by span (what the selection chose), before the always-read question.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub reread: Vec<String>,
+    /// Whether the positions read natively before the question (the head and the chosen
+    /// spans) hold the fact ([`RecallItem::read_in`]); `None` for an arm that chooses nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fact_read: Option<bool>,
     /// A background refill's time, ms, spread over the answer's tokens after the switch (not
     /// in `cost_ms`, the stall before the next token).
     #[serde(default, skip_serializing_if = "is_zero")]
@@ -645,6 +685,9 @@ pub struct RecallRow {
     pub route: String,
     /// `precision` or `size`.
     pub route_kind: String,
+    /// The items' kind of context ([`RecallItem::context_kind`]).
+    #[serde(default = "notes")]
+    pub context_kind: String,
     /// The items' intended context length (bucket).
     pub context_tokens: usize,
     /// Measured prompt tokens, median over the row's items.
@@ -657,6 +700,9 @@ pub struct RecallRow {
     pub recall: f64,
     /// The native destination's recall on the same items.
     pub destination_recall: f64,
+    /// The re-prefill's recall on the same items (0 when it was not run).
+    #[serde(default)]
+    pub reprefill_recall: f64,
     /// The share of the expected strings the answers hold, mean over the row's items (a
     /// summary's facts stated; for one-fact items, the recall).
     #[serde(default)]
@@ -952,12 +998,18 @@ pub fn run(
                           cost: f64,
                           rc,
                           reread: Vec<String>,
+                          head: usize,
                           refill: Option<(f64, Option<usize>)>| {
                 let text = src.ctx.model().detokenize(toks);
+                let fact_read = (!reread.is_empty()).then(|| {
+                    let head = src.ctx.model().detokenize(&read.tokens[..head]);
+                    item.read_in(&format!("{head}{}", reread.concat()))
+                });
                 RecallAnswer {
                     id: item.id.clone(),
                     arm: arm.into(),
                     route: route.into(),
+                    context_kind: item.context_kind.clone(),
                     context_tokens: n_ctx_tokens,
                     switch_at: sw,
                     ok: item.scores(&text),
@@ -966,6 +1018,7 @@ pub fn run(
                     cost_ms: cost,
                     recomputed: rc,
                     reread,
+                    fact_read,
                     refill_ms: refill.map_or(0.0, |r| r.0),
                     refill_at: refill.and_then(|r| r.1),
                 }
@@ -997,6 +1050,7 @@ pub fn run(
                 let mut residual: Option<Vec<f32>> = None;
                 for arm in arms {
                     let mut reread = Vec::new();
+                    let mut head_read = 0;
                     let mut refilled = None;
                     let (toks, sw, cost, rc) = match arm.method {
                         ArmMethod::NativeSource => (read.native.clone(), 0, 0.0, 0),
@@ -1028,6 +1082,7 @@ pub fn run(
                         } => {
                             let last = *read.before.last().expect("switch after a token");
                             let h = head.min(n_past);
+                            head_read = h;
                             let tl = tail.min(n_past - h);
                             if recompute.is_some_and(|r| r.rule == SelectRule::Residual)
                                 && residual.is_none()
@@ -1042,17 +1097,17 @@ pub fn run(
                                     SelectRule::Residual => residual.as_deref().unwrap_or(&[]),
                                 };
                                 let always = read.tokens.len().saturating_sub(r.window);
-                                let ends = if r.unit == Unit::Sentence {
+                                let text = if r.unit == Unit::Sentence {
                                     let m = src.ctx.model();
                                     let pieces: Vec<Vec<u8>> =
                                         history.iter().map(|&t| m.token_bytes(t)).collect();
-                                    sentence_ends(&pieces)
+                                    Sentences::of(&pieces)
                                 } else {
-                                    Vec::new()
+                                    Sentences::default()
                                 };
                                 select_spans(
                                     scores,
-                                    &ends,
+                                    &text,
                                     h,
                                     n_past - tl,
                                     always,
@@ -1066,8 +1121,12 @@ pub fn run(
                                 .saturating_sub(recompute.map_or(0, |r| r.window));
                             reread = ranges
                                 .iter()
-                                .filter(|r| r.end <= window_at)
-                                .map(|r| src.ctx.model().detokenize(&history[r.clone()]))
+                                .filter(|r| r.start < window_at)
+                                .map(|r| {
+                                    src.ctx
+                                        .model()
+                                        .detokenize(&history[r.start..r.end.min(window_at)])
+                                })
                                 .collect();
                             // As a session decides: a sparse read or a projection, and
                             // hurried as a session hurries a sparse read (the newest
@@ -1176,7 +1235,7 @@ pub fn run(
                         }
                     };
                     answers.push(answer(
-                        &arm.name, &route, &toks, sw, cost, rc, reread, refilled,
+                        &arm.name, &route, &toks, sw, cost, rc, reread, head_read, refilled,
                     ));
                 }
             }
@@ -1190,6 +1249,7 @@ pub fn run(
                     0.0,
                     0,
                     Vec::new(),
+                    0,
                     None,
                 ));
             }
@@ -1301,6 +1361,13 @@ pub fn from_partial(
     kinds: &BTreeMap<String, RouteKind>,
     options: RecallOptions,
 ) -> RecallDoc {
+    let mut answers = answers;
+    // An answer written by a build before answers named their kind takes its item's.
+    for a in &mut answers {
+        if let Some(i) = items.iter().find(|i| i.id == a.id) {
+            a.context_kind.clone_from(&i.context_kind);
+        }
+    }
     let ran: Vec<RecallItem> = items
         .iter()
         .filter(|i| answers.iter().any(|a| a.id == i.id))
@@ -1334,16 +1401,20 @@ fn summarise(
             RouteKind::Size => &opts.size_arms,
             RouteKind::Precision => &opts.precision_arms,
         };
-        let mut lengths: Vec<usize> = items.iter().map(|i| i.length).collect();
-        lengths.sort_unstable();
-        lengths.dedup();
-        for &len in &lengths {
+        let mut groups: Vec<(&str, usize)> = items
+            .iter()
+            .map(|i| (i.context_kind.as_str(), i.length))
+            .collect();
+        // Notes first (the rows of the shipped items keep their order), then the other kinds.
+        groups.sort_unstable_by_key(|&(ck, len)| (ck != "notes", ck, len));
+        groups.dedup();
+        for &(ck, len) in &groups {
             for sp in [SwitchPoint::First, SwitchPoint::Mid] {
                 let in_row = |a: &&RecallAnswer| {
                     a.route == *route
-                        && by_id
-                            .get(a.id.as_str())
-                            .is_some_and(|i| i.length == len && i.switch == sp)
+                        && by_id.get(a.id.as_str()).is_some_and(|i| {
+                            i.length == len && i.switch == sp && i.context_kind == ck
+                        })
                 };
                 let of = |arm: &str| -> Vec<&RecallAnswer> {
                     answers
@@ -1367,7 +1438,8 @@ fn summarise(
                     mean
                 };
                 let dest = of("native-destination");
-                let re: Vec<f64> = of("reprefill").iter().map(|a| a.cost_ms).collect();
+                let reprefill = of("reprefill");
+                let re: Vec<f64> = reprefill.iter().map(|a| a.cost_ms).collect();
                 for arm in arms {
                     let v = of(&arm.name);
                     if v.is_empty() {
@@ -1386,12 +1458,14 @@ fn summarise(
                             RouteKind::Size => "size".into(),
                             RouteKind::Precision => "precision".into(),
                         },
+                        context_kind: ck.to_string(),
                         context_tokens: len,
                         measured_tokens: toks[toks.len() / 2],
                         switch_at: sp,
                         items: v.len(),
                         recall: share(&v),
                         destination_recall: share(&dest),
+                        reprefill_recall: share(&reprefill),
                         facts: facts(&v),
                         destination_facts: facts(&dest),
                         cost_ms: Spread::of(&costs),
@@ -1437,6 +1511,7 @@ mod tests {
         let item = RecallItem {
             id: "x".into(),
             kind: "two-part".into(),
+            context_kind: "notes".into(),
             length: 256,
             position: "middle".into(),
             switch: SwitchPoint::First,
@@ -1497,6 +1572,7 @@ mod tests {
         let item = |id: &str| RecallItem {
             id: id.into(),
             kind: "number".into(),
+            context_kind: "notes".into(),
             length: 256,
             position: "middle".into(),
             switch: SwitchPoint::First,
@@ -1511,6 +1587,7 @@ mod tests {
             id: id.into(),
             arm: arm.into(),
             route: route.into(),
+            context_kind: "notes".into(),
             context_tokens: 250,
             switch_at: 1,
             answer: text.into(),
@@ -1519,6 +1596,7 @@ mod tests {
             cost_ms: 10.0,
             recomputed: 0,
             reread: Vec::new(),
+            fact_read: None,
             refill_ms: 0.0,
             refill_at: None,
         };
@@ -1527,12 +1605,14 @@ mod tests {
             default: false,
             route: route.into(),
             route_kind: "size".into(),
+            context_kind: "notes".into(),
             context_tokens: 256,
             measured_tokens: 250,
             switch_at: SwitchPoint::First,
             items: 2,
             recall: 0.0,
             destination_recall: 0.0,
+            reprefill_recall: 0.0,
             facts: 0.0,
             destination_facts: 0.0,
             cost_ms: Spread::default(),

@@ -892,13 +892,15 @@ fn run_recall(g: &GlobalArgs, a: &Args) -> Result<()> {
                 )
             })
             .collect();
-        let doc = recall::from_partial(
+        let mut doc = recall::from_partial(
             &a.recall_items.display().to_string(),
             &items,
             answers,
             &kinds,
             opts,
         );
+        // The machine that measured them is the one summarising them.
+        doc.run = serde_json::to_value(RunInfo::now())?;
         return write_result(&a.out_dir, &recall_file_name(&a.recall_items, false), &doc);
     }
     let info = RunInfo::now();

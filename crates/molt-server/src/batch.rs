@@ -78,7 +78,7 @@ use molt::session::migrate::{Exported, SwitchTimings, prefill_flops, switch_flop
 use molt::session::{
     CachedState, CarryRoute, Event, Generation, LeverInfo, Prompt, Session, SessionError,
     SessionOptions, StopReason, Strategy, SwitchInfo, SwitchMethod, TokenControl, carry_cache,
-    logprobs_of, refresh_projected, sentence_ends_of,
+    logprobs_of, refresh_projected, sentences_of,
 };
 use molt::speed::RungSetup;
 use molt::state::{StateFile, StateMeta, now_unix_ms};
@@ -1149,13 +1149,13 @@ fn read_over_projected(shared: &Shared, l: &Ladders, engine: &mut Engine, t: &mu
         let Some(mass) = ctx.decode_observed(&tokens[keep..], setting.window)? else {
             return Ok(None);
         };
-        let ends = sentence_ends_of(&model, &setting, &tokens[..keep]);
+        let text = sentences_of(&model, &setting, &tokens[..keep]);
         let done = refresh_projected(
             &mut ctx,
             &mut t.projected,
             &mass,
             &setting,
-            &ends,
+            &text,
             &tokens,
             keep,
         )?;

@@ -190,6 +190,196 @@ pub(super) fn summaries_section(doc: &RecallDoc) -> String {
     s
 }
 
+/// The section on kinds of context (`recall_kinds.json`, items of `benches/recall/kinds.jsonl`):
+/// per route, kind and length, the default switch's recall beside the native destination's
+/// and the re-prefill's on the same items, the goal (recall ≥ [`KEEPS_FACTS`] × the better of
+/// the two) met or not, the switch's cost as a share of the re-prefill's, and every miss of
+/// the default with its answer, whether the fact's sentence was read and what was read instead.
+pub(super) fn kinds_section(doc: &RecallDoc) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "\n## Recall by kind of context\n");
+    let lengths = lengths(doc);
+    let _ = writeln!(
+        s,
+        "From `recall_kinds.json`: {} items of `{}` — a fact inside repeated boilerplate, Python source, a service log, a chat transcript (the fact in its first turns), or notes whose answer joins two sentences far apart — of {} tokens, switched before answer token 1 or after {} tokens of a preamble. Scored as above. Per kind and length, every switch point pooled; the goal is recall ≥ {KEEPS_FACTS} × the better of the native destination and the re-prefill on the same items. The cost column is the default switch's median cost over the rows' medians as a share of the re-prefill's.\n",
+        doc.n_items,
+        doc.items_file,
+        join_lengths(&lengths),
+        doc.options.mid_switch_at,
+    );
+    for route in routes(doc) {
+        // Without the session's own arm in the run, the arm with its selection and sparse
+        // read and no refill behind the answer, said so.
+        let (default, without_refill) = match default_arm(doc, &route) {
+            Some(a) => (a, false),
+            None if doc
+                .rows
+                .iter()
+                .any(|r| r.route == route && r.arm == SELECTION_ARM) =>
+            {
+                (SELECTION_ARM.to_string(), true)
+            }
+            None => continue,
+        };
+        let others: Vec<String> = doc
+            .options
+            .size_arms
+            .iter()
+            .map(|a| a.name.clone())
+            .filter(|a| {
+                a != &default
+                    && !matches!(
+                        a.as_str(),
+                        "native-source" | "native-destination" | "reprefill"
+                    )
+                    && doc.rows.iter().any(|r| r.route == route && &r.arm == a)
+            })
+            .collect();
+        let _ = writeln!(s, "### {route}, default switch `{default}`\n");
+        if without_refill {
+            let _ = writeln!(
+                s,
+                "The run did not hold the session's default arm; `{default}` is its selection and sparse read without the refill that reads the left-out positions behind the answer.\n"
+            );
+        }
+        let _ = writeln!(
+            s,
+            "| kind | tokens | items | native destination | re-prefill | **default** |{} goal | default cost % of re-prefill |",
+            others
+                .iter()
+                .map(|a| format!(" `{a}` |"))
+                .collect::<String>()
+        );
+        let _ = writeln!(
+            s,
+            "|---|---|---|---|---|---|{}---|---|",
+            "---|".repeat(others.len())
+        );
+        let mut groups: Vec<(String, usize)> = doc
+            .rows
+            .iter()
+            .filter(|r| r.route == route)
+            .map(|r| (r.context_kind.clone(), r.context_tokens))
+            .collect();
+        groups.dedup();
+        groups.sort();
+        groups.dedup();
+        let mut met = Vec::new();
+        for (ck, len) in &groups {
+            let rows = |arm: &str| -> Vec<&crate::recall::RecallRow> {
+                doc.rows
+                    .iter()
+                    .filter(|r| {
+                        r.route == route
+                            && r.arm == arm
+                            && &r.context_kind == ck
+                            && r.context_tokens == *len
+                    })
+                    .collect()
+            };
+            let d = rows(&default);
+            #[allow(clippy::cast_precision_loss)]
+            let pooled = |v: &[&crate::recall::RecallRow],
+                          x: &dyn Fn(&crate::recall::RecallRow) -> f64| {
+                let n: usize = v.iter().map(|r| r.items).sum();
+                let sum: f64 = v.iter().map(|r| x(r) * r.items as f64).sum();
+                (sum / n.max(1) as f64, n)
+            };
+            let (recall, n) = pooled(&d, &|r| r.recall);
+            let (dest, _) = pooled(&d, &|r| r.destination_recall);
+            let (re, _) = pooled(&d, &|r| r.reprefill_recall);
+            let (cost, _) = pooled(&d, &|r| r.cost_ms.median);
+            let (re_ms, _) = pooled(&d, &|r| r.reprefill_ms.median);
+            let goal = recall + 1e-9 >= KEEPS_FACTS * dest.max(re);
+            met.push(goal);
+            let count = |x: f64| {
+                #[allow(
+                    clippy::cast_precision_loss,
+                    clippy::cast_possible_truncation,
+                    clippy::cast_sign_loss
+                )]
+                let k = (x * n as f64).round() as usize;
+                format!("{k}/{n}")
+            };
+            let other: String = others
+                .iter()
+                .map(|a| format!(" {} |", count(pooled(&rows(a), &|r| r.recall).0)))
+                .collect();
+            let _ = writeln!(
+                s,
+                "| {ck} | {len} | {n} | {} | {} | **{}** |{other} {} | {} |",
+                count(dest),
+                count(re),
+                count(recall),
+                if goal { "met" } else { "**not met**" },
+                pct((re_ms > 0.0).then(|| cost / re_ms)),
+            );
+        }
+        let _ = writeln!(
+            s,
+            "\nThe goal holds on {} of {} kind × length groups.\n",
+            met.iter().filter(|&&m| m).count(),
+            met.len()
+        );
+        let misses: Vec<_> = doc
+            .answers
+            .iter()
+            .filter(|a| a.route == route && a.arm == default && !a.ok)
+            .collect();
+        if misses.is_empty() {
+            let _ = writeln!(s, "The default switch recalled every fact.\n");
+            continue;
+        }
+        let _ = writeln!(
+            s,
+            "The default switch's misses (its answer; whether the positions it read natively before the question held the fact; what it read):\n"
+        );
+        for a in misses {
+            let chosen: Vec<String> = a
+                .reread
+                .iter()
+                .take(4)
+                .map(|t| format!("«{}»", clip(t.trim(), 70)))
+                .collect();
+            let _ = writeln!(
+                s,
+                "- `{}` ({}): «{}» — fact read: {}; read: {}",
+                a.id,
+                a.context_kind,
+                clip(a.answer.trim(), 160),
+                match a.fact_read {
+                    Some(true) => "yes",
+                    Some(false) => "**no**",
+                    None => "–",
+                },
+                if chosen.is_empty() {
+                    "–".to_string()
+                } else {
+                    chosen.join(" ")
+                },
+            );
+        }
+        s.push('\n');
+    }
+    s
+}
+
+/// The arm with the session's default selection and sparse read, without its refill.
+const SELECTION_ARM: &str = "sparse-r10-m64";
+
+/// `t` on one line, cut to `n` characters.
+fn clip(t: &str, n: usize) -> String {
+    let one: String = t
+        .chars()
+        .map(|c| if c == '\n' || c == '|' { ' ' } else { c })
+        .collect();
+    if one.chars().count() <= n {
+        one
+    } else {
+        format!("{}…", one.chars().take(n).collect::<String>())
+    }
+}
+
 /// The bullet for "What this does not show": how coarse a string-matched recall on few items
 /// is.
 pub(super) fn caveat(doc: &RecallDoc) -> String {
@@ -501,6 +691,52 @@ mod tests {
                 .contains("A row holds 2–3 answers, so one answer moves its recall by up to 0.50"),
             "{}",
             caveat(&doc)
+        );
+    }
+
+    #[test]
+    fn the_kinds_section_pools_each_kind_and_names_the_misses() {
+        let mut doc = sample_doc();
+        doc.rows.retain(|r| r.route == "tier0→tier2");
+        for r in &mut doc.rows {
+            r.context_kind = if r.context_tokens == 256 {
+                "log".into()
+            } else {
+                "code".into()
+            };
+            r.reprefill_recall = 1.0;
+        }
+        let default = default_arm(&doc, "tier0→tier2").expect("a default arm");
+        doc.answers.push(crate::recall::RecallAnswer {
+            id: "log-512-x".into(),
+            arm: default,
+            route: "tier0→tier2".into(),
+            context_kind: "log".into(),
+            context_tokens: 500,
+            switch_at: 1,
+            answer: "The port is\n8080.".into(),
+            ok: false,
+            facts: 0.0,
+            cost_ms: 10.0,
+            recomputed: 64,
+            reread: vec!["Mugs belong in the dishwasher.".into()],
+            fact_read: Some(false),
+            refill_ms: 0.0,
+            refill_at: None,
+        });
+        let s = kinds_section(&doc);
+        assert!(s.contains("### tier0→tier2, default switch `head4`"), "{s}");
+        // The default recalls less than 0.9 × the re-prefill's 1.0 at both lengths.
+        assert!(s.contains("| code | 1024 |"), "{s}");
+        assert!(
+            s.contains("The goal holds on 0 of 2 kind × length groups."),
+            "{s}"
+        );
+        assert!(
+            s.contains(
+                "«The port is 8080.» — fact read: **no**; read: «Mugs belong in the dishwasher.»"
+            ),
+            "{s}"
         );
     }
 
