@@ -8,38 +8,27 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-/// Median, minimum and maximum of a set of milliseconds.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct Spread {
-    /// Median.
-    pub median: f64,
-    /// Minimum.
-    pub min: f64,
-    /// Maximum.
-    pub max: f64,
-}
+pub use crate::stall::Spread;
 
-impl Spread {
-    /// The spread of `v` (`None` when empty).
-    #[must_use]
-    pub fn of(v: &[f64]) -> Option<Spread> {
-        let mut s: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
-        if s.is_empty() {
-            return None;
-        }
-        s.sort_by(f64::total_cmp);
-        let n = s.len();
-        let median = if n % 2 == 1 {
-            s[n / 2]
-        } else {
-            f64::midpoint(s[n / 2 - 1], s[n / 2])
-        };
-        Some(Spread {
-            median,
-            min: s[0],
-            max: s[n - 1],
-        })
+/// The spread of the finite values of `v`, the median of an even count the mean of the two
+/// middle values (`None` when there are none).
+fn spread_of(v: &[f64]) -> Option<Spread> {
+    let mut s: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
+    if s.is_empty() {
+        return None;
     }
+    s.sort_by(f64::total_cmp);
+    let n = s.len();
+    let median = if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        f64::midpoint(s[n / 2 - 1], s[n / 2])
+    };
+    Some(Spread {
+        median,
+        min: s[0],
+        max: s[n - 1],
+    })
 }
 
 /// One family's switch on one route.
@@ -186,7 +175,7 @@ pub fn row(
             }
         )));
     }
-    let stall = Spread::of(&stalls)
+    let stall = spread_of(&stalls)
         .ok_or_else(|| FamiliesError::Input("no switch measured a stall".into()))?;
     Ok(FamilyRow {
         family: family.to_string(),
@@ -198,7 +187,7 @@ pub fn row(
         destination_recall: dest,
         items,
         stall_ms: stall,
-        itl_ms_median: Spread::of(&itls).map_or(f64::NAN, |s| s.median),
+        itl_ms_median: spread_of(&itls).map_or(f64::NAN, |s| s.median),
         answers: n_answers,
     })
 }
