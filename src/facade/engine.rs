@@ -154,12 +154,9 @@ impl Engine {
     fn put_live_aside(&mut self) -> Result<(), Error> {
         if let Some(old) = self.live.take() {
             let first_turn_len = self.live_first_turn;
-            // What a size switch left out is read first: a cache with absent cells is not kept.
-            while self.session.fill_due() > 0 {
-                if self.session.fill_idle(usize::MAX).is_err() {
-                    break;
-                }
-            }
+            // What a size switch left out is read first (all of it, in one call): a cache with
+            // absent cells is not kept. A failure cut the cache before what it could not read.
+            let _ = self.session.fill_idle(usize::MAX);
             let file = self.session.hibernate(&old.to_string(), first_turn_len)?;
             let messages = self.session.conversation().to_vec();
             self.stored.insert(

@@ -294,10 +294,7 @@ fn rep(
     let mut fill = (0, 0.0);
     if next == Next::AfterFill {
         let t0 = Instant::now();
-        while s.fill_due() > 0 {
-            let step = s.fill_idle(usize::MAX)?;
-            fill.0 += step.read;
-        }
+        fill.0 = s.fill_idle(usize::MAX)?.read;
         fill.1 = t0.elapsed().as_secs_f64() * 1e3;
     }
     let b = turn(s, FACTS[1].1, max_tokens, None)?;

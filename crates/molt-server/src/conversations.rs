@@ -483,12 +483,9 @@ impl Conversations {
     pub fn hibernate_live(&self, session: &mut Session, id: &str, recorder: &Recorder) {
         let first = self.first_turn_len(id);
         // What a size switch left out is read first: a cache with absent cells is not kept
-        // (its conversation would be read again from its messages).
-        while session.fill_due() > 0 {
-            if session.fill_idle(usize::MAX).is_err() {
-                break;
-            }
-        }
+        // (its conversation would be read again from its messages). One call reads all of it;
+        // a failure cut the cache before what it could not read.
+        let _ = session.fill_idle(usize::MAX);
         let snapshot = session.hibernate(id, first);
         session.reset();
         {

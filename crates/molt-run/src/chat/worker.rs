@@ -291,7 +291,7 @@ pub fn spawn(
                 && !session.history().is_empty()
             {
                 // A cache with positions still left out is not kept: they are read first.
-                while session.fill_due() > 0 && session.fill_idle(usize::MAX).is_ok() {}
+                let _ = session.fill_idle(usize::MAX);
                 k.save(&mut session);
                 eprintln!("conversation {}", k.last);
             }
